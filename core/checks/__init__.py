@@ -1,0 +1,19 @@
+"""The registry of checks: name → Check instance."""
+
+from __future__ import annotations
+
+from core.checks.base import Check
+from core.checks.deltas import DeltasCheck
+from core.checks.outputs import OutputsCheck
+from core.checks.weights import WeightsCheck
+from core.spec import SpecError
+
+CHECKS: dict[str, Check] = {c.name: c for c in (WeightsCheck(), DeltasCheck(), OutputsCheck())}
+
+
+def get_checks(names: tuple[str, ...] | list[str]) -> list[Check]:
+    """The Check objects for `names`, in order; SpecError naming the unknown ones."""
+    unknown = [n for n in names if n not in CHECKS]
+    if unknown:
+        raise SpecError(f"unknown check {', '.join(unknown)}; available: {', '.join(CHECKS)}")
+    return [CHECKS[n] for n in names]

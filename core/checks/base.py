@@ -1,0 +1,148 @@
+"""The interface every check implements: what to capture on a loaded target, and how to
+turn captures into metric rows.
+
+A check module defines one `Check` subclass; adding a check touches nothing else but the
+registry in `core/checks/__init__.py`.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from core import metrics
+from core.capture import BASE, Capture, TensorKey
+from core.loading import Loaded
+from core.spec import ProbeSpec, Target
+
+# The metrics table's leading columns (DESIGN.md); checks may add more after these.
+METRIC_COLUMNS = (
+    "check",
+    "target",
+    "reference",
+    "adapter",
+    "tensor",
+    "layer",
+    "module",
+    "role",
+    "dtype",
+    "shape",
+    "numel",
+    "bitwise_equal",
+    "n_mismatch",
+    "max_abs",
+    "mean_abs",
+    "rmse",
+    "rel_l2",
+    "cos_sim",
+    "max_ulp",
+    "min_atol",
+    "worst_index",
+    "verdict",
+    "explanation",
+    "note",
+)
+
+LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)")
+
+
+@dataclass
+class CaptureContext:
+    """What a check may use while capturing on one target."""
+
+    spec: ProbeSpec
+    target: Target
+    input_ids: torch.Tensor  # on the CPU; checks move it where the model lives
+
+
+@dataclass
+class Reference:
+    """The tensors a target is compared against, and what they are."""
+
+    label: str  # "checkpoint", "cpu/float64", "fp64 formula (checkpoint)"
+    tensors: dict[str, torch.Tensor]  # encoded TensorKey -> tensor
+    notes: dict[str, str]  # encoded TensorKey -> note about how this reference was made
+
+
+def tolerance(spec: ProbeSpec, role: str, dtype: torch.dtype) -> metrics.Tolerance:
+    """The dtype default, with the user's override for this role (or the run) applied."""
+    default = metrics.default_tolerance(dtype)
+    override = spec.tolerance_for(role)
+    if override is None:
+        return default
+    return metrics.Tolerance(
+        rtol=default.rtol if override.rtol is None else override.rtol,
+        atol=default.atol if override.atol is None else override.atol,
+    )
+
+
+def layer_of(name: str) -> int | None:
+    """The transformer block index in a parameter or module name, if any."""
+    m = LAYER_RE.search(name)
+    return int(m.group(1)) if m else None
+
+
+class Check(ABC):
+    """One kind of measurement. Subclasses set `name` and implement capture and reference."""
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+    # True when the reference is the capture of the cpu/float64 target (not the checkpoint).
+    needs_reference_target: ClassVar[bool] = False
+
+    @abstractmethod
+    def capture(self, ctx: CaptureContext, loaded: Loaded, out: Capture) -> None:
+        """Add this check's tensors for one loaded model (bare base or base + adapter) to `out`."""
+
+    @abstractmethod
+    def reference(self, spec: ProbeSpec, keys: list[TensorKey], reference_capture: Capture | None) -> Reference:
+        """The reference tensors for `keys` (from the checkpoint, or from the cpu/float64 capture)."""
+
+    def describe(self, key: TensorKey) -> dict[str, Any]:
+        """Row labels for a tensor: layer, module, role (checks refine this)."""
+        return {"layer": layer_of(key.name), "module": key.name.rsplit(".", 1)[-1], "role": key.check}
+
+    def rows(self, spec: ProbeSpec, capture: Capture, reference: Reference) -> list[dict[str, Any]]:
+        """One metric row per captured tensor of this check, against its reference."""
+        rows = []
+        for key in capture.keys(self.name):
+            labels = self.describe(key)
+            tensor = capture.get(key)
+            ref = reference.tensors.get(key.encode())
+            row: dict[str, Any] = {
+                "check": self.name,
+                "target": capture.target,
+                "reference": reference.label,
+                "adapter": None if key.adapter == BASE else key.adapter,
+                "tensor": key.name,
+                **labels,
+                "dtype": str(tensor.dtype).removeprefix("torch."),
+                "note": reference.notes.get(key.encode(), ""),
+            }
+            if ref is None:
+                row.update(missing_reference_row(tensor))
+            else:
+                stats = metrics.compare(tensor, ref, tolerance(spec, labels["role"], tensor.dtype))
+                row.update(metrics.stats_to_row(stats))
+            row.update(self.extra_columns(key, tensor, ref))
+            rows.append(row)
+        return rows
+
+    def extra_columns(self, key: TensorKey, tensor: torch.Tensor, ref: torch.Tensor | None) -> dict[str, Any]:
+        """Check-specific columns for one row (none by default)."""
+        return {}
+
+
+def missing_reference_row(tensor: torch.Tensor) -> dict[str, Any]:
+    """A `broken` row for a tensor the reference does not have (key mismatch)."""
+    return {
+        "shape": "x".join(map(str, tensor.shape)),
+        "numel": tensor.numel(),
+        "bitwise_equal": False,
+        "verdict": "broken",
+        "explanation": "key mismatch: the reference has no such tensor",
+    }

@@ -1,0 +1,63 @@
+"""`deltas`: per adapted module, ΔW on the target (PEFT's own code, in the target's dtype)
+against ΔW computed in float64 on the CPU from the checkpoint with the method's formula."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from core import formulas
+from core.capture import Capture, TensorKey
+from core.checks.base import CaptureContext, Check, Reference, layer_of
+from core.loading import Loaded, read_adapter_config, read_checkpoint
+from core.spec import ProbeSpec
+
+
+class DeltasCheck(Check):
+    name = "deltas"
+    description = "per-module ΔW on the target against the float64 formula from the checkpoint"
+
+    def capture(self, ctx: CaptureContext, loaded: Loaded, out: Capture) -> None:
+        if loaded.adapter is None:
+            return
+        adapter = loaded.adapter.name
+        sources: dict[str, str] = {}
+        with torch.no_grad():
+            for module, (layer, names) in formulas.adapted_modules(loaded.model).items():
+                if adapter not in names:
+                    continue
+                out.add(TensorKey(self.name, adapter, module), formulas.peft_delta(layer, adapter))
+                sources[module] = formulas.peft_delta_source(layer, adapter)
+        out.meta.setdefault(self.name, {})[adapter] = sources
+
+    def reference(self, spec: ProbeSpec, keys: list[TensorKey], reference_capture: Capture | None) -> Reference:
+        base = {k: v.to(torch.float64) for k, v in read_checkpoint(spec.base.path).items()}
+        tensors: dict[str, torch.Tensor] = {}
+        notes: dict[str, str] = {}
+        for adapter in spec.adapters:
+            wanted = [k for k in keys if k.adapter == adapter.name]
+            if not wanted:
+                continue
+            config = read_adapter_config(adapter)
+            deltas = formulas.reference_deltas(
+                config, read_checkpoint(adapter.path, prefix="adapter_model"), base
+            )
+            kind = formulas.adapter_type(config)
+            for key in wanted:
+                if key.name in deltas:
+                    tensors[key.encode()] = deltas[key.name]
+                    notes[key.encode()] = f"{kind} ΔW, float64 formula from the checkpoint"
+        return Reference(label="fp64 formula", tensors=tensors, notes=notes)
+
+    def describe(self, key: TensorKey) -> dict[str, Any]:
+        return {"layer": layer_of(key.name), "module": key.name.rsplit(".", 1)[-1], "role": "delta"}
+
+    def rows(self, spec: ProbeSpec, capture: Capture, reference: Reference) -> list[dict[str, Any]]:
+        rows = super().rows(spec, capture, reference)
+        sources = capture.meta.get(self.name, {})
+        for row in rows:
+            source = sources.get(row["adapter"], {}).get(row["tensor"])
+            if source:
+                row["note"] = f"{row['note']}; target ΔW via {source}" if row["note"] else f"target ΔW via {source}"
+        return rows

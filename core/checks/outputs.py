@@ -1,0 +1,70 @@
+"""`outputs`: logits (or last hidden states) on the fixed probe inputs, each target against
+`cpu/float64`, with health flags (NaN/Inf, all-zero, all rows identical)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from core import metrics
+from core.capture import BASE, Capture, TensorKey
+from core.checks.base import CaptureContext, Check, Reference
+from core.loading import Loaded
+from core.spec import REFERENCE_TARGET, ProbeSpec
+
+
+def forward_output(model, input_ids: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """Run the model on `input_ids`; return ("logits", …) or ("last_hidden_state", …)."""
+    device = next(model.parameters()).device
+    ids = input_ids.to(device)
+    kwargs: dict[str, Any] = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        kwargs["decoder_input_ids"] = ids
+    with torch.no_grad():
+        out = model(**kwargs)
+    logits = getattr(out, "logits", None)
+    if logits is not None:
+        return "logits", logits
+    return "last_hidden_state", out.last_hidden_state
+
+
+class OutputsCheck(Check):
+    name = "outputs"
+    description = "model outputs on the probe inputs against cpu/float64, with health flags"
+    needs_reference_target = True
+
+    def capture(self, ctx: CaptureContext, loaded: Loaded, out: Capture) -> None:
+        kind, tensor = forward_output(loaded.model, ctx.input_ids)
+        adapter = BASE if loaded.adapter is None else loaded.adapter.name
+        out.add(TensorKey(self.name, adapter, kind), tensor)
+        out.meta.setdefault(self.name, {})["notes"] = out.meta.get(self.name, {}).get("notes", []) + loaded.notes
+
+    def reference(self, spec: ProbeSpec, keys: list[TensorKey], reference_capture: Capture | None) -> Reference:
+        if reference_capture is None:
+            return Reference(label=str(REFERENCE_TARGET), tensors={}, notes={})
+        notes = {}
+        for note in reference_capture.meta.get(self.name, {}).get("notes", []):
+            adapter = note.split(":", 1)[0]
+            for key in keys:
+                if key.adapter == adapter:
+                    notes[key.encode()] = f"reference: {note.split(':', 1)[1].strip()}"
+        tensors = {k.encode(): reference_capture.tensors[k.encode()] for k in keys if k.encode() in reference_capture.tensors}
+        return Reference(label=str(REFERENCE_TARGET), tensors=tensors, notes=notes)
+
+    def describe(self, key: TensorKey) -> dict[str, Any]:
+        return {"layer": None, "module": key.name, "role": "output"}
+
+    def extra_columns(self, key: TensorKey, tensor: torch.Tensor, ref: torch.Tensor | None) -> dict[str, Any]:
+        h = metrics.health(tensor)
+        cols: dict[str, Any] = {
+            "health_nan": h.n_nan,
+            "health_inf": h.n_inf,
+            "health_all_zero": h.all_zero,
+            "health_identical_rows": h.identical_rows,
+        }
+        if ref is not None and h.identical_rows and not metrics.health(ref).identical_rows:
+            cols["verdict"] = "broken"
+            cols["explanation"] = "all output rows are identical while the reference's are not"
+        return cols

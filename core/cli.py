@@ -1,0 +1,275 @@
+"""`python -m core …`: the same runs as the dashboard, headless, for CI and remote machines.
+
+Exit codes: 0 every row identical or within tolerance · 1 any row drift or broken ·
+2 usage error or failed job (message on stderr; traceback only with --debug).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from core.spec import AdapterRef, ModelRef, ProbeSpec, SpecError, Target, ToleranceOverride, weightdrift_home
+
+EXIT_OK, EXIT_DRIFT, EXIT_ERROR = 0, 1, 2
+DEMO_LM = "tiny-llama"
+
+
+class UsageError(Exception):
+    """A command line that cannot be run; the message says why."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse exits with 2 as well; keep its message one line
+        raise UsageError(message)
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="python -m core", description="WeightDrift: numerical drift of PEFT adapters.")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
+
+    demo = sub.add_parser("demo", help="build (or find) the demo workspace")
+    demo.add_argument("--home", help="WeightDrift home (default $WEIGHTDRIFT_HOME or ~/.cache/weightdrift)")
+    demo.add_argument("--json", action="store_true", help="print the workspace's models and adapters as JSON")
+
+    run = sub.add_parser("run", help="run checks on targets and print a verdict summary")
+    run.add_argument("--base", help="base model folder or hub id")
+    run.add_argument("--adapter", action="extend", nargs="+", default=[], metavar="PATH[=NAME]")
+    run.add_argument("--target", action="extend", nargs="+", default=[], metavar="SPEC",
+                     help="DEVICE/DTYPE[+tf32|+deterministic|+threads=N|+matmul=P], e.g. cpu/bfloat16")
+    run.add_argument("--check", action="extend", nargs="+", default=[], metavar="NAME")
+    run.add_argument("--atol", type=float, help="absolute tolerance for every row (default: per dtype)")
+    run.add_argument("--rtol", type=float, help="relative tolerance for every row (default: per dtype)")
+    run.add_argument("--seed", type=int, default=0, help="seed of the probe inputs")
+    run.add_argument("--demo", action="store_true",
+                     help="use the demo workspace: tiny-llama and all its adapters, unless --base/--adapter are given")
+    run.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code (off by default)")
+    run.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
+    run.add_argument("--home")
+    run.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    run.add_argument("--top", type=int, default=10, help="how many worst rows to print")
+
+    runs = sub.add_parser("runs", help="list stored runs")
+    runs.add_argument("--home")
+    runs.add_argument("--json", action="store_true")
+
+    devices = sub.add_parser("devices", help="print the devices and the environment")
+    devices.add_argument("--json", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    debug = "--debug" in (argv if argv is not None else sys.argv[1:])
+    try:
+        args = build_parser().parse_args(argv)
+        return {"demo": cmd_demo, "run": cmd_run, "runs": cmd_runs, "devices": cmd_devices}[args.command](args)
+    except (UsageError, SpecError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        if debug:
+            traceback.print_exc()
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_ERROR
+    except Exception as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        if debug:
+            traceback.print_exc()
+        return EXIT_ERROR
+
+
+def _progress_printer(stage: str, k: int, n: int) -> None:
+    print(f"[demo] {k}/{n} {stage}", file=sys.stderr, flush=True)
+
+
+def ensure_demo(home: Path) -> dict[str, Any]:
+    """Build (or find) the demo workspace, with progress on stderr."""
+    from core.demo import build_demo
+
+    return build_demo(home, progress=_progress_printer)
+
+
+def cmd_demo(args) -> int:
+    home = weightdrift_home(args.home)
+    manifest = ensure_demo(home)
+    if args.json:
+        print(json.dumps({"models": manifest["models"], "adapters": manifest["adapters"]}, indent=2))
+    else:
+        print(f"demo workspace: {home / 'demo'}")
+        for name, path in manifest["models"].items():
+            print(f"  model    {name:12s} {path}")
+        for name, a in manifest["adapters"].items():
+            print(f"  adapter  {name:12s} {a['type']:5s} for {a['base']:11s} {a['path']}")
+    return EXIT_OK
+
+
+def spec_from_args(args, home: Path) -> ProbeSpec:
+    """Build the ProbeSpec of `run` from its arguments (filling in the demo where asked)."""
+    base = args.base
+    adapters = [AdapterRef.parse(a) for a in args.adapter]
+    if args.demo:
+        manifest = ensure_demo(home)
+        if base is None:
+            base = manifest["models"][DEMO_LM]
+            if not adapters:
+                adapters = [
+                    AdapterRef(path=a["path"], name=name)
+                    for name, a in manifest["adapters"].items()
+                    if a["base"] == DEMO_LM and name in ("lora", "dora", "pissa", "boft", "oft", "ia3")
+                ]
+    if base is None:
+        raise UsageError("--base is required (or --demo)")
+    if not args.target:
+        raise UsageError("--target is required, e.g. --target cpu/float32 cpu/bfloat16")
+    targets = [Target.parse(t) for t in args.target]
+    if len(set(targets)) != len(targets):
+        raise UsageError("a target is given twice")
+    tolerances = {}
+    if args.atol is not None or args.rtol is not None:
+        tolerances["*"] = ToleranceOverride(rtol=args.rtol, atol=args.atol)
+    return ProbeSpec(
+        base=ModelRef(path=base, trust_remote_code=args.trust_remote_code),
+        adapters=tuple(adapters),
+        targets=tuple(targets),
+        checks=tuple(args.check) if args.check else ("weights", "deltas", "outputs"),
+        tolerances=tolerances,
+        seed=args.seed,
+    )
+
+
+def watch(job, stream=sys.stderr, interval: float = 0.25) -> None:
+    """Print each task's progress (stage, step k of n, elapsed) to `stream` until the job ends."""
+    shown: dict[str, tuple] = {}
+    tty = stream.isatty()
+    while True:
+        done = job.wait(interval)
+        snap = job.snapshot()
+        for name, t in snap["tasks"].items():
+            state = (t["state"], t["stage"], t["step"])
+            if shown.get(name) == state or t["state"] == "queued":
+                continue
+            shown[name] = state
+            width = 20
+            filled = int(width * t["step"] / t["of"]) if t["of"] else 0
+            bar = "#" * filled + "." * (width - filled)
+            elapsed = t["elapsed_s"] or 0.0
+            line = f"{name:32s} [{bar}] {t['step']}/{t['of']} {t['state']:9s} {t['stage']} ({elapsed:.1f} s)"
+            print(("\r" if tty else "") + line, file=stream, flush=True)
+        if done:
+            return
+
+
+def cmd_run(args) -> int:
+    from core import report
+    from core.engine import Engine, InProcessRunner, ProcessRunner
+
+    home = weightdrift_home(args.home)
+    spec = spec_from_args(args, home)
+    engine = Engine(home, runner=InProcessRunner() if args.in_process else ProcessRunner())
+    job = engine.submit(spec)
+    print(f"run {job.run_id}: {len(spec.targets)} target(s), checks {', '.join(spec.checks)}", file=sys.stderr)
+    watcher = threading.Thread(target=watch, args=(job,), daemon=True)
+    watcher.start()
+    try:
+        job.wait()
+    except KeyboardInterrupt:
+        job.cancel()
+        job.wait(30)
+    watcher.join(timeout=2)
+    record = engine.store.open(job.run_id)
+    table = record.metrics() if record.status == "succeeded" else None
+    status, error = record.status, record.error
+    duration = record.info.get("duration_s")
+    if table is None:
+        if args.json:
+            print(json.dumps({"run_id": job.run_id, "run_dir": str(record.run_dir), "status": status,
+                              "error": error, "verdicts": {}, "worst": []}))
+        print(f"error: run {job.run_id} {status}: {error}", file=sys.stderr)
+        return EXIT_ERROR
+    code = report.exit_code(table)
+    worst = report.worst_rows(table, args.top)
+    if args.json:
+        by = report.verdicts_by_check_target(table)
+        print(json.dumps({
+            "run_id": job.run_id,
+            "run_dir": str(record.run_dir),
+            "status": status,
+            "duration_s": duration,
+            "exit_code": code,
+            "verdicts": report.verdict_counts(table),
+            "verdicts_by_check_target": report.records(by),
+            "worst": report.records(worst),
+        }, indent=2, default=str))
+    else:
+        print_summary(job.run_id, record.run_dir, duration, table, worst)
+    return code
+
+
+def print_summary(run_id: str, run_dir: Path, duration: float | None, table, worst) -> None:
+    """The human summary: verdict counts per check and target, then the worst rows explained."""
+    from core import report
+
+    print(f"\nrun {run_id} succeeded in {duration:.1f} s — {run_dir}")
+    by = report.verdicts_by_check_target(table)
+    print("\nverdicts per check and target:")
+    print(f"  {'check':8s} {'target':28s} " + " ".join(f"{v:>16s}" for v in report.VERDICT_ORDER))
+    for row in by.to_dict(orient="records"):
+        counts = " ".join(f"{int(row[v]):>16d}" for v in report.VERDICT_ORDER)
+        print(f"  {row['check']:8s} {row['target']:28s} {counts}")
+    if not len(worst):
+        print("\nevery tensor and output is bitwise identical to its reference.")
+        return
+    print(f"\nworst {len(worst)} rows (furthest from their reference):")
+    for r in worst.to_dict(orient="records"):
+        who = r.get("adapter") or "base"
+        print(f"  [{r['verdict']}] {r['check']} · {r['target']} vs {r['reference']} · {who} · {r['tensor']} ({r['dtype']})")
+        print(f"      {r['explanation']}")
+        if r.get("note"):
+            print(f"      why: {r['note']}")
+
+
+def cmd_runs(args) -> int:
+    from core.store import Store
+
+    store = Store(weightdrift_home(args.home))
+    runs = store.list_runs()
+    if args.json:
+        print(json.dumps([{"run_id": r.run_id, "run_dir": str(r.run_dir), **r.info} for r in runs], default=str))
+        return EXIT_OK
+    if not runs:
+        print(f"no runs in {store.runs_dir}")
+    for r in runs:
+        targets = ", ".join(str(t) for t in r.spec.targets) if r.spec else "?"
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.info.get("created") or 0))
+        dur = r.info.get("duration_s")
+        line = f"{r.run_id}  {r.status:10s} {created}  {'' if dur is None else f'{dur:.1f} s':>8s}  {targets}"
+        if r.error:
+            line += f"  — {r.error.splitlines()[0]}"
+        print(line)
+    return EXIT_OK
+
+
+def cmd_devices(args) -> int:
+    from core.targets import devices_report
+
+    info = devices_report()
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+        return EXIT_OK
+    print("devices:")
+    for d in info["devices"]:
+        extra = ""
+        if d["kind"] == "cuda":
+            extra = f" (capability {d['compute_capability']}, {d['sm_count']} SMs, {d['total_memory'] / 2**30:.1f} GiB)"
+        print(f"  {d['name']:8s} {d['description']}{extra}")
+    print("environment:")
+    for k, v in info["environment"].items():
+        print(f"  {k:26s} {v}")
+    return EXIT_OK

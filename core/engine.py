@@ -1,0 +1,392 @@
+"""Jobs: background threads that drive worker processes, with progress and cancel.
+
+A job is one run. Its driver thread starts one capture task per target (plus the cpu/float64
+reference where a check needs it), then one compare task that writes the metrics table.
+Targets on different devices run in parallel; work on one device is serialised by a lock per
+device that all jobs share. The runner decides where a task runs: `ProcessRunner` spawns a
+fresh `python -m core.worker` per task (numerics flags are process-global and a CUDA error
+poisons a process); `InProcessRunner` runs it in this process, for unit tests.
+
+Worker threads never touch a UI: the dashboard polls `Job.snapshot()` or the store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from core.spec import REFERENCE_TARGET, ProbeSpec, SpecError, Target
+from core.store import Store
+from core.worker import EXIT_CANCELLED, Cancelled, Task, run_task, task_json
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Outcome:
+    """How a task ended: ok, cancelled, or failed with a reason."""
+
+    ok: bool
+    cancelled: bool = False
+    error: str | None = None
+
+
+class Runner(ABC):
+    """Runs one task; reports events through `on_event` and stops when `cancel` is set."""
+
+    @abstractmethod
+    def run(
+        self, task: Task, on_event: Callable[[dict], None], cancel: threading.Event, log_path: Path
+    ) -> Outcome: ...
+
+
+class InProcessRunner(Runner):
+    """Runs tasks in the calling process (unit tests). Flags it applies stay applied."""
+
+    def run(self, task, on_event, cancel, log_path) -> Outcome:
+        stage = {"name": "start"}
+
+        def emit(event):
+            if event.get("type") == "progress":
+                stage["name"] = event["stage"]
+            on_event(event)
+
+        try:
+            run_task(task, emit, cancel.is_set)
+        except Cancelled:
+            return Outcome(ok=False, cancelled=True)
+        except Exception as e:
+            return Outcome(ok=False, error=f"{task.label}: {e} (stage: {stage['name']})")
+        return Outcome(ok=True)
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def tail(path: Path, lines: int = 12) -> str:
+    """The last lines of a log file ('' if it does not exist)."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+class ProcessRunner(Runner):
+    """Runs each task in a fresh spawned worker process; stderr goes to the run's log."""
+
+    def __init__(self, grace_s: float = 10.0, python: str | None = None):
+        self.grace_s = grace_s
+        self.python = python or sys.executable
+
+    def run(self, task, on_event, cancel, log_path) -> Outcome:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                [self.python, "-m", "core.worker"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                cwd=str(REPO_ROOT),
+                env=env,
+                start_new_session=True,  # a Ctrl-C in the terminal goes to us, not straight to workers
+            )
+        last: dict[str, Any] = {"stage": "start", "step": 0, "of": 0, "final": None}
+
+        def read_events():
+            assert proc.stdout is not None
+            for raw in proc.stdout:
+                try:
+                    event = json.loads(raw)
+                except json.JSONDecodeError:
+                    continue
+                if event.get("type") == "progress":
+                    last.update(stage=event["stage"], step=event["step"], of=event["of"])
+                elif event.get("type") in ("error", "cancelled", "done"):
+                    last["final"] = event
+                on_event(event)
+
+        reader = threading.Thread(target=read_events, daemon=True, name=f"events-{task.label}")
+        reader.start()
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(task_json(task).encode())
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        terminated_at = None
+        while proc.poll() is None:
+            if cancel.is_set():
+                if terminated_at is None:
+                    proc.send_signal(signal.SIGTERM)  # cooperative: the worker stops at the next stage
+                    terminated_at = time.monotonic()
+                elif time.monotonic() - terminated_at > self.grace_s:
+                    proc.kill()
+            time.sleep(0.05)
+        reader.join(timeout=5)
+        code = proc.returncode
+        final = last["final"] or {}
+        where = f"stage {last['stage']!r}, step {last['step']} of {last['of']}"
+        if code == 0 and final.get("type") == "done":
+            return Outcome(ok=True)
+        if cancel.is_set() and (code == EXIT_CANCELLED or code < 0):
+            return Outcome(ok=False, cancelled=True)
+        if final.get("type") == "error":
+            return Outcome(ok=False, error=f"{task.label}: {final['message']} ({where})")
+        how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
+        stderr = tail(log_path)
+        reason = f"{task.label}: worker process {how} during {where}"
+        if stderr:
+            reason += f"; stderr tail:\n{stderr}"
+        return Outcome(ok=False, error=reason)
+
+
+@dataclass
+class TaskProgress:
+    """What the UI shows for one target (or the compare step)."""
+
+    name: str
+    state: str = "queued"
+    stage: str = ""
+    step: int = 0
+    of: int = 0
+    started: float | None = None
+    finished: float | None = None
+    error: str | None = None
+
+    @property
+    def elapsed_s(self) -> float | None:
+        if self.started is None:
+            return None
+        return (self.finished or time.time()) - self.started
+
+
+@dataclass
+class Job:
+    """One run being executed: its state, per-target progress and a cancel switch."""
+
+    run_id: str
+    run_dir: Path
+    spec: ProbeSpec
+    state: str = "queued"
+    error: str | None = None
+    created: float = field(default_factory=time.time)
+    started: float | None = None
+    finished: float | None = None
+    tasks: dict[str, TaskProgress] = field(default_factory=dict)
+    cancel_event: threading.Event = field(default_factory=threading.Event)
+    done_event: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def cancel(self) -> None:
+        """Ask every worker of this job to stop at its next stage boundary."""
+        self.cancel_event.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the job has ended; True if it did within `timeout`."""
+        return self.done_event.wait(timeout)
+
+    @property
+    def finished_state(self) -> bool:
+        return self.state in ("succeeded", "failed", "cancelled")
+
+    def snapshot(self) -> dict[str, Any]:
+        """A consistent copy of the job's state, safe to read from another thread."""
+        with self.lock:
+            return {
+                "run_id": self.run_id,
+                "run_dir": str(self.run_dir),
+                "state": self.state,
+                "error": self.error,
+                "created": self.created,
+                "started": self.started,
+                "finished": self.finished,
+                "tasks": {k: {**asdict(v), "elapsed_s": v.elapsed_s} for k, v in self.tasks.items()},
+            }
+
+
+class Engine:
+    """Accepts specs, runs them as jobs in background threads, keeps them in the store."""
+
+    def __init__(self, home: Path, runner: Runner | None = None, devices: list | None = None):
+        from core.targets import discover_devices
+
+        self.store = Store(home)
+        self.runner = runner or ProcessRunner()
+        self.devices = devices if devices is not None else discover_devices()
+        self._device_locks: dict[str, threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+        self._jobs: dict[str, Job] = {}
+
+    def validate(self, spec: ProbeSpec) -> None:
+        """Refuse what cannot run: unknown checks or strategy, targets on devices that do not exist, bad inputs."""
+        from core.checks import get_checks
+        from core.loading import STRATEGIES
+        from core.targets import check_targets_exist
+        from core.validate import validate_inputs
+
+        if not spec.targets:
+            raise SpecError("no target given; e.g. --target cpu/float32")
+        if not spec.checks:
+            raise SpecError("no check given")
+        get_checks(spec.checks)
+        if spec.strategy not in STRATEGIES:
+            raise SpecError(f"unknown load strategy {spec.strategy!r}; available: {', '.join(STRATEGIES)}")
+        check_targets_exist(spec.targets, self.devices)
+        validate_inputs(spec)
+
+    def submit(self, spec: ProbeSpec) -> Job:
+        """Validate, store and start a run; returns its Job at once."""
+        self.validate(spec)
+        record = self.store.create_run(spec)
+        job = Job(run_id=record.run_id, run_dir=record.run_dir, spec=spec)
+        for task in self._capture_tasks(job):
+            job.tasks[task.label] = TaskProgress(name=task.label)
+        job.tasks["compare"] = TaskProgress(name="compare")
+        self._jobs[job.run_id] = job
+        threading.Thread(target=self._drive, args=(job,), daemon=True, name=f"job-{job.run_id}").start()
+        return job
+
+    def job(self, run_id: str) -> Job | None:
+        return self._jobs.get(run_id)
+
+    def jobs(self) -> list[Job]:
+        """Jobs started by this engine, newest first."""
+        return sorted(self._jobs.values(), key=lambda j: j.created, reverse=True)
+
+    def _capture_tasks(self, job: Job) -> list[Task]:
+        from core.checks import get_checks
+
+        spec = job.spec
+        checks = get_checks(spec.checks)
+        tasks = [
+            Task(kind="capture", run_dir=str(job.run_dir), spec=spec.to_dict(), target=str(t), checks=spec.checks)
+            for t in spec.targets
+        ]
+        ref_checks = tuple(c.name for c in checks if c.needs_reference_target)
+        if ref_checks and REFERENCE_TARGET not in spec.targets:
+            tasks.append(
+                Task(
+                    kind="capture",
+                    run_dir=str(job.run_dir),
+                    spec=spec.to_dict(),
+                    target=str(REFERENCE_TARGET),
+                    checks=ref_checks,
+                )
+            )
+        return tasks
+
+    def _device_lock(self, device: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._device_locks.setdefault(device, threading.Lock())
+
+    def _persist(self, job: Job) -> None:
+        snap = job.snapshot()
+        self.store.update(
+            job.run_id,
+            status=snap["state"],
+            error=snap["error"],
+            started=snap["started"],
+            finished=snap["finished"],
+            duration_s=None if not snap["finished"] else round(snap["finished"] - snap["started"], 3),
+            targets={k: {kk: vv for kk, vv in v.items() if kk != "elapsed_s"} for k, v in snap["tasks"].items()},
+        )
+
+    def _run_task(self, job: Job, task: Task) -> Outcome:
+        progress = job.tasks[task.label]
+
+        def on_event(event: dict) -> None:
+            if event.get("type") == "progress":
+                with job.lock:
+                    progress.stage, progress.step, progress.of = event["stage"], event["step"], event["of"]
+
+        with job.lock:
+            progress.state, progress.started = "running", time.time()
+        log = job.run_dir / "logs" / f"{Target.parse(task.target).slug if task.target else 'compare'}.log"
+        outcome = self.runner.run(task, on_event, job.cancel_event, log)
+        with job.lock:
+            progress.finished = time.time()
+            progress.state = "succeeded" if outcome.ok else "cancelled" if outcome.cancelled else "failed"
+            progress.error = outcome.error
+        self._persist(job)
+        return outcome
+
+    def _drive(self, job: Job) -> None:
+        try:
+            with job.lock:
+                job.state, job.started = "running", time.time()
+            self._persist(job)
+            outcomes = self._run_captures(job)
+            failed = [o for o in outcomes if not o.ok and not o.cancelled]
+            if failed:
+                self._finish(job, "failed", failed[0].error)
+                return
+            if job.cancel_event.is_set() or any(o.cancelled for o in outcomes):
+                self._finish(job, "cancelled", "cancelled by the user")
+                return
+            compare = Task(kind="compare", run_dir=str(job.run_dir), spec=job.spec.to_dict())
+            outcome = self._run_task(job, compare)
+            if outcome.ok:
+                self._finish(job, "succeeded", None)
+            else:
+                self._finish(job, "cancelled" if outcome.cancelled else "failed", outcome.error)
+        except Exception as e:  # the engine must outlive any job
+            self._finish(job, "failed", f"engine error: {type(e).__name__}: {e}")
+
+    def _run_captures(self, job: Job) -> list[Outcome]:
+        by_device: dict[str, list[Task]] = {}
+        for task in self._capture_tasks(job):
+            by_device.setdefault(Target.parse(task.target).device, []).append(task)
+        outcomes: list[Outcome] = []
+
+        def device_queue(device: str, tasks: list[Task]) -> None:
+            for task in tasks:
+                with self._device_lock(device):
+                    if job.cancel_event.is_set():
+                        with job.lock:
+                            job.tasks[task.label].state = "cancelled"
+                        outcomes.append(Outcome(ok=False, cancelled=True))
+                        continue
+                    outcome = self._run_task(job, task)
+                outcomes.append(outcome)
+                if not outcome.ok and not outcome.cancelled:
+                    job.cancel_event.set()  # one failed target fails the job: stop the others early
+
+        threads = [
+            threading.Thread(target=device_queue, args=(d, ts), daemon=True, name=f"{job.run_id}-{d}")
+            for d, ts in by_device.items()
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return outcomes
+
+    def _finish(self, job: Job, state: str, error: str | None) -> None:
+        with job.lock:
+            job.state, job.error, job.finished = state, error, time.time()
+            if job.started is None:
+                job.started = job.finished
+            for progress in job.tasks.values():
+                if progress.state in ("queued", "running"):
+                    progress.state = "cancelled"
+        try:
+            self._persist(job)
+        finally:
+            job.done_event.set()

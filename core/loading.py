@@ -1,0 +1,207 @@
+"""Materialise a base model and its adapters on one target, by a named load strategy.
+
+Safetensors first; `.bin` checkpoints only through `torch.load(weights_only=True)`;
+`trust_remote_code` only when the ModelRef asks for it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from core.spec import AdapterRef, ModelRef, ProbeInputs, Target
+
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+
+
+class LoadError(RuntimeError):
+    """A model or adapter that cannot be loaded, with a one-line reason for the user."""
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return DTYPES[name]
+
+
+def _quiet_transformers() -> None:
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def read_checkpoint(folder: str | Path, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of a model or adapter folder, as stored (dtype and values untouched).
+
+    Reads `*.safetensors` (single file or sharded with an index); falls back to `*.bin`
+    with `weights_only=True`. Raises LoadError naming the file when it is truncated or corrupt.
+    """
+    folder = Path(folder)
+    files = sorted(folder.glob(f"{prefix}*.safetensors"))
+    if files:
+        from safetensors.torch import load_file
+
+        tensors: dict[str, torch.Tensor] = {}
+        for f in files:
+            try:
+                tensors.update(load_file(str(f)))
+            except Exception as e:
+                raise LoadError(f"{f}: not a readable safetensors file ({e})") from e
+        return tensors
+    bins = sorted(folder.glob(f"{prefix}*.bin"))
+    if bins:
+        tensors = {}
+        for f in bins:
+            try:
+                tensors.update(torch.load(str(f), map_location="cpu", weights_only=True))
+            except Exception as e:
+                raise LoadError(f"{f}: not a loadable weights-only checkpoint ({e})") from e
+        return tensors
+    raise LoadError(f"{folder}: no *.safetensors or *.bin weights found")
+
+
+def model_class(config) -> type:
+    """The Auto class that matches the config: causal LM, seq2seq LM, or a bare encoder."""
+    import transformers
+
+    archs = getattr(config, "architectures", None) or []
+    if getattr(config, "is_encoder_decoder", False):
+        return transformers.AutoModelForSeq2SeqLM
+    if any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in archs):
+        return transformers.AutoModelForCausalLM
+    for arch in archs:
+        cls = getattr(transformers, arch, None)
+        if cls is not None:
+            return cls
+    return transformers.AutoModel
+
+
+def load_base(model: ModelRef, target: Target, dtype: torch.dtype | None = None):
+    """Load the base model in the target's dtype directly onto the target's device, in eval mode."""
+    import transformers
+
+    _quiet_transformers()
+    try:
+        config = transformers.AutoConfig.from_pretrained(
+            model.path, revision=model.revision, trust_remote_code=model.trust_remote_code
+        )
+    except Exception as e:
+        raise LoadError(f"{model.path}: not a model folder or reachable hub id ({_first_line(e)})") from e
+    cls = model_class(config)
+    try:
+        m = cls.from_pretrained(
+            model.path,
+            revision=model.revision,
+            dtype=dtype or torch_dtype(target.dtype),
+            device_map=target.device,
+            trust_remote_code=model.trust_remote_code,
+        )
+    except Exception as e:
+        raise LoadError(f"{model.path}: the model did not load ({_first_line(e)})") from e
+    m.eval()
+    return m
+
+
+def read_adapter_config(adapter: AdapterRef) -> dict:
+    path = Path(adapter.path) / "adapter_config.json"
+    try:
+        return json.loads(path.read_text())
+    except OSError as e:
+        raise LoadError(f"{adapter.path}: not an adapter folder (no adapter_config.json)") from e
+    except json.JSONDecodeError as e:
+        raise LoadError(f"{path}: not valid JSON ({e})") from e
+
+
+def is_pissa(adapter_config: dict) -> bool:
+    init = adapter_config.get("init_lora_weights")
+    return isinstance(init, str) and init.lower().startswith("pissa")
+
+
+def attach_adapter(model, adapter: AdapterRef, target: Target):
+    """`PeftModel.from_pretrained` onto a bare base, or `load_adapter` onto a PeftModel."""
+    from peft import PeftModel
+
+    try:
+        if isinstance(model, PeftModel):
+            model.load_adapter(adapter.path, adapter_name=adapter.name, torch_device=target.device)
+            model.set_adapter(adapter.name)
+            return model
+        return PeftModel.from_pretrained(
+            model, adapter.path, adapter_name=adapter.name, torch_device=target.device, is_trainable=False
+        )
+    except LoadError:
+        raise
+    except Exception as e:
+        raise LoadError(f"adapter {adapter.name} ({adapter.path}) did not load: {_first_line(e)}") from e
+
+
+@dataclass
+class Loaded:
+    """One materialised model: the bare base (adapter None) or base + one adapter."""
+
+    adapter: AdapterRef | None
+    model: object
+    notes: list[str]
+
+
+def load_isolated(
+    base: ModelRef,
+    adapters: tuple[AdapterRef, ...],
+    target: Target,
+    stage: Callable[[str], None] = lambda s: None,
+) -> Iterator[Loaded]:
+    """The `isolated` strategy: the bare base first, then each adapter on a fresh base.
+
+    PEFT refuses to initialise PiSSA in float64 (it takes an SVD of W and rewrites it), so a
+    PiSSA adapter on a float64 target is loaded in float32 and the whole model upcast; the
+    note says so.
+    """
+    dtype = torch_dtype(target.dtype)
+    stage("load base")
+    model = load_base(base, target)
+    yield Loaded(adapter=None, model=model, notes=[])
+    for i, adapter in enumerate(adapters):
+        notes: list[str] = []
+        config = read_adapter_config(adapter)
+        upcast = dtype == torch.float64 and is_pissa(config)
+        if i > 0 or upcast:
+            stage(f"load base for {adapter.name}")
+            del model
+            model = load_base(base, target, dtype=torch.float32 if upcast else None)
+        stage(f"load adapter {adapter.name}")
+        peft_model = attach_adapter(model, adapter, target)
+        if upcast:
+            peft_model = peft_model.to(torch.float64)
+            notes.append(
+                f"{adapter.name}: PiSSA cannot be initialised in float64; loaded in float32 and upcast to float64"
+            )
+        yield Loaded(adapter=adapter, model=peft_model, notes=notes)
+        model = None
+        del peft_model
+
+
+STRATEGIES: dict[str, Callable[..., Iterator[Loaded]]] = {"isolated": load_isolated}
+
+
+def probe_input_ids(probe: ProbeInputs, vocab_size: int, seed: int) -> torch.Tensor:
+    """The run's fixed probe token ids (explicit, or drawn from the seed on the CPU)."""
+    if probe.input_ids:
+        ids = torch.tensor(probe.input_ids, dtype=torch.long)
+        if int(ids.max()) >= vocab_size:
+            raise LoadError(f"probe input id {int(ids.max())} is outside the vocabulary (size {vocab_size})")
+        return ids
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (probe.batch, probe.seq_len), generator=g)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0][:300]

@@ -1,0 +1,68 @@
+"""Summaries of a metrics table: verdict counts and the worst rows, for the CLI and the dashboard."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+VERDICT_ORDER = ("identical", "within tolerance", "drift", "broken")
+SEVERITY = {v: i for i, v in enumerate(VERDICT_ORDER)}
+WORST_COLUMNS = (
+    "verdict",
+    "check",
+    "target",
+    "reference",
+    "adapter",
+    "tensor",
+    "role",
+    "dtype",
+    "max_abs",
+    "rel_l2",
+    "max_ulp",
+    "min_atol",
+    "explanation",
+    "note",
+)
+
+
+def verdict_counts(table: pd.DataFrame) -> dict[str, int]:
+    """Rows per verdict, every verdict present (0 where none)."""
+    counts = table["verdict"].value_counts() if len(table) else pd.Series(dtype=int)
+    return {v: int(counts.get(v, 0)) for v in VERDICT_ORDER}
+
+
+def verdicts_by_check_target(table: pd.DataFrame) -> pd.DataFrame:
+    """A check × target table of verdict counts (columns in severity order)."""
+    if not len(table):
+        return pd.DataFrame(columns=["check", "target", *VERDICT_ORDER])
+    pivot = table.pivot_table(index=["check", "target"], columns="verdict", aggfunc="size", fill_value=0)
+    for v in VERDICT_ORDER:
+        if v not in pivot.columns:
+            pivot[v] = 0
+    return pivot[list(VERDICT_ORDER)].reset_index()
+
+
+def worst_rows(table: pd.DataFrame, n: int = 10) -> pd.DataFrame:
+    """The n rows furthest from their reference: by verdict severity, then ulps, then relative error."""
+    if not len(table):
+        return pd.DataFrame(columns=list(WORST_COLUMNS))
+    ranked = table.assign(
+        _sev=table["verdict"].map(SEVERITY).fillna(len(SEVERITY)),
+        _ulp=pd.to_numeric(table["max_ulp"], errors="coerce").fillna(float("inf")),
+        _rel=pd.to_numeric(table["rel_l2"], errors="coerce").fillna(float("inf")),
+    )
+    ranked = ranked[ranked["verdict"] != "identical"]
+    ranked = ranked.sort_values(["_sev", "_ulp", "_rel"], ascending=False).head(n)
+    return ranked[[c for c in WORST_COLUMNS if c in ranked.columns]].reset_index(drop=True)
+
+
+def exit_code(table: pd.DataFrame) -> int:
+    """0 when every row is identical or within tolerance, 1 when any is drift or broken."""
+    return 1 if table["verdict"].isin(["drift", "broken"]).any() else 0
+
+
+def records(table: pd.DataFrame) -> list[dict[str, Any]]:
+    """JSON-safe row dicts (NaN → None)."""
+    clean = table.astype(object).where(pd.notna(table), None)
+    return clean.to_dict(orient="records")

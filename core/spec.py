@@ -1,0 +1,255 @@
+"""What to inspect: the base model, adapters, targets, checks and probe inputs of a run.
+
+Everything here is plain data that round-trips through JSON, so a spec can be stored with a
+run, sent to a worker process, or written by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+DTYPE_ALIASES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "f32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "f16": "float16",
+    "half": "float16",
+    "float64": "float64",
+    "fp64": "float64",
+    "f64": "float64",
+    "double": "float64",
+}
+DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
+MATMUL_PRECISIONS = ("highest", "high", "medium")
+LOAD_STRATEGIES = ("isolated",)
+
+
+class SpecError(ValueError):
+    """A spec, target string or option that cannot be used, with a message for the user."""
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A base model: a local folder, or a hub id (works only where the hub or its cache is reachable)."""
+
+    path: str
+    revision: str | None = None
+    trust_remote_code: bool = False
+
+    @property
+    def is_local(self) -> bool:
+        return Path(self.path).expanduser().exists() or self.path.startswith(("/", ".", "~"))
+
+    @property
+    def name(self) -> str:
+        return Path(self.path.rstrip("/")).name
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """An adapter folder (with adapter_config.json) and the name it is loaded under."""
+
+    path: str
+    name: str
+
+    @staticmethod
+    def parse(text: str) -> AdapterRef:
+        """Parse `PATH` or `PATH=NAME`; the name defaults to the folder's name."""
+        path, _, name = text.rpartition("=") if "=" in text else (text, "", "")
+        path = path.strip()
+        name = name.strip() or Path(path.rstrip("/")).name
+        if not path:
+            raise SpecError(f"adapter {text!r}: empty path")
+        if not name.replace("-", "_").replace(".", "_").isidentifier():
+            raise SpecError(f"adapter {text!r}: name {name!r} must be letters, digits, '-', '_' or '.'")
+        return AdapterRef(path=path, name=name)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where and how a model is materialised: device, dtype and process-global numerics flags.
+
+    Parsed from strings like `cpu/float32`, `cuda:1/float16+tf32`, `cpu/float32+threads=1`,
+    `cuda:0/float32+deterministic`, `cuda:0/float32+matmul=high`.
+    """
+
+    device: str
+    dtype: str
+    tf32: bool = False
+    deterministic: bool = False
+    threads: int | None = None
+    matmul_precision: str | None = None
+
+    @staticmethod
+    def parse(text: str) -> Target:
+        """Parse a target string `DEVICE/DTYPE[+FLAG…]`; raises SpecError with the accepted forms."""
+        raw = text.strip()
+        head, *flags = raw.split("+")
+        device, sep, dtype = head.partition("/")
+        if not sep:
+            raise SpecError(
+                f"target {text!r}: expected DEVICE/DTYPE[+FLAG…], e.g. cpu/float32 or cuda:0/bfloat16+tf32"
+            )
+        device = normalise_device(device.strip(), text)
+        dtype_name = DTYPE_ALIASES.get(dtype.strip().lower())
+        if dtype_name is None:
+            raise SpecError(f"target {text!r}: unknown dtype {dtype!r}; use one of float32, bfloat16, float16, float64")
+        kwargs: dict[str, Any] = {}
+        for flag in flags:
+            key, _, value = flag.strip().partition("=")
+            key = key.lower()
+            if key == "tf32" and not value:
+                kwargs["tf32"] = True
+            elif key == "deterministic" and not value:
+                kwargs["deterministic"] = True
+            elif key == "threads" and value.isdigit() and int(value) > 0:
+                kwargs["threads"] = int(value)
+            elif key == "matmul" and value in MATMUL_PRECISIONS:
+                kwargs["matmul_precision"] = value
+            else:
+                raise SpecError(
+                    f"target {text!r}: unknown flag {flag!r}; flags are tf32, deterministic, threads=N, "
+                    f"matmul={'|'.join(MATMUL_PRECISIONS)}"
+                )
+        return Target(device=device, dtype=dtype_name, **kwargs)
+
+    def __str__(self) -> str:
+        parts = [f"{self.device}/{self.dtype}"]
+        if self.tf32:
+            parts.append("tf32")
+        if self.deterministic:
+            parts.append("deterministic")
+        if self.threads is not None:
+            parts.append(f"threads={self.threads}")
+        if self.matmul_precision is not None:
+            parts.append(f"matmul={self.matmul_precision}")
+        return "+".join(parts)
+
+    @property
+    def label(self) -> str:
+        """Human label like `cuda:1·bf16·tf32`."""
+        parts = [self.device, DTYPE_SHORT[self.dtype]]
+        if self.tf32:
+            parts.append("tf32")
+        if self.deterministic:
+            parts.append("det")
+        if self.threads is not None:
+            parts.append(f"threads={self.threads}")
+        if self.matmul_precision is not None:
+            parts.append(f"matmul={self.matmul_precision}")
+        return "·".join(parts)
+
+    @property
+    def slug(self) -> str:
+        """File-system safe name for this target's capture folder."""
+        return str(self).replace("/", "_").replace(":", "").replace("+", "_").replace("=", "")
+
+    @property
+    def device_type(self) -> str:
+        return self.device.split(":")[0]
+
+    @property
+    def is_reference(self) -> bool:
+        return self == REFERENCE_TARGET
+
+
+REFERENCE_TARGET = Target(device="cpu", dtype="float64")
+
+
+def normalise_device(device: str, context: str = "") -> str:
+    """`cuda` → `cuda:0`, `gpu:1` is refused; the index is always explicit so placement is exact."""
+    device = device.lower()
+    if device == "cpu" or device == "mps":
+        return device
+    if device == "cuda":
+        return "cuda:0"
+    if device.startswith("cuda:") and device[5:].isdigit():
+        return f"cuda:{int(device[5:])}"
+    where = f"target {context!r}: " if context else ""
+    raise SpecError(f"{where}unknown device {device!r}; use cpu, cuda:N or mps")
+
+
+@dataclass(frozen=True)
+class ToleranceOverride:
+    """A user's tolerance for a run or a role; a field left None keeps the per-dtype default."""
+
+    rtol: float | None = None
+    atol: float | None = None
+
+
+@dataclass(frozen=True)
+class ProbeInputs:
+    """Fixed probe inputs: explicit token ids, or `batch` × `seq_len` ids drawn from the run's seed."""
+
+    batch: int = 2
+    seq_len: int = 16
+    input_ids: tuple[tuple[int, ...], ...] | None = None
+
+
+@dataclass(frozen=True)
+class ProbeSpec:
+    """A whole run: what to load, where, which checks, on which inputs, with which tolerances."""
+
+    base: ModelRef
+    adapters: tuple[AdapterRef, ...]
+    targets: tuple[Target, ...]
+    checks: tuple[str, ...] = ("weights", "deltas", "outputs")
+    probe: ProbeInputs = field(default_factory=ProbeInputs)
+    # role (or "*") -> tolerance; overrides the per-dtype defaults
+    tolerances: dict[str, ToleranceOverride] = field(default_factory=dict)
+    seed: int = 0
+    strategy: str = "isolated"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["targets"] = [str(t) for t in self.targets]
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> ProbeSpec:
+        probe = d.get("probe") or {}
+        ids = probe.get("input_ids")
+        return ProbeSpec(
+            base=ModelRef(**d["base"]),
+            adapters=tuple(AdapterRef(**a) for a in d.get("adapters", [])),
+            targets=tuple(Target.parse(t) for t in d["targets"]),
+            checks=tuple(d.get("checks", ("weights", "deltas", "outputs"))),
+            probe=ProbeInputs(
+                batch=probe.get("batch", 2),
+                seq_len=probe.get("seq_len", 16),
+                input_ids=tuple(tuple(r) for r in ids) if ids else None,
+            ),
+            tolerances={k: ToleranceOverride(**v) for k, v in (d.get("tolerances") or {}).items()},
+            seed=d.get("seed", 0),
+            strategy=d.get("strategy", "isolated"),
+        )
+
+    @staticmethod
+    def from_json(text: str) -> ProbeSpec:
+        return ProbeSpec.from_dict(json.loads(text))
+
+    def tolerance_for(self, role: str) -> ToleranceOverride | None:
+        """The user's override for this role (or the run-wide one), None for the dtype default."""
+        return self.tolerances.get(role) or self.tolerances.get("*")
+
+
+def weightdrift_home(explicit: str | os.PathLike[str] | None = None) -> Path:
+    """`--home`, else `$WEIGHTDRIFT_HOME`, else `~/.cache/weightdrift`."""
+    if explicit:
+        return Path(explicit).expanduser().resolve()
+    env = os.environ.get("WEIGHTDRIFT_HOME")
+    if env:
+        return Path(env).expanduser().resolve()
+    return Path("~/.cache/weightdrift").expanduser().resolve()

@@ -1,0 +1,204 @@
+"""The work done for one target (capture) or for a whole run (compare).
+
+Both runners call `run_task`: the in-process runner directly (unit tests), the process runner
+in a fresh `python -m core.worker` process that reads the task as JSON on stdin and writes
+events as JSON lines on its original stdout (library prints go to stderr, the log).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+Event = dict[str, Any]
+Emit = Callable[[Event], None]
+
+EXIT_OK = 0
+EXIT_CRASH = 1
+EXIT_USER_ERROR = 3
+EXIT_CANCELLED = 4
+
+
+class Cancelled(Exception):
+    """Raised at a stage boundary once cancellation was requested."""
+
+
+@dataclass(frozen=True)
+class Task:
+    """One unit of work for a runner: capture one target, or compare a run's captures."""
+
+    kind: str  # "capture" | "compare"
+    run_dir: str
+    spec: dict[str, Any]
+    target: str | None = None
+    checks: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        return self.target or "compare"
+
+
+class Progress:
+    """Emits `progress` events (stage, step k of n) and checks for cancellation between stages."""
+
+    def __init__(self, emit: Emit, should_cancel: Callable[[], bool], total: int, target: str | None):
+        self.emit, self.should_cancel, self.total, self.target = emit, should_cancel, total, target
+        self.step = 0
+        self.stage = "start"
+
+    def __call__(self, stage: str) -> None:
+        if self.should_cancel():
+            raise Cancelled(f"cancelled before {stage!r}")
+        self.step = min(self.step + 1, self.total)
+        self.stage = stage
+        self.emit({"type": "progress", "target": self.target, "stage": stage, "step": self.step, "of": self.total})
+
+
+def run_task(task: Task, emit: Emit, should_cancel: Callable[[], bool] = lambda: False) -> None:
+    """Run a task to completion; errors propagate to the runner, which reports them."""
+    if task.kind == "capture":
+        run_capture(task, emit, should_cancel)
+    elif task.kind == "compare":
+        run_compare(task, emit, should_cancel)
+    else:
+        raise ValueError(f"unknown task kind {task.kind!r}")
+
+
+def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> None:
+    """Load base and adapters on the task's target and write its capture into the run folder."""
+    from core.capture import Capture
+    from core.checks import get_checks
+    from core.checks.base import CaptureContext
+    from core.loading import STRATEGIES, probe_input_ids
+    from core.spec import ProbeSpec, Target
+    from core.targets import apply_flags, environment
+
+    spec = ProbeSpec.from_dict(task.spec)
+    target = Target.parse(task.target or "")
+    checks = get_checks(task.checks)
+    progress = Progress(emit, should_cancel, total=4 + 2 * len(spec.adapters), target=str(target))
+
+    progress("apply flags")
+    apply_flags(target)
+    capture = Capture(target=str(target), environment=environment(target.device))
+    started = time.time()
+    input_ids = None
+    for loaded in STRATEGIES[spec.strategy](spec.base, spec.adapters, target, stage=progress):
+        if input_ids is None:
+            input_ids = probe_input_ids(spec.probe, _vocab_size(loaded.model), spec.seed)
+        ctx = CaptureContext(spec=spec, target=target, input_ids=input_ids)
+        progress("capture " + ("base" if loaded.adapter is None else loaded.adapter.name))
+        for check in checks:
+            check.capture(ctx, loaded, capture)
+        capture.notes.extend(loaded.notes)
+    capture.meta["timings"] = {"load_and_capture_s": round(time.time() - started, 3)}
+    capture.meta["input_ids"] = input_ids.tolist() if input_ids is not None else None
+    progress("write capture")
+    capture.save(Path(task.run_dir) / "captures" / target.slug)
+
+
+def _vocab_size(model) -> int:
+    config = model.config
+    return int(getattr(config, "vocab_size", None) or config.get_text_config().vocab_size)
+
+
+def run_compare(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> None:
+    """Turn the run's captures into the metrics table (`metrics.parquet`)."""
+    from core.capture import Capture
+    from core.checks import get_checks
+    from core.spec import REFERENCE_TARGET, ProbeSpec
+    from core.store import Store
+
+    run_dir = Path(task.run_dir)
+    spec = ProbeSpec.from_dict(task.spec)
+    checks = get_checks(spec.checks)
+    progress = Progress(emit, should_cancel, total=len(checks) * len(spec.targets) + 1, target=None)
+    captures = {str(t): Capture.load(run_dir / "captures" / t.slug) for t in spec.targets}
+    ref_folder = run_dir / "captures" / REFERENCE_TARGET.slug
+    reference_capture = Capture.load(ref_folder) if ref_folder.exists() else None
+    rows: list[dict[str, Any]] = []
+    for check in checks:
+        for target in spec.targets:
+            progress(f"compare {check.name} on {target}")
+            capture = captures[str(target)]
+            keys = capture.keys(check.name)
+            reference = check.reference(spec, keys, reference_capture)
+            rows.extend(check.rows(spec, capture, reference))
+    progress("write metrics")
+    table = metrics_table(rows)
+    Store(run_dir.parent.parent).write_metrics(run_dir.name, table)
+
+
+def metrics_table(rows: list[dict[str, Any]]):
+    """The long-format metrics table with the design's columns first, in a fixed order."""
+    import pandas as pd
+
+    from core.checks.base import METRIC_COLUMNS
+
+    table = pd.DataFrame(rows)
+    for col in METRIC_COLUMNS:
+        if col not in table.columns:
+            table[col] = None
+    rest = [c for c in table.columns if c not in METRIC_COLUMNS]
+    table = table[list(METRIC_COLUMNS) + rest]
+    if "layer" in table:
+        table["layer"] = table["layer"].astype("Int64")
+    return table
+
+
+def main() -> int:
+    """Entry point of a worker process: task JSON on stdin, events as JSON lines on stdout."""
+    events = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # anything a library prints goes to the log, not into the event stream
+    cancel = {"requested": False}
+
+    def on_term(signum, frame):
+        cancel["requested"] = True
+
+    signal.signal(signal.SIGTERM, on_term)
+
+    def emit(event: Event) -> None:
+        events.write(json.dumps(event, default=str) + "\n")
+
+    task = Task(**json.loads(sys.stdin.read()))
+    from core.loading import LoadError
+    from core.spec import SpecError
+
+    stage = {"name": "start"}
+
+    def tracking_emit(event: Event) -> None:
+        if event.get("type") == "progress":
+            stage["name"] = event["stage"]
+        emit(event)
+
+    try:
+        run_task(task, tracking_emit, lambda: cancel["requested"])
+    except Cancelled as e:
+        emit({"type": "cancelled", "message": str(e), "stage": stage["name"]})
+        return EXIT_CANCELLED
+    except (LoadError, SpecError, ValueError) as e:
+        emit({"type": "error", "message": str(e), "stage": stage["name"], "error_type": type(e).__name__})
+        traceback.print_exc()
+        return EXIT_USER_ERROR
+    except BaseException as e:
+        emit({"type": "error", "message": f"{type(e).__name__}: {e}", "stage": stage["name"], "crash": True})
+        traceback.print_exc()
+        return EXIT_CRASH
+    emit({"type": "done"})
+    return EXIT_OK
+
+
+def task_json(task: Task) -> str:
+    return json.dumps(asdict(task))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
