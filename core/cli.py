@@ -42,15 +42,26 @@ def build_parser() -> ArgumentParser:
     run = sub.add_parser("run", help="run checks on targets and print a verdict summary")
     run.add_argument("--base", help="base model folder or hub id")
     run.add_argument("--adapter", action="extend", nargs="+", default=[], metavar="PATH[=NAME]")
-    run.add_argument("--target", action="extend", nargs="+", default=[], metavar="SPEC",
-                     help="DEVICE/DTYPE[+tf32|+deterministic|+threads=N|+matmul=P], e.g. cpu/bfloat16")
+    run.add_argument(
+        "--target",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="SPEC",
+        help="DEVICE/DTYPE[+tf32|+deterministic|+threads=N|+matmul=P], e.g. cpu/bfloat16",
+    )
     run.add_argument("--check", action="extend", nargs="+", default=[], metavar="NAME")
     run.add_argument("--atol", type=float, help="absolute tolerance for every row (default: per dtype)")
     run.add_argument("--rtol", type=float, help="relative tolerance for every row (default: per dtype)")
     run.add_argument("--seed", type=int, default=0, help="seed of the probe inputs")
-    run.add_argument("--demo", action="store_true",
-                     help="use the demo workspace: tiny-llama and all its adapters, unless --base/--adapter are given")
-    run.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code (off by default)")
+    run.add_argument(
+        "--demo",
+        action="store_true",
+        help="use the demo workspace: tiny-llama and all its adapters, unless --base/--adapter are given",
+    )
+    run.add_argument(
+        "--trust-remote-code", action="store_true", help="allow the model's own code (off by default)"
+    )
     run.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
     run.add_argument("--home")
     run.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -69,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:
         args = build_parser().parse_args(argv)
-        return {"demo": cmd_demo, "run": cmd_run, "runs": cmd_runs, "devices": cmd_devices}[args.command](args)
+        return {"demo": cmd_demo, "run": cmd_run, "runs": cmd_runs, "devices": cmd_devices}[args.command](
+            args
+        )
     except (UsageError, SpecError) as e:
         print(f"error: {e}", file=sys.stderr)
         if debug:
@@ -153,7 +166,7 @@ def watch(job, stream=sys.stderr, interval: float = 0.25) -> None:
         snap = job.snapshot()
         for name, t in snap["tasks"].items():
             state = (t["state"], t["stage"], t["step"])
-            if shown.get(name) == state or t["state"] == "queued":
+            if shown.get(name) == state or t["state"] == "queued" or not t["of"]:
                 continue
             shown[name] = state
             width = 20
@@ -174,7 +187,9 @@ def cmd_run(args) -> int:
     spec = spec_from_args(args, home)
     engine = Engine(home, runner=InProcessRunner() if args.in_process else ProcessRunner())
     job = engine.submit(spec)
-    print(f"run {job.run_id}: {len(spec.targets)} target(s), checks {', '.join(spec.checks)}", file=sys.stderr)
+    print(
+        f"run {job.run_id}: {len(spec.targets)} target(s), checks {', '.join(spec.checks)}", file=sys.stderr
+    )
     watcher = threading.Thread(target=watch, args=(job,), daemon=True)
     watcher.start()
     try:
@@ -189,24 +204,40 @@ def cmd_run(args) -> int:
     duration = record.info.get("duration_s")
     if table is None:
         if args.json:
-            print(json.dumps({"run_id": job.run_id, "run_dir": str(record.run_dir), "status": status,
-                              "error": error, "verdicts": {}, "worst": []}))
+            print(
+                json.dumps(
+                    {
+                        "run_id": job.run_id,
+                        "run_dir": str(record.run_dir),
+                        "status": status,
+                        "error": error,
+                        "verdicts": {},
+                        "worst": [],
+                    }
+                )
+            )
         print(f"error: run {job.run_id} {status}: {error}", file=sys.stderr)
         return EXIT_ERROR
     code = report.exit_code(table)
     worst = report.worst_rows(table, args.top)
     if args.json:
         by = report.verdicts_by_check_target(table)
-        print(json.dumps({
-            "run_id": job.run_id,
-            "run_dir": str(record.run_dir),
-            "status": status,
-            "duration_s": duration,
-            "exit_code": code,
-            "verdicts": report.verdict_counts(table),
-            "verdicts_by_check_target": report.records(by),
-            "worst": report.records(worst),
-        }, indent=2, default=str))
+        print(
+            json.dumps(
+                {
+                    "run_id": job.run_id,
+                    "run_dir": str(record.run_dir),
+                    "status": status,
+                    "duration_s": duration,
+                    "exit_code": code,
+                    "verdicts": report.verdict_counts(table),
+                    "verdicts_by_check_target": report.records(by),
+                    "worst": report.records(worst),
+                },
+                indent=2,
+                default=str,
+            )
+        )
     else:
         print_summary(job.run_id, record.run_dir, duration, table, worst)
     return code
@@ -227,9 +258,11 @@ def print_summary(run_id: str, run_dir: Path, duration: float | None, table, wor
         print("\nevery tensor and output is bitwise identical to its reference.")
         return
     print(f"\nworst {len(worst)} rows (furthest from their reference):")
-    for r in worst.to_dict(orient="records"):
+    for r in report.records(worst):
         who = r.get("adapter") or "base"
-        print(f"  [{r['verdict']}] {r['check']} · {r['target']} vs {r['reference']} · {who} · {r['tensor']} ({r['dtype']})")
+        print(
+            f"  [{r['verdict']}] {r['check']} · {r['target']} vs {r['reference']} · {who} · {r['tensor']} ({r['dtype']})"
+        )
         print(f"      {r['explanation']}")
         if r.get("note"):
             print(f"      why: {r['note']}")
@@ -241,7 +274,9 @@ def cmd_runs(args) -> int:
     store = Store(weightdrift_home(args.home))
     runs = store.list_runs()
     if args.json:
-        print(json.dumps([{"run_id": r.run_id, "run_dir": str(r.run_dir), **r.info} for r in runs], default=str))
+        print(
+            json.dumps([{"run_id": r.run_id, "run_dir": str(r.run_dir), **r.info} for r in runs], default=str)
+        )
         return EXIT_OK
     if not runs:
         print(f"no runs in {store.runs_dir}")

@@ -276,7 +276,13 @@ class Engine:
         spec = job.spec
         checks = get_checks(spec.checks)
         tasks = [
-            Task(kind="capture", run_dir=str(job.run_dir), spec=spec.to_dict(), target=str(t), checks=spec.checks)
+            Task(
+                kind="capture",
+                run_dir=str(job.run_dir),
+                spec=spec.to_dict(),
+                target=str(t),
+                checks=spec.checks,
+            )
             for t in spec.targets
         ]
         ref_checks = tuple(c.name for c in checks if c.needs_reference_target)
@@ -305,7 +311,9 @@ class Engine:
             started=snap["started"],
             finished=snap["finished"],
             duration_s=None if not snap["finished"] else round(snap["finished"] - snap["started"], 3),
-            targets={k: {kk: vv for kk, vv in v.items() if kk != "elapsed_s"} for k, v in snap["tasks"].items()},
+            targets={
+                k: {kk: vv for kk, vv in v.items() if kk != "elapsed_s"} for k, v in snap["tasks"].items()
+            },
         )
 
     def _run_task(self, job: Job, task: Task) -> Outcome:

@@ -44,16 +44,19 @@ def verdicts_by_check_target(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def worst_rows(table: pd.DataFrame, n: int = 10) -> pd.DataFrame:
-    """The n rows furthest from their reference: by verdict severity, then ulps, then relative error."""
+    """The n rows furthest from their reference: by verdict severity, then relative error.
+
+    Relative error ranks better than ulps: near-zero reference elements have tiny ulps, so
+    max_ulp is large wherever values cross zero and says little about which tensor is worst.
+    """
     if not len(table):
         return pd.DataFrame(columns=list(WORST_COLUMNS))
     ranked = table.assign(
         _sev=table["verdict"].map(SEVERITY).fillna(len(SEVERITY)),
-        _ulp=pd.to_numeric(table["max_ulp"], errors="coerce").fillna(float("inf")),
         _rel=pd.to_numeric(table["rel_l2"], errors="coerce").fillna(float("inf")),
     )
     ranked = ranked[ranked["verdict"] != "identical"]
-    ranked = ranked.sort_values(["_sev", "_ulp", "_rel"], ascending=False).head(n)
+    ranked = ranked.sort_values(["_sev", "_rel"], ascending=False).head(n)
     return ranked[[c for c in WORST_COLUMNS if c in ranked.columns]].reset_index(drop=True)
 
 

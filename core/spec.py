@@ -102,7 +102,9 @@ class Target:
         device = normalise_device(device.strip(), text)
         dtype_name = DTYPE_ALIASES.get(dtype.strip().lower())
         if dtype_name is None:
-            raise SpecError(f"target {text!r}: unknown dtype {dtype!r}; use one of float32, bfloat16, float16, float64")
+            raise SpecError(
+                f"target {text!r}: unknown dtype {dtype!r}; use one of float32, bfloat16, float16, float64"
+            )
         kwargs: dict[str, Any] = {}
         for flag in flags:
             key, _, value = flag.strip().partition("=")

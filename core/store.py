@@ -163,7 +163,11 @@ class Store:
                     or "interrupted: the process that ran this job is gone (crash or shutdown); results incomplete",
                 }
         if status == "succeeded" and not (run_dir / "metrics.parquet").exists():
-            return {**info, "status": "failed", "error": "metrics.parquet is missing: the run did not finish writing"}
+            return {
+                **info,
+                "status": "failed",
+                "error": "metrics.parquet is missing: the run did not finish writing",
+            }
         return info
 
     def list_runs(self) -> list[RunRecord]:

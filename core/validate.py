@@ -27,14 +27,18 @@ def safetensors_header(path: Path) -> dict:
             raise InputError(f"{path}: truncated safetensors file ({size} bytes)")
         (n,) = struct.unpack("<Q", head)
         if n > size - 8 or n > 100_000_000:
-            raise InputError(f"{path}: not a safetensors file or truncated (header length {n}, file {size} bytes)")
+            raise InputError(
+                f"{path}: not a safetensors file or truncated (header length {n}, file {size} bytes)"
+            )
         try:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise InputError(f"{path}: corrupt safetensors header ({e})") from e
     end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     if 8 + n + end != size:
-        raise InputError(f"{path}: truncated or corrupt safetensors file: expected {8 + n + end} bytes, found {size}")
+        raise InputError(
+            f"{path}: truncated or corrupt safetensors file: expected {8 + n + end} bytes, found {size}"
+        )
     return {k: v for k, v in header.items() if k != "__metadata__"}
 
 
@@ -78,7 +82,9 @@ def validate_adapter(adapter: AdapterRef, base_shapes: dict[str, tuple[int, ...]
         raise InputError(f"adapter {adapter.name}: no such folder {adapter.path}")
     config_path = path / "adapter_config.json"
     if not config_path.exists():
-        raise InputError(f"adapter {adapter.name}: not an adapter folder (no adapter_config.json in {adapter.path})")
+        raise InputError(
+            f"adapter {adapter.name}: not an adapter folder (no adapter_config.json in {adapter.path})"
+        )
     try:
         config = json.loads(config_path.read_text())
     except json.JSONDecodeError as e:
@@ -98,7 +104,9 @@ def validate_adapter(adapter: AdapterRef, base_shapes: dict[str, tuple[int, ...]
             f"(e.g. {missing[0]}) exist in {base}"
         )
     if missing:
-        raise InputError(f"adapter {adapter.name} does not fit {base}: modules {', '.join(missing[:3])} do not exist")
+        raise InputError(
+            f"adapter {adapter.name} does not fit {base}: modules {', '.join(missing[:3])} do not exist"
+        )
     for module, roles in modules.items():
         w = base_shapes[f"{module}.weight"]
         if len(w) != 2:

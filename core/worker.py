@@ -59,7 +59,9 @@ class Progress:
             raise Cancelled(f"cancelled before {stage!r}")
         self.step = min(self.step + 1, self.total)
         self.stage = stage
-        self.emit({"type": "progress", "target": self.target, "stage": stage, "step": self.step, "of": self.total})
+        self.emit(
+            {"type": "progress", "target": self.target, "stage": stage, "step": self.step, "of": self.total}
+        )
 
 
 def run_task(task: Task, emit: Emit, should_cancel: Callable[[], bool] = lambda: False) -> None:
@@ -126,12 +128,12 @@ def run_compare(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
     reference_capture = Capture.load(ref_folder) if ref_folder.exists() else None
     rows: list[dict[str, Any]] = []
     for check in checks:
+        # One reference per check for all targets: it does not depend on the target.
+        keys = sorted({k for c in captures.values() for k in c.keys(check.name)}, key=lambda k: k.encode())
+        reference = check.reference(spec, keys, reference_capture)
         for target in spec.targets:
             progress(f"compare {check.name} on {target}")
-            capture = captures[str(target)]
-            keys = capture.keys(check.name)
-            reference = check.reference(spec, keys, reference_capture)
-            rows.extend(check.rows(spec, capture, reference))
+            rows.extend(check.rows(spec, captures[str(target)], reference))
     progress("write metrics")
     table = metrics_table(rows)
     Store(run_dir.parent.parent).write_metrics(run_dir.name, table)

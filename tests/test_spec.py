@@ -22,7 +22,11 @@ from core.targets import Device, check_targets_exist
         ("cpu/float32+threads=1", Target("cpu", "float32", threads=1), "cpu·fp32·threads=1"),
         ("cuda:0/float32+deterministic", Target("cuda:0", "float32", deterministic=True), "cuda:0·fp32·det"),
         ("cuda/float32", Target("cuda:0", "float32"), "cuda:0·fp32"),
-        ("cuda:0/fp32+matmul=high", Target("cuda:0", "float32", matmul_precision="high"), "cuda:0·fp32·matmul=high"),
+        (
+            "cuda:0/fp32+matmul=high",
+            Target("cuda:0", "float32", matmul_precision="high"),
+            "cuda:0·fp32·matmul=high",
+        ),
     ],
 )
 def test_target_parse_and_label(text, expected, label):

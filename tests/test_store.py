@@ -38,7 +38,9 @@ def test_create_update_open_list_delete(tmp_path):
 def test_run_of_a_crashed_process_reads_as_failed(tmp_path):
     store = Store(tmp_path)
     rec = store.create_run(SPEC)
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     info = json.loads((rec.run_dir / "run.json").read_text())
     info["status"] = "running"
     info["owner"]["pid"] = int(dead.stdout)

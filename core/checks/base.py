@@ -69,7 +69,7 @@ class Reference:
 
 
 def tolerance(spec: ProbeSpec, role: str, dtype: torch.dtype) -> metrics.Tolerance:
-    """The dtype default, with the user's override for this role (or the run) applied."""
+    """The target dtype's default, with the user's override for this role (or the run) applied."""
     default = metrics.default_tolerance(dtype)
     override = spec.tolerance_for(role)
     if override is None:
@@ -99,7 +99,9 @@ class Check(ABC):
         """Add this check's tensors for one loaded model (bare base or base + adapter) to `out`."""
 
     @abstractmethod
-    def reference(self, spec: ProbeSpec, keys: list[TensorKey], reference_capture: Capture | None) -> Reference:
+    def reference(
+        self, spec: ProbeSpec, keys: list[TensorKey], reference_capture: Capture | None
+    ) -> Reference:
         """The reference tensors for `keys` (from the checkpoint, or from the cpu/float64 capture)."""
 
     def describe(self, key: TensorKey) -> dict[str, Any]:
@@ -109,6 +111,9 @@ class Check(ABC):
     def rows(self, spec: ProbeSpec, capture: Capture, reference: Reference) -> list[dict[str, Any]]:
         """One metric row per captured tensor of this check, against its reference."""
         rows = []
+        # Tolerances follow the target's dtype: an adapter PEFT keeps in float32 on a bfloat16
+        # target is judged by what the user asked for, bfloat16.
+        target_dtype = getattr(torch, Target.parse(capture.target).dtype)
         for key in capture.keys(self.name):
             labels = self.describe(key)
             tensor = capture.get(key)
@@ -126,7 +131,7 @@ class Check(ABC):
             if ref is None:
                 row.update(missing_reference_row(tensor))
             else:
-                stats = metrics.compare(tensor, ref, tolerance(spec, labels["role"], tensor.dtype))
+                stats = metrics.compare(tensor, ref, tolerance(spec, labels["role"], target_dtype))
                 row.update(metrics.stats_to_row(stats))
             row.update(self.extra_columns(key, tensor, ref))
             rows.append(row)

@@ -31,7 +31,9 @@ class DeltasCheck(Check):
                 sources[module] = formulas.peft_delta_source(layer, adapter)
         out.meta.setdefault(self.name, {})[adapter] = sources
 
-    def reference(self, spec: ProbeSpec, keys: list[TensorKey], reference_capture: Capture | None) -> Reference:
+    def reference(
+        self, spec: ProbeSpec, keys: list[TensorKey], reference_capture: Capture | None
+    ) -> Reference:
         base = {k: v.to(torch.float64) for k, v in read_checkpoint(spec.base.path).items()}
         tensors: dict[str, torch.Tensor] = {}
         notes: dict[str, str] = {}
@@ -59,5 +61,7 @@ class DeltasCheck(Check):
         for row in rows:
             source = sources.get(row["adapter"], {}).get(row["tensor"])
             if source:
-                row["note"] = f"{row['note']}; target ΔW via {source}" if row["note"] else f"target ΔW via {source}"
+                row["note"] = (
+                    f"{row['note']}; target ΔW via {source}" if row["note"] else f"target ΔW via {source}"
+                )
         return rows

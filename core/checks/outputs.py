@@ -39,9 +39,13 @@ class OutputsCheck(Check):
         kind, tensor = forward_output(loaded.model, ctx.input_ids)
         adapter = BASE if loaded.adapter is None else loaded.adapter.name
         out.add(TensorKey(self.name, adapter, kind), tensor)
-        out.meta.setdefault(self.name, {})["notes"] = out.meta.get(self.name, {}).get("notes", []) + loaded.notes
+        out.meta.setdefault(self.name, {})["notes"] = (
+            out.meta.get(self.name, {}).get("notes", []) + loaded.notes
+        )
 
-    def reference(self, spec: ProbeSpec, keys: list[TensorKey], reference_capture: Capture | None) -> Reference:
+    def reference(
+        self, spec: ProbeSpec, keys: list[TensorKey], reference_capture: Capture | None
+    ) -> Reference:
         if reference_capture is None:
             return Reference(label=str(REFERENCE_TARGET), tensors={}, notes={})
         notes = {}
@@ -50,7 +54,11 @@ class OutputsCheck(Check):
             for key in keys:
                 if key.adapter == adapter:
                     notes[key.encode()] = f"reference: {note.split(':', 1)[1].strip()}"
-        tensors = {k.encode(): reference_capture.tensors[k.encode()] for k in keys if k.encode() in reference_capture.tensors}
+        tensors = {
+            k.encode(): reference_capture.tensors[k.encode()]
+            for k in keys
+            if k.encode() in reference_capture.tensors
+        }
         return Reference(label=str(REFERENCE_TARGET), tensors=tensors, notes=notes)
 
     def describe(self, key: TensorKey) -> dict[str, Any]:

@@ -60,7 +60,9 @@ class WeightsCheck(Check):
             for name, tensor in state.items():
                 out.add(TensorKey(self.name, loaded.adapter.name, name), tensor)
 
-    def reference(self, spec: ProbeSpec, keys: list[TensorKey], reference_capture: Capture | None) -> Reference:
+    def reference(
+        self, spec: ProbeSpec, keys: list[TensorKey], reference_capture: Capture | None
+    ) -> Reference:
         tensors: dict[str, torch.Tensor] = {}
         files: dict[str, dict[str, torch.Tensor]] = {}
         paths = {a.name: a.path for a in spec.adapters}
@@ -68,7 +70,9 @@ class WeightsCheck(Check):
             if key.adapter == BASE:
                 source = files.setdefault(BASE, read_checkpoint(spec.base.path))
             else:
-                source = files.setdefault(key.adapter, read_checkpoint(paths[key.adapter], prefix="adapter_model"))
+                source = files.setdefault(
+                    key.adapter, read_checkpoint(paths[key.adapter], prefix="adapter_model")
+                )
             if key.name in source:
                 tensors[key.encode()] = source[key.name]
         return Reference(label="checkpoint", tensors=tensors, notes={})

@@ -1,0 +1,206 @@
+"""The CLI end to end on the demo workspace: real worker processes, exit codes, messages."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def cli(*args, home):
+    return subprocess.run(
+        [sys.executable, "-m", "core", *args, "--home", str(home)]
+        if args[0] != "devices"
+        else [sys.executable, "-m", "core", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
+
+
+def adapter_args(demo, names):
+    return [f"{demo['adapters'][n]['path']}={n}" for n in names]
+
+
+@pytest.fixture(scope="module")
+def two_target_run(demo_workspace, tmp_path_factory):
+    home = tmp_path_factory.mktemp("cli-home")
+    names = ["lora", "dora", "pissa", "boft", "oft", "ia3"]
+    proc = cli(
+        "run",
+        "--base",
+        demo_workspace["models"]["tiny-llama"],
+        "--adapter",
+        *adapter_args(demo_workspace, names),
+        "--target",
+        "cpu/float32",
+        "cpu/bfloat16",
+        "--json",
+        home=home,
+    )
+    return proc, home
+
+
+@pytest.mark.e2e
+def test_run_json_and_exit_code_1_on_bfloat16_drift(two_target_run):
+    proc, home = two_target_run
+    assert proc.returncode == 1, proc.stderr
+    out = json.loads(proc.stdout)
+    assert {"run_id", "run_dir", "status", "verdicts", "worst"} <= set(out)
+    assert out["status"] == "succeeded"
+    assert out["verdicts"]["drift"] > 0
+    assert out["worst"][0]["verdict"] in ("drift", "broken")
+    assert "Mismatched elements" in out["worst"][0]["explanation"]
+    # progress went to stderr, with stage and step k of n
+    assert "load adapter pissa" in proc.stderr and "/" in proc.stderr
+    import pandas as pd
+
+    table = pd.read_parquet(Path(out["run_dir"]) / "metrics.parquet")
+    for col in (
+        "check",
+        "target",
+        "reference",
+        "layer",
+        "module",
+        "role",
+        "dtype",
+        "shape",
+        "numel",
+        "bitwise_equal",
+        "n_mismatch",
+        "max_abs",
+        "mean_abs",
+        "rmse",
+        "rel_l2",
+        "cos_sim",
+        "max_ulp",
+        "min_atol",
+        "worst_index",
+        "verdict",
+    ):
+        assert col in table.columns
+    # one row per (check, target, tensor or output)
+    assert not table.duplicated(["check", "target", "adapter", "tensor"]).any()
+
+    w32 = table[(table.check == "weights") & (table.target == "cpu/float32")]
+    assert len(w32) > 100 and (w32.verdict == "identical").all() and w32.bitwise_equal.all()
+
+    wbf = table[(table.check == "weights") & (table.target == "cpu/bfloat16") & (table.role == "base")]
+    cast = wbf[wbf.verdict != "identical"]
+    assert len(cast) >= 28  # every Linear weight and the embedding are rounded to bfloat16
+    assert (cast.verdict == "within tolerance").all()
+    # rounding float32 → bfloat16: at most half an ulp, relative error of order 2^-9
+    assert cast.max_ulp.max() <= 0.5
+    assert 5e-4 < cast.rel_l2.median() < 3e-3
+    assert cast.note.str.contains("cast float32 → bfloat16").all()
+
+    out32 = table[(table.check == "outputs") & (table.target == "cpu/float32")]
+    assert set(out32.adapter.fillna("-")) == {"-", "lora", "dora", "pissa", "boft", "oft", "ia3"}
+    assert (out32.verdict == "within tolerance").all()
+    assert out32.max_abs.max() < 1e-5
+    outbf = table[(table.check == "outputs") & (table.target == "cpu/bfloat16")]
+    assert outbf.max_abs.min() > 1e-3 and outbf.max_abs.max() < 5e-2
+    pissa_ref = out32[out32.adapter == "pissa"].note.iloc[0]
+    assert "PiSSA" in pissa_ref and "float32 and upcast" in pissa_ref
+
+    d32 = table[(table.check == "deltas") & (table.target == "cpu/float32")]
+    assert set(d32.adapter) == {"lora", "dora", "pissa", "boft", "oft", "ia3"}
+    assert d32.verdict.isin(["identical", "within tolerance"]).all()
+    assert d32.rel_l2.max() < 1e-5
+
+
+@pytest.mark.e2e
+def test_runs_lists_the_run_and_human_summary(two_target_run, demo_workspace):
+    proc, home = two_target_run
+    run_id = json.loads(proc.stdout)["run_id"]
+    listed = cli("runs", home=home)
+    assert listed.returncode == 0 and run_id in listed.stdout and "succeeded" in listed.stdout
+    # a float32-only weights run exits 0 and prints the human summary
+    ok = cli(
+        "run",
+        "--base",
+        demo_workspace["models"]["tiny-llama"],
+        "--adapter",
+        *adapter_args(demo_workspace, ["lora"]),
+        "--target",
+        "cpu/float32",
+        "--check",
+        "weights",
+        home=home,
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert "verdicts per check and target" in ok.stdout
+    assert "bitwise identical" in ok.stdout
+
+
+def _one_line_error(proc, fragment):
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error:") and fragment in lines[0], lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_bad_inputs_exit_2_with_one_line(demo_workspace, tmp_path):
+    base = demo_workspace["models"]["tiny-llama"]
+    lora = f"{demo_workspace['adapters']['lora']['path']}=lora"
+    _one_line_error(
+        cli("run", "--base", str(tmp_path / "nope"), "--target", "cpu/float32", home=tmp_path),
+        "no such folder",
+    )
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _one_line_error(
+        cli("run", "--base", str(empty), "--target", "cpu/float32", home=tmp_path),
+        "not a model folder (no config.json)",
+    )
+    bert_adapter = f"{demo_workspace['adapters']['bert-lora']['path']}=bert"
+    _one_line_error(
+        cli("run", "--base", base, "--adapter", bert_adapter, "--target", "cpu/float32", home=tmp_path),
+        "made for a different base model",
+    )
+    broken = tmp_path / "truncated"
+    shutil.copytree(base, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    _one_line_error(cli("run", "--base", str(broken), "--target", "cpu/float32", home=tmp_path), "truncated")
+    _one_line_error(
+        cli(
+            "run",
+            "--base",
+            base,
+            "--adapter",
+            lora,
+            "--target",
+            "cpu/float32",
+            "--check",
+            "nope",
+            home=tmp_path,
+        ),
+        "unknown check nope",
+    )
+    _one_line_error(
+        cli("run", "--base", base, "--target", "cuda:7/float32", home=tmp_path),
+        "cuda:7 does not exist on this machine",
+    )
+    _one_line_error(cli("run", "--base", base, "--target", "cpu/int4", home=tmp_path), "unknown dtype")
+    _one_line_error(cli("run", "--target", "cpu/float32", home=tmp_path), "--base is required")
+
+
+def test_demo_json_and_devices(demo_workspace, tmp_path):
+    proc = cli("demo", "--json", home=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert set(out["models"]) == {"tiny-llama", "tiny-bert"}
+    assert out["adapters"]["boft"]["type"] == "boft" and out["adapters"]["boft"]["base"] == "tiny-llama"
+    assert Path(out["adapters"]["pissa"]["path"]).is_dir()
+    dev = cli("devices", "--json", home=tmp_path)
+    assert dev.returncode == 0
+    info = json.loads(dev.stdout)
+    assert info["devices"][0]["name"] == "cpu"
+    assert info["environment"]["torch"].startswith("2.13.0")

@@ -1,0 +1,148 @@
+"""The engine: scheduling per device, cancel, crashed workers, refused targets."""
+
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+
+from core.engine import Engine, InProcessRunner, Outcome, ProcessRunner, Runner
+from core.spec import AdapterRef, ModelRef, ProbeSpec, SpecError, Target
+from core.targets import Device
+
+FAKE_DEVICES = [
+    Device("cpu", "cpu", "fake cpu"),
+    Device("cuda:0", "cuda", "fake gpu"),
+    Device("cuda:1", "cuda", "fake"),
+]
+
+
+class RecordingRunner(Runner):
+    """Sleeps instead of working and records when each task ran."""
+
+    def __init__(self, seconds=0.4):
+        self.seconds = seconds
+        self.spans = {}
+        self.lock = threading.Lock()
+
+    def run(self, task, on_event, cancel, log_path):
+        start = time.monotonic()
+        on_event({"type": "progress", "stage": "sleep", "step": 1, "of": 1})
+        while time.monotonic() - start < self.seconds:
+            if cancel.is_set():
+                return Outcome(ok=False, cancelled=True)
+            time.sleep(0.01)
+        with self.lock:
+            self.spans[task.label] = (start, time.monotonic())
+        return Outcome(ok=True)
+
+
+def _spec(base, targets, checks=("weights",), adapters=()):
+    return ProbeSpec(
+        base=ModelRef(base),
+        adapters=tuple(adapters),
+        targets=tuple(map(Target.parse, targets)),
+        checks=checks,
+    )
+
+
+def _overlap(a, b):
+    return a[0] < b[1] and b[0] < a[1]
+
+
+def test_devices_run_in_parallel_and_one_device_is_serialised(tmp_path, demo_workspace):
+    runner = RecordingRunner()
+    engine = Engine(tmp_path, runner=runner, devices=FAKE_DEVICES)
+    base = demo_workspace["models"]["tiny-llama"]
+    job = engine.submit(_spec(base, ["cpu/float32", "cpu/bfloat16", "cuda:0/float32", "cuda:1/float32"]))
+    assert job.wait(20)
+    s = runner.spans
+    assert _overlap(s["cuda:0/float32"], s["cuda:1/float32"])
+    assert _overlap(s["cpu/float32"], s["cuda:0/float32"]) or _overlap(s["cpu/bfloat16"], s["cuda:0/float32"])
+    assert not _overlap(s["cpu/float32"], s["cpu/bfloat16"])
+    # compare starts after every capture ended
+    assert s["compare"][0] >= max(v[1] for k, v in s.items() if k != "compare")
+
+
+def test_missing_device_is_refused(tmp_path, demo_workspace):
+    engine = Engine(tmp_path, runner=RecordingRunner(), devices=[Device("cpu", "cpu", "x")])
+    with pytest.raises(SpecError, match=r"cuda:1 does not exist on this machine; available: cpu"):
+        engine.submit(_spec(demo_workspace["models"]["tiny-llama"], ["cuda:1/float32"]))
+    assert engine.store.list_runs() == []  # nothing stored for a refused spec
+
+
+def test_cancel_with_fake_runner(tmp_path, demo_workspace):
+    engine = Engine(tmp_path, runner=RecordingRunner(seconds=30), devices=FAKE_DEVICES)
+    job = engine.submit(_spec(demo_workspace["models"]["tiny-llama"], ["cpu/float32", "cpu/bfloat16"]))
+    time.sleep(0.3)
+    job.cancel()
+    assert job.wait(10)
+    assert job.state == "cancelled"
+    assert engine.store.open(job.run_id).status == "cancelled"
+
+
+def test_in_process_run_succeeds(tmp_path, demo_workspace):
+    engine = Engine(tmp_path, runner=InProcessRunner())
+    spec = _spec(
+        demo_workspace["models"]["tiny-llama"],
+        ["cpu/float32"],
+        checks=("weights", "outputs"),
+        adapters=[AdapterRef(demo_workspace["adapters"]["lora"]["path"], "lora")],
+    )
+    job = engine.submit(spec)
+    assert job.wait(120)
+    assert job.state == "succeeded", job.error
+    table = engine.store.open(job.run_id).metrics()
+    assert set(table["check"]) == {"weights", "outputs"}
+    assert set(table["target"]) == {"cpu/float32"}
+
+
+def _worker_pids():
+    me = psutil.Process(os.getpid())
+    return [p.pid for p in me.children(recursive=True) if "core.worker" in " ".join(p.cmdline())]
+
+
+@pytest.mark.e2e
+def test_killed_worker_fails_the_job_and_the_engine_goes_on(tmp_path, demo_workspace):
+    engine = Engine(tmp_path, runner=ProcessRunner())
+    base = demo_workspace["models"]["tiny-llama"]
+    lora = AdapterRef(demo_workspace["adapters"]["lora"]["path"], "lora")
+    job = engine.submit(_spec(base, ["cpu/float32"], adapters=[lora]))
+    deadline = time.monotonic() + 60
+    pids = []
+    while not pids and time.monotonic() < deadline:
+        pids = _worker_pids()
+        time.sleep(0.05)
+    assert pids, "no worker process appeared"
+    time.sleep(0.5)
+    os.kill(pids[0], signal.SIGKILL)
+    assert job.wait(60)
+    assert job.state == "failed"
+    assert "SIGKILL" in job.error and "cpu/float32" in job.error
+    assert engine.store.open(job.run_id).status == "failed"
+    # the next job on the same engine still succeeds
+    job2 = engine.submit(_spec(base, ["cpu/float32"], adapters=[lora]))
+    assert job2.wait(120)
+    assert job2.state == "succeeded", job2.error
+
+
+@pytest.mark.e2e
+def test_cancel_mid_run_stops_real_workers(tmp_path, demo_workspace):
+    engine = Engine(tmp_path, runner=ProcessRunner(grace_s=5))
+    base = demo_workspace["models"]["tiny-llama"]
+    adapters = [AdapterRef(demo_workspace["adapters"][n]["path"], n) for n in ("lora", "dora", "boft")]
+    job = engine.submit(_spec(base, ["cpu/float32", "cpu/bfloat16"], adapters=adapters))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if any(t["state"] == "running" and t["step"] >= 2 for t in job.snapshot()["tasks"].values()):
+            break
+        time.sleep(0.05)
+    started = time.monotonic()
+    job.cancel()
+    assert job.wait(30)
+    assert job.state == "cancelled"
+    assert time.monotonic() - started < 15
+    assert not _worker_pids()
+    assert not (job.run_dir / "metrics.parquet").exists()
