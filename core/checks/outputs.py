@@ -72,7 +72,7 @@ class OutputsCheck(Check):
             "health_all_zero": h.all_zero,
             "health_identical_rows": h.identical_rows,
         }
-        if ref is not None and h.identical_rows and not metrics.health(ref).identical_rows:
+        if ref is not None and h.identical_rows and not h.all_zero and not metrics.health(ref).identical_rows:
             cols["verdict"] = "broken"
             cols["explanation"] = "all output rows are identical while the reference's are not"
         return cols
