@@ -1,0 +1,577 @@
+"""Tests for core.metrics: hand-computed exact cases and cross-checks against
+torch.testing.assert_close and numpy."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from core import metrics
+from core.metrics import (
+    DEFAULT_TOLERANCES,
+    VERDICTS,
+    DiffStats,
+    Tolerance,
+    compare,
+    default_tolerance,
+    explain,
+    health,
+    stats_to_row,
+    ulp,
+    verdict,
+    worst_verdict,
+)
+
+F64 = torch.float64
+LOW_PRECISION = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def t64(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=F64)
+
+
+def next_up(x: float, dtype: torch.dtype) -> torch.Tensor:
+    v = torch.tensor([x], dtype=dtype)
+    return torch.nextafter(v, torch.tensor([math.inf], dtype=dtype))
+
+
+def assert_close_passes(target: torch.Tensor, reference: torch.Tensor, rtol: float, atol: float) -> bool:
+    try:
+        torch.testing.assert_close(target.double(), reference, rtol=rtol, atol=atol)
+    except AssertionError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------- ULP
+
+
+@pytest.mark.parametrize(
+    ("dtype", "expected"),
+    [
+        (torch.float64, 2.0**-52),
+        (torch.float32, 2.0**-23),
+        (torch.float16, 2.0**-10),
+        (torch.bfloat16, 2.0**-7),
+    ],
+)
+def test_ulp_at_one(dtype, expected):
+    assert ulp(t64([1.0]), dtype).item() == expected
+    # Spacing is constant within a binade [2^k, 2^(k+1)).
+    assert ulp(t64([1.999]), dtype).item() == expected
+    assert ulp(t64([-1.5]), dtype).item() == expected
+    assert ulp(t64([2.0]), dtype).item() == 2 * expected
+
+
+@pytest.mark.parametrize(
+    ("dtype", "smallest_subnormal", "smallest_normal"),
+    [
+        (torch.float64, 2.0**-1074, 2.0**-1022),
+        (torch.float32, 2.0**-149, 2.0**-126),
+        (torch.float16, 2.0**-24, 2.0**-14),
+        (torch.bfloat16, 2.0**-133, 2.0**-126),
+    ],
+)
+def test_ulp_at_zero_and_subnormals(dtype, smallest_subnormal, smallest_normal):
+    x = t64([0.0, -0.0, smallest_subnormal, smallest_normal / 4, smallest_normal, 2 * smallest_normal])
+    expected = [smallest_subnormal] * 5 + [2 * smallest_subnormal]
+    assert ulp(x, dtype).tolist() == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_ulp_matches_numpy_spacing(dtype):
+    np_dtype = {torch.float32: np.float32, torch.float16: np.float16}[dtype]
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(2000, generator=g) * 10.0 ** torch.randint(-6, 4, (2000,), generator=g)).to(dtype)
+    expected = np.spacing(np.abs(x.numpy().astype(np_dtype))).astype(np.float64)
+    np.testing.assert_array_equal(ulp(x, dtype).numpy(), expected)
+
+
+def test_ulp_nonfinite_and_integer_dtype():
+    assert ulp(t64([math.inf, math.nan]), torch.float32).isnan().all()
+    with pytest.raises(TypeError):
+        ulp(t64([1.0]), torch.int32)
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION + [torch.float64])
+def test_one_ulp_apart(dtype):
+    one = torch.tensor([1.0], dtype=dtype)
+    assert compare(next_up(1.0, dtype), one).max_ulp == 1.0
+    assert compare(one, next_up(1.0, dtype)).max_ulp == 1.0
+
+
+def test_one_ulp_values_by_hand():
+    bf = torch.tensor([1.0], dtype=torch.bfloat16)
+    assert compare(torch.tensor([1.0078125], dtype=torch.bfloat16), bf).max_ulp == 1.0
+    f16 = torch.tensor([1.0], dtype=torch.float16)
+    assert compare(torch.tensor([1.0 + 2**-10], dtype=torch.float16), f16).max_ulp == 1.0
+    # The unit is the spacing at the reference, upward: the float below 1.0 is half a unit away.
+    below = torch.nextafter(torch.tensor([1.0]), torch.tensor([0.0]))
+    assert compare(below, torch.tensor([1.0])).max_ulp == 0.5
+
+
+def test_fractional_ulp_against_float64_reference():
+    stats = compare(torch.tensor([1.0]), t64([1.0 + 2**-25]))
+    assert stats.max_ulp == 0.25
+    assert stats.max_abs == 2**-25
+
+
+def test_ulp_of_subnormal_difference():
+    tiny = torch.tensor([2.0**-149])  # smallest float32 subnormal
+    assert compare(tiny, torch.tensor([0.0])).max_ulp == 1.0
+    assert compare(torch.tensor([3 * 2.0**-149]), torch.tensor([2.0**-149])).max_ulp == 2.0
+
+
+def test_bfloat16_rounding_is_within_half_ulp():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(10_000, generator=g) * 10.0 ** torch.randint(-20, 20, (10_000,), generator=g)
+    stats = compare(x.to(torch.bfloat16), x)
+    assert 0.4 < stats.max_ulp <= 0.5
+
+
+# ---------------------------------------------------------------- tolerance rule
+
+
+def test_default_tolerances():
+    assert default_tolerance(torch.float32) == Tolerance(rtol=1.3e-6, atol=1e-5)
+    assert default_tolerance(torch.float16) == Tolerance(rtol=1e-3, atol=1e-5)
+    assert default_tolerance(torch.bfloat16) == Tolerance(rtol=1.6e-2, atol=1e-5)
+    assert default_tolerance(torch.float64) == Tolerance(rtol=1e-7, atol=1e-7)
+    assert default_tolerance("float16") is DEFAULT_TOLERANCES["float16"]
+    with pytest.raises(TypeError):
+        default_tolerance(torch.int64)
+    with pytest.raises(TypeError):
+        DEFAULT_TOLERANCES["float32"] = Tolerance(0.0, 0.0)  # read-only mapping
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        default_tolerance(torch.float32).rtol = 0.0  # type: ignore[misc]
+
+
+def _threshold_case(seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, Tolerance]:
+    """Target in `dtype`, float64 reference, with differences spread around the tolerance."""
+    g = torch.Generator().manual_seed(seed)
+    tol = default_tolerance(dtype)
+    n = 64
+    target = (torch.randn(n, generator=g) * 10.0 ** torch.randint(-7, 3, (n,), generator=g)).to(dtype)
+    t = target.double()
+    # Scale 0 .. 0.99 of the allowance keeps every element inside; odd seeds push a few
+    # elements to within ±1% of the threshold, and some seeds well past it.
+    scale = torch.rand(n, generator=g, dtype=F64) * 0.99
+    if seed % 2:
+        k = int(torch.randint(1, 4, (1,), generator=g))
+        idx = torch.randperm(n, generator=g)[:k]
+        scale[idx] = 0.99 + 0.02 * torch.rand(k, generator=g, dtype=F64)
+    if seed % 5 == 0:
+        scale[0] = 3.0
+    sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0).to(F64)
+    # Allowance measured at |t| approximates the one at |reference| (rtol is small).
+    reference = t + sign * scale * (tol.atol + tol.rtol * t.abs())
+    return target, reference, tol
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_tolerance_rule_agrees_with_assert_close(dtype):
+    outcomes = set()
+    for seed in range(60):
+        target, reference, tol = _threshold_case(seed, dtype)
+        stats = compare(target, reference)
+        passes = assert_close_passes(target, reference, tol.rtol, tol.atol)
+        assert (stats.n_mismatch == 0) == passes, seed
+        assert verdict(stats) == ("within tolerance" if passes else "drift"), seed
+        outcomes.add(passes)
+    assert outcomes == {True, False}  # the cases really straddle the threshold
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_min_atol_is_tight(dtype):
+    n_positive = 0
+    for seed in range(60):
+        target, reference, tol = _threshold_case(seed, dtype)
+        stats = compare(target, reference)
+        assert assert_close_passes(target, reference, tol.rtol, stats.min_atol), seed
+        if stats.min_atol > 0:
+            n_positive += 1
+            assert not assert_close_passes(target, reference, tol.rtol, stats.min_atol * 0.99), seed
+    assert n_positive > 10
+
+
+def _step(x: float, k: int) -> float:
+    """`x` moved by `k` float64 steps."""
+    for _ in range(abs(k)):
+        x = math.nextafter(x, math.inf if k > 0 else -math.inf)
+    return x
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_tolerance_rule_at_the_exact_boundary(dtype):
+    # atol set to within a few float64 steps of what one element needs, so that
+    # |d| == atol + rtol·|reference| happens exactly and rounding decides the rest.
+    g = torch.Generator().manual_seed(7)
+    target = (torch.randn(30, generator=g) * 10.0 ** torch.randint(-4, 3, (30,), generator=g)).to(dtype)
+    rtol = default_tolerance(dtype).rtol
+    reference = target.double() * (1 + 3 * rtol * torch.randn(30, generator=g, dtype=F64))
+    outcomes = set()
+    for i in range(30):
+        t, r = target[i : i + 1], reference[i : i + 1]
+        base = float((t.double() - r).abs() - (r * rtol).abs())
+        for k in range(-3, 4):
+            atol = max(0.0, _step(base, k))
+            passes = assert_close_passes(t, r, rtol, atol)
+            assert (compare(t, r, Tolerance(rtol, atol)).n_mismatch == 0) == passes, (i, k)
+            outcomes.add(passes)
+    assert outcomes == {True, False}
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_min_atol_is_exactly_the_least_passing_atol(dtype):
+    g = torch.Generator()
+    rtol = default_tolerance(dtype).rtol
+    for seed in range(20):
+        g.manual_seed(seed)
+        target = (torch.randn(40, generator=g) * 10.0 ** torch.randint(-4, 3, (40,), generator=g)).to(dtype)
+        reference = target.double() * (1 + 5 * rtol * torch.randn(40, generator=g, dtype=F64))
+        min_atol = compare(target, reference, chunk_elems=7).min_atol
+        assert min_atol > 0
+        assert assert_close_passes(target, reference, rtol, min_atol), seed
+        assert not assert_close_passes(target, reference, rtol, math.nextafter(min_atol, 0.0)), seed
+
+
+def test_min_atol_where_naive_subtraction_rounds_down():
+    # Elements where fl(fl(|d| - rel) + rel) < |d|: the naive formula would not pass assert_close.
+    rng = np.random.default_rng(9)
+    t = rng.standard_normal(20_000)
+    r = t + rng.standard_normal(20_000) * 0.1
+    rtol = 0.05
+    ad, rel = np.abs(t - r), np.abs(r * rtol)
+    naive = np.maximum(ad - rel, 0.0)
+    bad = np.nonzero(ad > naive + rel)[0]
+    assert bad.size > 10
+    for i in bad[:10]:
+        target, reference = t64([t[i]]), t64([r[i]])
+        min_atol = compare(target, reference, Tolerance(rtol, 0.0)).min_atol
+        assert min_atol > naive[i]
+        assert assert_close_passes(target, reference, rtol, min_atol)
+        assert not assert_close_passes(target, reference, rtol, math.nextafter(min_atol, 0.0))
+
+
+def test_min_atol_under_cancellation():
+    # |d| = 0.5 + 7.5·2^-53 and rtol·|r| = 0.5 - 2.5·2^-53: the naive difference 15·2^-53 is
+    # exact, but the addition in the rule rounds, so atols many ulps below it still pass.
+    tol = Tolerance(rtol=0.5, atol=0.0)
+    ta, ra = 1.5, 1 - 5 * 2**-53
+    naive = (ta - ra) - 0.5 * ra
+    target, reference = t64([ta]), t64([ra])
+    min_atol = compare(target, reference, tol).min_atol
+    assert min_atol < math.nextafter(naive, 0.0)
+    assert assert_close_passes(target, reference, tol.rtol, min_atol)
+    assert not assert_close_passes(target, reference, tol.rtol, math.nextafter(min_atol, 0.0))
+    # A second element whose naive need is a little smaller than the first's, but whose exact
+    # need is larger: it must not be overlooked.
+    tb = naive - 16 * 2**-62
+    assert compare(t64([ta, tb]), t64([ra, 0.0]), tol, chunk_elems=2).min_atol == tb
+
+
+def test_mismatch_count_with_explicit_tolerance():
+    reference = t64([1.0, 2.0, 3.0, 4.0])
+    target = torch.tensor([1.0, 2.1, 3.0, 4.5])
+    stats = compare(target, reference, Tolerance(rtol=0.0, atol=0.2))
+    assert (stats.n_mismatch, stats.n_diff) == (1, 2)
+    assert (stats.rtol, stats.atol) == (0.0, 0.2)
+    assert stats.min_atol == pytest.approx(0.5)
+
+
+# ---------------------------------------------------------------- metrics vs numpy
+
+
+def test_metrics_against_numpy():
+    g = torch.Generator().manual_seed(3)
+    reference = torch.randn(6, 7, generator=g, dtype=F64)
+    target = (reference + 1e-3 * torch.randn(6, 7, generator=g, dtype=F64)).float()
+    target[4, 2] = float(reference[4, 2]) + 0.5  # a clear worst element
+
+    r = reference.numpy()
+    d = target.double().numpy() - r
+    stats = compare(target, reference)
+
+    assert stats.max_abs == pytest.approx(np.abs(d).max(), rel=1e-12)
+    assert stats.mean_abs == pytest.approx(np.abs(d).mean(), rel=1e-12)
+    assert stats.rmse == pytest.approx(np.sqrt((d**2).mean()), rel=1e-12)
+    assert stats.rel_l2 == pytest.approx(np.linalg.norm(d) / np.linalg.norm(r), rel=1e-12)
+    tn = target.double().numpy().ravel()
+    cos = tn @ r.ravel() / (np.linalg.norm(tn) * np.linalg.norm(r))
+    assert stats.cos_sim == pytest.approx(cos, rel=1e-12)
+    assert stats.worst_index == (4, 2) == np.unravel_index(np.abs(d).argmax(), d.shape)
+    assert stats.worst_target == float(target[4, 2])
+    assert stats.worst_reference == float(reference[4, 2])
+    assert (stats.numel, stats.shape, stats.ref_shape) == (42, (6, 7), (6, 7))
+    assert (stats.target_dtype, stats.reference_dtype) == ("float32", "float64")
+    assert verdict(stats) == "drift"
+
+
+def test_metrics_small_exact():
+    stats = compare(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), t64([[1.0, 2.0], [3.0, 2.0]]))
+    assert stats.max_abs == 2.0
+    assert stats.mean_abs == 0.5
+    assert stats.rmse == 1.0
+    assert stats.rel_l2 == 2.0 / math.sqrt(18.0)
+    assert stats.worst_index == (1, 1)
+
+
+def test_rel_l2_and_cos_sim_with_zero_reference():
+    zeros = torch.zeros(3, dtype=F64)
+    stats = compare(torch.tensor([0.0, 1.0, 0.0]), zeros)
+    assert stats.rel_l2 == math.inf
+    assert math.isnan(stats.cos_sim)
+    # Both zero but not bitwise (signed zero): rel_l2 0, cos_sim 1.
+    stats = compare(torch.tensor([-0.0, 0.0, 0.0]), zeros)
+    assert (stats.rel_l2, stats.cos_sim) == (0.0, 1.0)
+
+
+def test_cos_sim_is_clamped():
+    # Equal values (a signed zero defeats the fast path): s / (sqrt(s)·sqrt(s)) rounds above 1.
+    reference = torch.cat([torch.full((10,), 0.1, dtype=F64), t64([0.0])])
+    target = reference.clone()
+    target[-1] = -0.0
+    s = float((reference * reference).sum())
+    assert s / (math.sqrt(s) * math.sqrt(s)) > 1.0
+    assert compare(target, reference).cos_sim == 1.0
+    assert compare(-target, reference).cos_sim == -1.0
+
+
+# ---------------------------------------------------------------- NaN / Inf
+
+
+def test_nan_in_target_is_broken():
+    reference = t64([1.0, 2.0, 3.0, 4.0])
+    target = torch.tensor([1.0, math.nan, 3.0, math.inf])
+    stats = compare(target, reference)
+    assert (stats.n_nan, stats.n_inf, stats.ref_nan, stats.ref_inf) == (1, 1, 0, 0)
+    assert stats.n_nonfinite_new == 2
+    assert stats.n_mismatch == 2
+    assert stats.max_abs == 0.0 and stats.worst_index is None  # finite elements agree
+    assert verdict(stats) == "broken"
+    assert explain(stats).startswith(
+        "1 NaN / 1 Inf where the reference is finite · Mismatched elements: 2 / 4"
+    )
+
+
+def test_matching_nonfinite_counts_as_equal():
+    reference = t64([math.nan, math.inf, -math.inf, 1.0])
+    target = torch.tensor([math.nan, math.inf, -math.inf, 1.0 + 2**-20])
+    stats = compare(target, reference)
+    assert (stats.n_nan, stats.n_inf, stats.ref_nan, stats.ref_inf) == (1, 2, 1, 2)
+    assert (stats.n_nonfinite_new, stats.n_mismatch, stats.n_diff) == (0, 0, 1)
+    assert stats.max_abs == 2**-20 and stats.worst_index == (3,)
+    assert stats.mean_abs == 2**-20  # over the one element finite in both
+    assert verdict(stats) == "within tolerance"
+
+
+def test_differing_nonfinite_is_new():
+    reference = t64([math.inf, math.nan, math.inf, 1.0])
+    target = torch.tensor([-math.inf, math.inf, 5.0, 1.0])
+    stats = compare(target, reference)
+    assert stats.n_nonfinite_new == 2  # -inf vs inf, inf vs NaN; finite vs inf is a plain mismatch
+    assert stats.n_mismatch == 3
+    assert verdict(stats) == "broken"
+    assert "2 NaN/Inf where the reference differs" in explain(stats)
+
+
+def test_finite_target_against_infinite_reference_is_drift():
+    stats = compare(torch.tensor([1.0, 2.0]), t64([1.0, math.inf]))
+    assert (stats.n_mismatch, stats.n_nonfinite_new) == (1, 0)
+    assert verdict(stats) == "drift"
+
+
+# ---------------------------------------------------------------- bitwise fast path
+
+
+def test_identical_tensors():
+    x = torch.randn(5, 6)
+    x[0, 0] = math.nan
+    stats = compare(x, x.clone())
+    assert stats.bitwise_equal
+    assert (stats.max_abs, stats.max_ulp, stats.min_atol, stats.cos_sim) == (0.0, 0.0, 0.0, 1.0)
+    assert (stats.n_diff, stats.n_mismatch, stats.n_nan, stats.ref_nan) == (0, 0, 1, 1)
+    assert stats.worst_index is None
+    assert verdict(stats) == "identical"
+    assert explain(stats) == "bitwise identical"
+
+
+def test_bitwise_fast_path_skips_float64_math(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("slow path used")
+
+    monkeypatch.setattr(metrics._Accumulator, "add", fail)
+    x = torch.randn(100, dtype=torch.float16)
+    assert compare(x, x.clone(), chunk_elems=7).bitwise_equal
+
+
+def test_signed_zero_is_not_bitwise_but_within_tolerance():
+    stats = compare(torch.tensor([-0.0, 1.0]), torch.tensor([0.0, 1.0]))
+    assert not stats.bitwise_equal
+    assert (stats.n_diff, stats.n_mismatch, stats.max_abs) == (0, 0, 0.0)
+    assert verdict(stats) == "within tolerance"
+    assert explain(stats).startswith("within tolerance")
+
+
+def test_bitwise_equal_across_dtypes_casts_to_wider():
+    values = [1.0, -0.5, 0.25, 3.0, 0.0]  # exactly representable in every format
+    assert compare(torch.tensor(values), t64(values)).bitwise_equal
+    assert compare(
+        torch.tensor(values, dtype=torch.float16), torch.tensor(values, dtype=torch.bfloat16)
+    ).bitwise_equal
+    assert not compare(torch.tensor([0.1]), t64([0.1])).bitwise_equal
+
+
+def test_empty_tensors_are_identical():
+    stats = compare(torch.empty(0, 3), torch.empty(0, 3, dtype=F64))
+    assert verdict(stats) == "identical" and not stats.all_zero
+
+
+# ---------------------------------------------------------------- chunking
+
+
+def _assert_same_stats(a: DiffStats, b: DiffStats) -> None:
+    for field in dataclasses.fields(DiffStats):
+        x, y = getattr(a, field.name), getattr(b, field.name)
+        if isinstance(x, float) and not math.isnan(x):
+            assert x == pytest.approx(y, rel=1e-12, abs=0.0), field.name
+        elif isinstance(x, float):
+            assert math.isnan(y), field.name
+        else:
+            assert x == y, field.name
+
+
+@pytest.mark.parametrize("target_dtype", LOW_PRECISION)
+def test_chunking_invariance(target_dtype):
+    g = torch.Generator().manual_seed(5)
+    reference = torch.randn(13, 17, generator=g, dtype=F64)
+    target = (reference + 1e-2 * torch.randn(13, 17, generator=g, dtype=F64)).to(target_dtype)
+    # Non-finite values, and a tie for the greatest difference across chunk borders.
+    target[0, 1] = math.nan
+    reference[2, 3] = math.inf
+    target[5, 5] = math.inf
+    reference[5, 5] = math.inf
+    target[3, 0], reference[3, 0] = 9.0, 1.0
+    target[11, 16], reference[11, 16] = 9.0, 1.0
+    default = compare(target, reference)
+    for chunk in (1, 7, 50, 220, 221, 10_000):
+        _assert_same_stats(compare(target, reference, chunk_elems=chunk), default)
+    assert default.worst_index == (3, 0)  # the first of the tied elements
+
+
+# ---------------------------------------------------------------- broken cases
+
+
+def test_shape_mismatch_does_not_raise():
+    stats = compare(torch.zeros(4, 8), torch.ones(8, 4, dtype=F64))
+    assert stats.shape_mismatch and not stats.bitwise_equal
+    assert math.isnan(stats.max_abs) and math.isnan(stats.cos_sim)
+    assert verdict(stats) == "broken"
+    assert explain(stats) == "shape mismatch: target (4, 8) vs reference (8, 4)"
+    row = stats_to_row(stats)
+    assert (row["shape"], row["ref_shape"], row["verdict"]) == ("4x8", "8x4", "broken")
+
+
+def test_all_zero_target_is_broken():
+    stats = compare(torch.zeros(3, 3), torch.ones(3, 3, dtype=F64))
+    assert stats.all_zero
+    assert verdict(stats) == "broken"
+    assert explain(stats) == "target is all zeros, reference is not"
+    # Both zero is not "all zero" breakage.
+    assert not compare(torch.zeros(3), torch.zeros(3, dtype=F64)).all_zero
+
+
+def test_non_floating_inputs_raise():
+    with pytest.raises(TypeError):
+        compare(torch.ones(3, dtype=torch.int32), torch.ones(3))
+    with pytest.raises(TypeError):
+        compare(torch.ones(3), torch.ones(3, dtype=torch.int64))
+
+
+# ---------------------------------------------------------------- verdicts and text
+
+
+def test_worst_verdict():
+    assert worst_verdict(["identical", "drift", "within tolerance"]) == "drift"
+    assert worst_verdict(iter(["identical"])) == "identical"
+    assert worst_verdict(VERDICTS) == "broken"
+    with pytest.raises(ValueError):
+        worst_verdict([])
+    with pytest.raises(ValueError):
+        worst_verdict(["fine"])
+
+
+def test_explain_drift_format():
+    reference = torch.ones(64, 64, dtype=F64)
+    target = torch.ones(64, 64)
+    target[3, 17] = 1.0123
+    target[10, 10] = 1.001
+    target[20, 1] = 1.0001
+    stats = compare(target, reference)
+    assert verdict(stats) == "drift"
+    text = explain(stats)
+    assert text.startswith("Mismatched elements: 3 / 4096 (0.1%) · greatest abs diff 0.0123 at (3, 17) ")
+    assert "(target 1.01, reference 1)" in text
+    assert f"greatest ulp diff {stats.max_ulp:.3g}" in text
+    assert "needs atol ≥ 0.0123 at rtol 1.3e-06" in text
+
+
+def test_explain_within_tolerance():
+    stats = compare(torch.tensor([1.0]), t64([1.0 + 2**-25]))
+    assert explain(stats) == f"within tolerance (max abs {2**-25:.3g}, 0.25 ulp)"
+
+
+def test_stats_to_row_is_flat():
+    stats = compare(torch.tensor([[1.0, 2.0], [3.0, 5.0]]), t64([[1.0, 2.0], [3.0, 4.0]]))
+    row = stats_to_row(stats)
+    field_names = {f.name for f in dataclasses.fields(DiffStats)}
+    assert set(row) == field_names | {"verdict", "explanation"}
+    assert row["worst_index"] == "(1, 1)" and row["shape"] == "2x2"
+    assert row["verdict"] == "drift" and row["explanation"] == explain(stats)
+    assert all(not isinstance(v, (tuple, list, dict)) for v in row.values())
+    assert stats_to_row(compare(torch.ones(2), torch.ones(2)))["worst_index"] is None
+
+
+# ---------------------------------------------------------------- health
+
+
+def test_health_counts_and_all_zero():
+    x = torch.randn(2, 3, 5)
+    x[0, 1, 2] = math.nan
+    x[1, 0, 0] = math.inf
+    x[1, 2, 4] = math.nan
+    h = health(x)
+    assert (h.n_nan, h.n_inf, h.all_zero, h.identical_rows) == (2, 1, False, False)
+    assert health(torch.zeros(4, 8)).all_zero
+
+
+def test_health_identical_rows():
+    row = torch.randn(16)
+    assert health(row.expand(2, 3, 16)).identical_rows
+    assert not health(row.unsqueeze(0)).identical_rows  # a single row
+    varied = row.repeat(6, 1)
+    varied[5, 15] += 1.0
+    assert not health(varied).identical_rows
+    with_nan = row.clone()
+    with_nan[0] = math.nan
+    assert health(with_nan.repeat(3, 1)).identical_rows  # NaN counts as equal to NaN
+
+
+def test_non_contiguous_and_grad_inputs():
+    reference = torch.randn(5, 4, dtype=F64)
+    target = reference.float().requires_grad_()
+    with torch.no_grad():
+        target[1, 3] += 1.0
+    stats = compare(target.t(), reference.t())  # a transposed view: not contiguous
+    assert stats.worst_index == (3, 1) and stats.shape == (4, 5)
+
+
+def test_tolerance_must_be_non_negative():
+    with pytest.raises(ValueError):
+        Tolerance(rtol=-1e-3, atol=0.0)
+    with pytest.raises(ValueError):
+        Tolerance(rtol=0.0, atol=math.nan)
