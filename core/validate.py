@@ -75,7 +75,7 @@ def validate_model(model: ModelRef) -> dict[str, tuple[int, ...]] | None:
 
 def validate_adapter(adapter: AdapterRef, base_shapes: dict[str, tuple[int, ...]] | None, base: str) -> None:
     """The adapter folder is intact and its modules exist in the base with fitting shapes."""
-    from core.checks.weights import split_adapter_key
+    from core.formulas import split_adapter_key
 
     path = Path(adapter.path).expanduser()
     if not path.is_dir():
@@ -95,8 +95,11 @@ def validate_adapter(adapter: AdapterRef, base_shapes: dict[str, tuple[int, ...]
     fan_in_fan_out = bool(config.get("fan_in_fan_out"))
     modules = {}
     for key, shape in shapes.items():
-        module, role = split_adapter_key(key)
-        modules.setdefault(module, {})[role] = shape
+        split = split_adapter_key(key)
+        if split is None:
+            continue  # modules_to_save copies and the like: nothing to match against the base
+        module, param = split
+        modules.setdefault(module, {})[param.split(".")[0]] = shape
     missing = [m for m in modules if f"{m}.weight" not in base_shapes]
     if missing and len(missing) == len(modules):
         raise InputError(

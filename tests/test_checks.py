@@ -180,3 +180,16 @@ def test_tolerance_override_applies_to_rows():
     )[0]
     assert row["verdict"] == "within tolerance"
     assert row["atol"] == 1e-2 and row["rtol"] == 1.3e-6
+
+
+def test_checkpoint_tensor_not_loaded_is_broken():
+    ref = {
+        TensorKey("weights", BASE, "a.weight").encode(): torch.ones(2),
+        TensorKey("weights", BASE, "model.layers.1.mlp.extra.weight").encode(): torch.ones(3),
+    }
+    rows = CHECKS["weights"].rows(
+        _spec(), _capture("a.weight", torch.ones(2), check="weights"), Reference("checkpoint", ref, {})
+    )
+    assert [r["verdict"] for r in rows] == ["identical", "broken"]
+    assert rows[1]["tensor"] == "model.layers.1.mlp.extra.weight"
+    assert "not loaded" in rows[1]["explanation"] and rows[1]["layer"] == 1

@@ -27,7 +27,9 @@ def run(home, demo, targets, adapters, checks):
 
 
 def test_cuda_loads_are_bitwise_the_checkpoint(tmp_path, demo_workspace):
-    table = run(tmp_path, demo_workspace, ["cpu/float32", "cuda:0/float32"], ["lora", "dora", "boft"], ["weights"])
+    table = run(
+        tmp_path, demo_workspace, ["cpu/float32", "cuda:0/float32"], ["lora", "dora", "boft"], ["weights"]
+    )
     assert (table.verdict == "identical").all(), table[table.verdict != "identical"][["target", "tensor"]]
 
 

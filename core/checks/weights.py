@@ -7,33 +7,10 @@ from typing import Any
 import torch
 
 from core.capture import BASE, Capture, TensorKey
-from core.checks.base import CaptureContext, Check, Reference, layer_of
+from core.checks.base import CaptureContext, Check, Reference, layer_of, missing_reference_row
+from core.formulas import split_adapter_key
 from core.loading import Loaded, read_checkpoint
 from core.spec import ProbeSpec
-
-# Names PEFT gives adapter parameters inside a tuner layer.
-ADAPTER_PARAMS = (
-    "lora_A",
-    "lora_B",
-    "lora_embedding_A",
-    "lora_embedding_B",
-    "lora_magnitude_vector",
-    "boft_R",
-    "boft_s",
-    "oft_R",
-    "ia3_l",
-)
-PEFT_PREFIX = "base_model.model."
-
-
-def split_adapter_key(key: str) -> tuple[str, str]:
-    """`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` → (module path, role)."""
-    name = key.removeprefix(PEFT_PREFIX)
-    parts = name.split(".")
-    for i, part in enumerate(parts):
-        if part in ADAPTER_PARAMS:
-            return ".".join(parts[:i]), part
-    return name.rsplit(".", 1)[0], "adapter"
 
 
 class WeightsCheck(Check):
@@ -63,18 +40,15 @@ class WeightsCheck(Check):
     def reference(
         self, spec: ProbeSpec, keys: list[TensorKey], reference_capture: Capture | None
     ) -> Reference:
-        tensors: dict[str, torch.Tensor] = {}
-        files: dict[str, dict[str, torch.Tensor]] = {}
+        # Every tensor of each checkpoint involved, so that rows can also name what was not loaded.
         paths = {a.name: a.path for a in spec.adapters}
-        for key in keys:
-            if key.adapter == BASE:
-                source = files.setdefault(BASE, read_checkpoint(spec.base.path))
+        tensors: dict[str, torch.Tensor] = {}
+        for source in sorted({k.adapter for k in keys}):
+            if source == BASE:
+                file = read_checkpoint(spec.base.path)
             else:
-                source = files.setdefault(
-                    key.adapter, read_checkpoint(paths[key.adapter], prefix="adapter_model")
-                )
-            if key.name in source:
-                tensors[key.encode()] = source[key.name]
+                file = read_checkpoint(paths[source], prefix="adapter_model")
+            tensors.update({TensorKey(self.name, source, name).encode(): t for name, t in file.items()})
         return Reference(label="checkpoint", tensors=tensors, notes={})
 
     def rows(self, spec: ProbeSpec, capture: Capture, reference: Reference) -> list[dict[str, Any]]:
@@ -89,6 +63,25 @@ class WeightsCheck(Check):
             if ref_dtype and ref_dtype != row["dtype"] and row["verdict"] != "identical":
                 cast = f"cast {ref_dtype} → {row['dtype']} on load"
                 row["note"] = f"{row['note']}; {cast}" if row["note"] else cast
+        captured = set(capture.tensors)
+        sources = {k.adapter for k in capture.keys(self.name)}
+        for encoded, tensor in reference.tensors.items():
+            key = TensorKey.decode(encoded)
+            if key.adapter in sources and encoded not in captured and key.name not in tied:
+                rows.append(
+                    {
+                        "check": self.name,
+                        "target": capture.target,
+                        "reference": reference.label,
+                        "adapter": None if key.adapter == BASE else key.adapter,
+                        "tensor": key.name,
+                        **self.describe(key),
+                        "dtype": None,
+                        "note": "",
+                        **missing_reference_row(tensor),
+                        "explanation": "key mismatch: in the checkpoint but not loaded on the target",
+                    }
+                )
         return rows
 
     def describe(self, key: TensorKey) -> dict[str, Any]:
@@ -96,5 +89,7 @@ class WeightsCheck(Check):
             module_path = key.name.rsplit(".", 1)[0]
             role = "base"
         else:
-            module_path, role = split_adapter_key(key.name)
+            split = split_adapter_key(key.name)
+            module_path, param = split if split else (key.name.rsplit(".", 1)[0], "adapter")
+            role = param.split(".")[0]
         return {"layer": layer_of(module_path), "module": module_path.rsplit(".", 1)[-1], "role": role}

@@ -1,0 +1,605 @@
+"""Adapter math along two independent paths.
+
+(a) :func:`reference_deltas` computes, per adapted module, the effective weight change
+    ``ΔW = W_merged - W`` from the checkpoint tensors alone (adapter file + base weights), in float64
+    on the CPU, with each method's merge rule written out here rather than taken from PEFT's layers.
+(b) :func:`peft_delta` computes the same ``ΔW`` on a loaded PEFT layer, in the layer's dtype and on
+    its device, with PEFT's own functions, exactly as PEFT's (unsafe, default) merge would, without
+    touching the layer.
+
+Comparing the two measures how far a device/dtype drifts from the exact math. Semantics follow the
+installed PEFT 0.21.2 (``peft/tuners/{lora,boft,oft,ia3}``). Only weight deltas are covered: bias
+changes (``lora_bias``, IA3 scaling the bias of non-feedforward layers) are outside ``ΔW``.
+
+Module names are base-model module paths as they appear in the base state dict without the
+``.weight`` suffix, e.g. ``model.layers.0.self_attn.q_proj``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+ADAPTER_TYPES = ("lora", "dora", "pissa", "boft", "oft", "ia3")
+"""Adapter types this module knows the merge rule of."""
+
+# PeftModel.save_pretrained writes keys as "base_model.model.<module path>.<param>"
+# (the adapter name is stripped); injected models without the wrapper have no prefix.
+_PEFT_PREFIX = "base_model.model."
+
+# Parameter names an adapter checkpoint can hold per module, longest first so that
+# "lora_B.bias" is not mistaken for a module named "...lora_B".
+_PARAM_NAMES = (
+    "lora_magnitude_vector",
+    "lora_embedding_A",
+    "lora_embedding_B",
+    "lora_A.weight",
+    "lora_B.weight",
+    "lora_B.bias",
+    "oft_R.weight",
+    "boft_R",
+    "boft_s",
+    "ia3_l",
+)
+
+
+# --------------------------------------------------------------------------------------------------
+# Config helpers
+# --------------------------------------------------------------------------------------------------
+
+
+def adapter_type(adapter_config: Mapping[str, Any]) -> str:
+    """Classify an ``adapter_config.json`` dict as lora, dora, pissa, boft, oft, ia3, or another peft type.
+
+    LoRA with ``use_dora`` is ``dora``; LoRA whose ``init_lora_weights`` is a string starting with
+    ``pissa`` is ``pissa``; other types are the lowercased ``peft_type``.
+    """
+    peft_type = adapter_config.get("peft_type")
+    if not peft_type:
+        raise ValueError("adapter config has no 'peft_type'; is this an adapter_config.json?")
+    peft_type = str(peft_type).rsplit(".", 1)[-1].upper()  # tolerate "PeftType.LORA"
+    if peft_type == "LORA":
+        if adapter_config.get("use_dora"):
+            return "dora"
+        init = adapter_config.get("init_lora_weights")
+        if isinstance(init, str) and init.lower().startswith("pissa"):
+            return "pissa"
+        return "lora"
+    return peft_type.lower()
+
+
+def _pattern_value(patterns: Mapping[str, Any] | None, module: str, default: Any) -> Any:
+    """Value of the first ``rank_pattern``/``alpha_pattern`` key matching ``module``, else ``default``.
+
+    Same rule as PEFT's ``get_pattern_key``: a key matches when it matches the end of the module
+    path at a dot boundary, as a regular expression; the first matching key in dict order wins.
+    """
+    for key, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def _lora_rank_and_scaling(config: Mapping[str, Any], module: str) -> tuple[int, float]:
+    """LoRA rank and scaling for one module: ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA)."""
+    r = int(_pattern_value(config.get("rank_pattern"), module, config.get("r", 8)))
+    alpha = float(_pattern_value(config.get("alpha_pattern"), module, config.get("lora_alpha", 8)))
+    scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+    return r, scaling
+
+
+def _ia3_is_feedforward(config: Mapping[str, Any], module: str) -> bool:
+    """Whether IA3 treats ``module`` as feedforward (scales the input), as PEFT's IA3 model decides."""
+    ff = config.get("feedforward_modules") or []
+    if isinstance(ff, str):
+        return re.fullmatch(ff, module) is not None
+    return any(module.endswith(name) for name in ff)
+
+
+# --------------------------------------------------------------------------------------------------
+# Checkpoint key mapping
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AdapterModule:
+    """The tensors one adapted module holds in an adapter checkpoint."""
+
+    module: str
+    """Base-model module path, e.g. ``model.layers.0.self_attn.q_proj``."""
+    keys: dict[str, str]
+    """Parameter name (``lora_A.weight``, ``boft_R``, ...) -> key in the checkpoint."""
+
+
+def split_adapter_key(key: str) -> tuple[str, str] | None:
+    """``base_model.model.X.lora_A.weight`` → (``X``, ``lora_A.weight``); None if no adapter parameter."""
+    path = key[len(_PEFT_PREFIX) :] if key.startswith(_PEFT_PREFIX) else key
+    param = next((p for p in _PARAM_NAMES if path.endswith("." + p)), None)
+    if param is None:
+        return None
+    return path[: -len(param) - 1], param
+
+
+def adapter_module_keys(adapter_tensors: Mapping[str, torch.Tensor]) -> dict[str, AdapterModule]:
+    """Group adapter-checkpoint keys by the base-model module they adapt.
+
+    ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` becomes module
+    ``model.layers.0.self_attn.q_proj`` with parameter ``lora_A.weight``. Raises ``ValueError`` for
+    keys that are no known adapter parameter (``modules_to_save`` copies, trainable tokens, ...),
+    because silently leaving them out would report a partial ΔW as the whole one.
+    """
+    modules: dict[str, dict[str, str]] = {}
+    unknown: list[str] = []
+    for key in adapter_tensors:
+        split = split_adapter_key(key)
+        if split is None:
+            unknown.append(key)
+            continue
+        modules.setdefault(split[0], {})[split[1]] = key
+    if unknown:
+        shown = ", ".join(sorted(unknown)[:5])
+        more = f" (and {len(unknown) - 5} more)" if len(unknown) > 5 else ""
+        raise ValueError(
+            f"adapter checkpoint has tensors that are no LoRA/DoRA/BOFT/OFT/IA3 parameter: {shown}{more}; "
+            "modules_to_save and trainable tokens are not covered by reference_deltas"
+        )
+    return {m: AdapterModule(module=m, keys=k) for m, k in sorted(modules.items())}
+
+
+def _need(mod: AdapterModule, param: str, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The float64 tensor of ``param`` of ``mod``, or a ValueError naming what is missing."""
+    key = mod.keys.get(param)
+    if key is None:
+        raise ValueError(
+            f"module {mod.module}: adapter checkpoint lacks '{param}' (has: {', '.join(sorted(mod.keys))})"
+        )
+    return tensors[key].detach().to(device="cpu", dtype=torch.float64)
+
+
+def _base_weight(mod: AdapterModule, base_weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The float64 base weight of ``mod``, or a ValueError saying the adapter does not fit this base."""
+    key = mod.module + ".weight"
+    if key not in base_weights:
+        example = next(iter(base_weights), "<empty>")
+        raise ValueError(
+            f"module {mod.module}: base weights have no '{key}' (e.g. they have '{example}'); "
+            "was this adapter made for a different base model?"
+        )
+    weight = base_weights[key].detach().to(device="cpu", dtype=torch.float64)
+    if weight.ndim != 2:
+        raise ValueError(
+            f"module {mod.module}: only 2-d (Linear) weights are supported, got {tuple(weight.shape)}"
+        )
+    return weight
+
+
+def _check_shape(
+    mod: AdapterModule, what: str, got: torch.Size | tuple[int, ...], want: tuple[int, ...]
+) -> None:
+    """ValueError naming the module when a tensor shape disagrees with the base weight."""
+    if tuple(got) != tuple(want):
+        raise ValueError(
+            f"module {mod.module}: {what} has shape {tuple(got)} but the base weight needs {tuple(want)}; "
+            "was this adapter made for a different base model?"
+        )
+
+
+def _t(x: torch.Tensor, fan_in_fan_out: bool) -> torch.Tensor:
+    """Transpose when the base stores its weight as (in, out) (GPT-2 style Conv1D)."""
+    return x.T if fan_in_fan_out else x
+
+
+# --------------------------------------------------------------------------------------------------
+# (a) Reference formulas, float64, checkpoint tensors only
+# --------------------------------------------------------------------------------------------------
+
+
+def _lora_delta(
+    config: Mapping[str, Any], mod: AdapterModule, tensors: Mapping[str, torch.Tensor], weight: torch.Tensor
+) -> torch.Tensor:
+    """``s·B@A``, transposed for fan_in_fan_out; shapes checked against the config rank and the base."""
+    if "lora_embedding_A" in mod.keys or "lora_embedding_B" in mod.keys:
+        raise ValueError(f"module {mod.module}: LoRA on embeddings is not supported by reference_deltas")
+    if "lora_B.bias" in mod.keys:
+        raise ValueError(
+            f"module {mod.module}: lora_bias changes the bias, which reference_deltas does not cover"
+        )
+    a = _need(mod, "lora_A.weight", tensors)
+    b = _need(mod, "lora_B.weight", tensors)
+    r, scaling = _lora_rank_and_scaling(config, mod.module)
+    fifo = bool(config.get("fan_in_fan_out"))
+    out_f, in_f = _t(weight, fifo).shape
+    _check_shape(mod, "lora_A.weight", a.shape, (r, in_f))
+    _check_shape(mod, "lora_B.weight", b.shape, (out_f, r))
+    return _t(scaling * (b @ a), fifo)
+
+
+def _dora_delta(
+    config: Mapping[str, Any], mod: AdapterModule, tensors: Mapping[str, torch.Tensor], weight: torch.Tensor
+) -> torch.Tensor:
+    """``m ⊙ (W + sBA) / ‖W + sBA‖_row − W`` (the norm of each output row over the input dim).
+
+    Same as PEFT's DoRA merge for Linear: the norm is taken of the unmerged weight plus the LoRA
+    delta and is a constant there (detached), which changes nothing for the value.
+    """
+    fifo = bool(config.get("fan_in_fan_out"))
+    lora = _t(_lora_delta(config, mod, tensors, weight), fifo)  # (out, in)
+    w = _t(weight, fifo)
+    magnitude = _need(mod, "lora_magnitude_vector", tensors)
+    _check_shape(mod, "lora_magnitude_vector", magnitude.shape, (w.shape[0],))
+    v = w + lora
+    norm = torch.linalg.vector_norm(v, dim=1)
+    merged = (magnitude / norm).unsqueeze(1) * v
+    return _t(merged - w, fifo)
+
+
+def _cayley_exact(skew: torch.Tensor) -> torch.Tensor:
+    """``(I − S)(I + S)^{-1}`` for a batch of skew-symmetric matrices (solve, not an inverse)."""
+    eye = torch.eye(skew.shape[-1], dtype=skew.dtype).expand_as(skew)
+    # X (I + S) = (I − S)  <=>  (I + S)^T X^T = (I − S)^T
+    return torch.linalg.solve((eye + skew).mT, (eye - skew).mT).mT
+
+
+def _boft_delta(
+    config: Mapping[str, Any], mod: AdapterModule, tensors: Mapping[str, torch.Tensor], weight: torch.Tensor
+) -> torch.Tensor:
+    """BOFT: ``W' = (R @ Wᵀ)ᵀ · s`` with R the product of permuted block-diagonal Cayley rotations.
+
+    The butterfly depth is read from ``boft_R``'s shape (N, blocks, size, size), not from the config:
+    PEFT silently builds N = 1 when its ``fbd_cuda`` extension cannot be compiled (any CPU-only
+    install), whatever ``boft_n_butterfly_factor`` says, so the tensor records what was trained.
+    """
+    from peft.tuners.boft.layer import BOFTLayer  # integer permutation structure only
+
+    if config.get("fan_in_fan_out"):
+        raise ValueError(
+            f"module {mod.module}: BOFT with fan_in_fan_out is not supported by reference_deltas"
+        )
+    rot = _need(mod, "boft_R", tensors)
+    scale = _need(mod, "boft_s", tensors)
+    if rot.ndim != 4 or rot.shape[2] != rot.shape[3]:
+        raise ValueError(
+            f"module {mod.module}: boft_R has shape {tuple(rot.shape)}, expected (N, blocks, b, b)"
+        )
+    n_factors, n_blocks, size, _ = rot.shape
+    out_f, in_f = weight.shape
+    if n_blocks * size != in_f:
+        raise ValueError(
+            f"module {mod.module}: boft_R has shape {tuple(rot.shape)}, i.e. {n_blocks}x{size} = "
+            f"{n_blocks * size} rotated features, but the base weight has in_features {in_f}; "
+            "was this adapter made for a different base model?"
+        )
+    _check_shape(mod, "boft_s", scale.shape, (out_f, 1))
+
+    skew = 0.5 * (rot - rot.mT)
+    blocks = _cayley_exact(skew.reshape(-1, size, size)).reshape(n_factors, n_blocks, size, size)
+    total = torch.eye(in_f, dtype=torch.float64)
+    for i in range(n_factors):
+        block_diag = torch.block_diag(*blocks[i])
+        # perm2mat(idx) = P with P[j, idx[j]] = 1, so P M Pᵀ = M[idx][:, idx]
+        idx = BOFTLayer.block_butterfly_perm(None, in_f, n_blocks // 2**i, size // 2, n_factors - 1)
+        factor = block_diag[idx][:, idx]
+        total = factor @ total  # PEFT: mat = batch[i] @ mat
+    merged = (total @ weight.T).T * scale
+    return merged - weight
+
+
+def _oft_project(vec: torch.Tensor, size: int, eps: float) -> torch.Tensor:
+    """COFT's projection: shrink each skew block to Frobenius norm ≤ eps/sqrt(#blocks)."""
+    skew = _skew_from_upper(vec, size)
+    bound = eps / math.sqrt(skew.shape[0])
+    norm = torch.linalg.matrix_norm(skew).reshape(-1, 1, 1)
+    projected = torch.where(norm <= bound, skew, bound * skew / norm)
+    rows, cols = torch.triu_indices(size, size, 1)
+    return projected[:, rows, cols]
+
+
+def _skew_from_upper(vec: torch.Tensor, size: int) -> torch.Tensor:
+    """Skew-symmetric matrices whose strict upper triangle (row-major) is ``vec``."""
+    rows, cols = torch.triu_indices(size, size, 1)
+    mat = torch.zeros(vec.shape[0], size, size, dtype=vec.dtype)
+    mat[:, rows, cols] = vec
+    return mat - mat.mT
+
+
+def _oft_rotation(q: torch.Tensor, neumann: bool, terms: int) -> torch.Tensor:
+    """OFT block rotations from skew blocks ``q``, as PEFT 0.21's ``OFTRotationModule._cayley_batch``.
+
+    Exact: ``(I − Q)(I + Q)^{-1}``. Neumann: PEFT's truncated series
+    ``I + 2Q + 2Q² + … + 2Q^k + Q^{k+1}`` with ``k = max(2, terms − 2)`` (terms ≥ 3), ``I + 2Q``
+    (terms = 2), ``I`` (terms ≤ 1). It approximates ``(I + Q)(I − Q)^{-1}``, the transpose of the exact
+    form: the two settings rotate in opposite directions for the same parameters, and terms = 3 and
+    terms = 4 give the same matrix. Both quirks are PEFT's and reproduced on purpose.
+    """
+    eye = torch.eye(q.shape[-1], dtype=q.dtype).expand_as(q)
+    if not neumann:
+        return _cayley_exact(q)
+    if terms <= 1:
+        return eye.clone()
+    result = eye + 2.0 * q
+    if terms == 2:
+        return result
+    top = max(2, terms - 2)
+    power = q
+    for _ in range(2, top + 1):
+        power = power @ q
+        result = result + 2.0 * power
+    return result + power @ q
+
+
+def _oft_delta(
+    config: Mapping[str, Any], mod: AdapterModule, tensors: Mapping[str, torch.Tensor], weight: torch.Tensor
+) -> torch.Tensor:
+    """OFT: ``W' = (R @ Wᵀ)ᵀ`` with R block-diagonal (one shared block repeated with ``block_share``).
+
+    The block size is read from the number of upper-triangle entries per row of ``oft_R.weight``
+    (PEFT may have adjusted ``oft_block_size`` per layer). With ``coft`` the projection is applied
+    first: PEFT's ``get_weight`` (hence merge) applies it too, not only the training forward.
+    """
+    if config.get("fan_in_fan_out"):
+        raise ValueError(f"module {mod.module}: OFT with fan_in_fan_out is not supported by reference_deltas")
+    vec = _need(mod, "oft_R.weight", tensors)
+    out_f, in_f = weight.shape
+    if vec.ndim != 2:
+        raise ValueError(
+            f"module {mod.module}: oft_R.weight has shape {tuple(vec.shape)}, expected (blocks, n)"
+        )
+    size = int(round((1 + math.sqrt(1 + 8 * vec.shape[1])) / 2))
+    if size * (size - 1) // 2 != vec.shape[1] or size < 2 or in_f % size:
+        raise ValueError(
+            f"module {mod.module}: oft_R.weight has shape {tuple(vec.shape)}, which is no block size "
+            f"dividing in_features {in_f}; was this adapter made for a different base model?"
+        )
+    n_blocks = in_f // size
+    share = bool(config.get("block_share"))
+    _check_shape(mod, "oft_R.weight", vec.shape, (1 if share else n_blocks, size * (size - 1) // 2))
+    if config.get("coft"):
+        vec = _oft_project(vec, size, float(config.get("eps", 6e-5)))
+    rot = _oft_rotation(
+        _skew_from_upper(vec, size),
+        bool(config.get("use_cayley_neumann", True)),
+        int(config.get("num_cayley_neumann_terms", 5)),
+    )
+    blocks = [rot[0]] * n_blocks if share else list(rot)
+    full = torch.block_diag(*blocks)
+    merged = (full @ weight.T).T
+    return merged - weight
+
+
+def _ia3_delta(
+    config: Mapping[str, Any], mod: AdapterModule, tensors: Mapping[str, torch.Tensor], weight: torch.Tensor
+) -> torch.Tensor:
+    """IA3: ``W' = W ⊙ l``, ``l`` broadcast over the input dim for feedforward modules, else the output dim."""
+    vec = _need(mod, "ia3_l", tensors)
+    fifo = bool(config.get("fan_in_fan_out"))
+    out_f, in_f = _t(weight, fifo).shape
+    want = (1, in_f) if _ia3_is_feedforward(config, mod.module) else (out_f, 1)
+    _check_shape(mod, "ia3_l", vec.shape, want)
+    return weight * _t(vec, fifo) - weight
+
+
+_FORMULAS = {
+    "lora": _lora_delta,
+    "pissa": _lora_delta,
+    "dora": _dora_delta,
+    "boft": _boft_delta,
+    "oft": _oft_delta,
+    "ia3": _ia3_delta,
+}
+
+
+def reference_deltas(
+    adapter_config: Mapping[str, Any],
+    adapter_tensors: Mapping[str, torch.Tensor],
+    base_weights: Mapping[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """Per adapted module, ``ΔW = W_merged − W`` in float64 on the CPU, from checkpoint tensors only.
+
+    ``adapter_config`` is the ``adapter_config.json`` dict, ``adapter_tensors`` the adapter file as
+    ``safetensors.torch.load_file`` returns it, ``base_weights`` the base model's state dict. Keys of
+    the result are module paths (``model.layers.0.self_attn.q_proj``). Rules:
+
+    * LoRA / PiSSA: ``s·B@A``, ``s = alpha/r`` (``alpha/sqrt(r)`` with rsLoRA), rank_pattern and
+      alpha_pattern honoured, transposed with fan_in_fan_out. For PiSSA this is the change relative to
+      the *residual* base PEFT computes in memory when it loads the adapter (``W − top-r SVD``), which
+      is what PEFT's ``get_delta_weight`` and merge add; see :func:`merged_weights`.
+    * DoRA: ``m ⊙ (W + sBA)/‖W + sBA‖ − W`` with a per-output-row norm.
+    * BOFT: ``(R Wᵀ)ᵀ·s − W``; OFT: ``(R Wᵀ)ᵀ − W`` (see the private helpers for the rotations).
+    * IA3: ``W ⊙ l − W``.
+
+    Raises ``ValueError`` naming the module and key when a tensor is missing, a shape does not fit
+    the base weight (an adapter made for another base), or the method is not supported.
+    """
+    kind = adapter_type(adapter_config)
+    formula = _FORMULAS.get(kind)
+    if formula is None:
+        raise ValueError(f"adapter type '{kind}' is not supported (supported: {', '.join(ADAPTER_TYPES)})")
+    modules = adapter_module_keys(adapter_tensors)
+    if not modules:
+        raise ValueError("adapter checkpoint holds no adapter tensors")
+    with torch.no_grad():
+        return {
+            name: formula(adapter_config, mod, adapter_tensors, _base_weight(mod, base_weights))
+            for name, mod in modules.items()
+        }
+
+
+def pissa_residual(weight: torch.Tensor, r: int) -> torch.Tensor:
+    """``W`` minus its best rank-``r`` approximation (exact SVD, float64): PiSSA's residual base weight.
+
+    PEFT computes the same in float32 (``init_lora_weights="pissa"``) or with a randomized
+    ``svd_lowrank`` (``"pissa_niter_K"``), so its residual differs from this at float32 level or by
+    the randomized approximation error. Sign ambiguities of singular vectors cancel in the product.
+    """
+    w = weight.detach().to(device="cpu", dtype=torch.float64)
+    u, s, vh = torch.linalg.svd(w, full_matrices=False)
+    return w - u[:, :r] @ torch.diag(s[:r]) @ vh[:r]
+
+
+def merged_weights(
+    adapter_config: Mapping[str, Any],
+    adapter_tensors: Mapping[str, torch.Tensor],
+    base_weights: Mapping[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """Per adapted module, the merged weight ``W + ΔW`` in float64 (keys as :func:`reference_deltas`).
+
+    For PiSSA, ``W`` is the residual :func:`pissa_residual` of the given base weight (what PEFT puts
+    in the base layer when it loads a PiSSA adapter), so the result is what ``merge_and_unload`` gives.
+    """
+    deltas = reference_deltas(adapter_config, adapter_tensors, base_weights)
+    kind = adapter_type(adapter_config)
+    fifo = bool(adapter_config.get("fan_in_fan_out"))
+    out: dict[str, torch.Tensor] = {}
+    for name, delta in deltas.items():
+        weight = base_weights[name + ".weight"].detach().to(device="cpu", dtype=torch.float64)
+        if kind == "pissa":
+            r, _ = _lora_rank_and_scaling(adapter_config, name)
+            weight = _t(pissa_residual(_t(weight, fifo), r), fifo)
+        out[name] = weight + delta
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# (b) PEFT's own path, on a loaded layer
+# --------------------------------------------------------------------------------------------------
+
+
+def _kind_of_layer(layer: nn.Module, adapter: str) -> str:
+    """Which merge rule a PEFT tuner layer uses for ``adapter`` (lora, dora, boft, oft, ia3)."""
+    from peft.tuners.boft import layer as boft
+    from peft.tuners.ia3 import layer as ia3
+    from peft.tuners.lora import layer as lora
+    from peft.tuners.oft import layer as oft
+
+    kind = None
+    if isinstance(layer, lora.LoraLayer) and adapter in layer.lora_A:
+        variant = layer.lora_variant.get(adapter)
+        if variant is not None and type(variant).__name__ != "DoraLinearVariant":
+            raise ValueError(f"LoRA variant {type(variant).__name__} is not supported by peft_delta")
+        kind = "lora" if variant is None else "dora"
+    elif isinstance(layer, boft.BOFTLayer) and adapter in layer.boft_R:
+        kind = "boft"
+    elif isinstance(layer, oft.OFTLayer) and adapter in layer.oft_R:
+        kind = "oft"
+    elif isinstance(layer, ia3.IA3Layer) and adapter in layer.ia3_l:
+        kind = "ia3"
+    if kind is None:
+        raise ValueError(f"layer {type(layer).__name__} has no supported adapter '{adapter}'")
+    # Plain LoRA merges by adding get_delta_weight for every layer type; the other rules below are
+    # written for Linear layers (conv and embedding variants reshape or transpose differently).
+    linear = {"dora": lora.Linear, "boft": boft.Linear, "oft": oft.Linear, "ia3": ia3.Linear}.get(kind)
+    if linear is not None and not isinstance(layer, linear):
+        raise ValueError(f"peft_delta supports {kind} on Linear layers only, not {type(layer).__name__}")
+    return kind
+
+
+def peft_delta(layer: nn.Module, adapter_name: str) -> torch.Tensor:
+    """``ΔW`` of ``adapter_name`` on a loaded PEFT layer, as PEFT computes it, before it meets ``W``.
+
+    Runs on the layer's device with PEFT's own functions, in the dtype PEFT computes the adapter in
+    (PEFT keeps adapters in float32 on a bfloat16 model by default): LoRA/PiSSA ``get_delta_weight``
+    as is; DoRA ``m/‖W+ΔW‖ ⊙ (W+ΔW) − W`` with the DoRA module's ``get_weight_norm``; BOFT
+    ``get_delta_weight`` → (rotation, scale) applied to ``W``; OFT ``get_delta_weight`` → rotation
+    applied to ``W``; IA3 ``W * ia3_l − W``. The multiplicative methods need ``W``: it is upcast
+    exactly to the adapter's dtype. Rounding the merged weight back into ``W``'s dtype is the merge
+    check's concern, not this one's.
+
+    The layer is never modified (weights stay bitwise equal). Raises ``ValueError`` if an adapter is
+    already merged into the layer, since ``W`` is then no longer the base weight.
+    """
+    from peft.utils.integrations import dequantize_module_weight
+    from peft.utils.other import transpose
+
+    kind = _kind_of_layer(layer, adapter_name)
+    if layer.merged_adapters:
+        raise ValueError(f"layer has merged adapters {layer.merged_adapters}; unmerge before peft_delta")
+    with torch.no_grad():
+        weight = dequantize_module_weight(layer.get_base_layer()).detach()
+        if kind == "lora":
+            return layer.get_delta_weight(adapter_name)
+        if kind == "dora":
+            delta = layer.get_delta_weight(adapter_name)
+            w = weight.to(delta.dtype)
+            dora = layer.lora_magnitude_vector[adapter_name]
+            # __wrapped__ skips PEFT's cache decorator, which would clear the DoRA module's cache
+            norm = type(dora).get_weight_norm.__wrapped__(
+                dora, w, transpose(delta, layer.fan_in_fan_out), scaling=1
+            )
+            factor = transpose((dora.weight / norm).view(-1, 1), layer.fan_in_fan_out)
+            return factor * (w + delta) - w
+        if kind == "boft":
+            rotation, scale = layer.get_delta_weight(adapter_name)
+            w = weight.to(rotation.dtype)
+            return torch.mm(rotation, w.t()).t() * scale - w
+        if kind == "oft":
+            module = layer.oft_R[adapter_name]
+            # with coft, get_weight writes the projected parameters back: restore them afterwards
+            saved = module.weight.detach().clone() if module.coft else None
+            try:
+                rotation = layer.get_delta_weight(adapter_name)
+            finally:
+                if saved is not None:
+                    module.weight.copy_(saved)
+            w = weight.to(rotation.dtype)
+            return torch.mm(rotation, w.t()).t() - w
+        scale = transpose(layer.ia3_l[adapter_name].detach(), layer.fan_in_fan_out)
+        w = weight.to(scale.dtype)
+        return w * scale - w
+
+
+def peft_delta_source(layer: nn.Module, adapter: str) -> str:
+    """Which PEFT functions :func:`peft_delta` uses for this layer and adapter, in words."""
+    kind = _kind_of_layer(layer, adapter)
+    if kind == "lora":
+        return "lora.get_delta_weight"
+    if kind == "dora":
+        return "lora.get_delta_weight + DoraLinearLayer.get_weight_norm: m/‖W+ΔW‖ ⊙ (W+ΔW)"
+    if kind == "boft":
+        how = "fbd_cuda" if getattr(layer, "fbd_cuda_available", False) else "torch.block_diag"
+        return f"boft.get_delta_weight (rotation, scale) applied to W, block diagonal via {how}"
+    if kind == "oft":
+        module = layer.oft_R[adapter]
+        if module.use_cayley_neumann:
+            how = f"Cayley-Neumann series, {module.num_cayley_neumann_terms} terms"
+        else:
+            how = "exact Cayley (linalg.solve)"
+        coft = ", coft projection" if module.coft else ""
+        return f"oft.get_delta_weight rotation ({how}{coft}) applied to W"
+    dim = "input dim (feedforward)" if layer.is_feedforward else "output dim"
+    return f"ia3_l scaling W along the {dim}"
+
+
+def _adapter_names(layer: nn.Module) -> list[str]:
+    """Adapter names a tuner layer holds, in insertion order, across its adapter parameter dicts."""
+    names: dict[str, None] = {}
+    for attr in layer.adapter_layer_names:
+        container = getattr(layer, attr, None)
+        if isinstance(container, (nn.ModuleDict, nn.ParameterDict, dict)):
+            names.update(dict.fromkeys(container.keys()))
+    return list(names)
+
+
+def adapted_modules(peft_model: nn.Module) -> dict[str, tuple[nn.Module, list[str]]]:
+    """Map base-module path (as in :func:`reference_deltas`) to ``(PEFT tuner layer, adapter names)``.
+
+    Works on a ``PeftModel`` (the ``base_model.model.`` prefix is stripped) and on a model with
+    adapters injected directly.
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    out: dict[str, tuple[nn.Module, list[str]]] = {}
+    for name, module in peft_model.named_modules():
+        if not isinstance(module, BaseTunerLayer):
+            continue
+        names = _adapter_names(module)
+        if not names:
+            continue
+        path = name[len(_PEFT_PREFIX) :] if name.startswith(_PEFT_PREFIX) else name
+        out[path] = (module, names)
+    return out
