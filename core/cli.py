@@ -158,24 +158,27 @@ def spec_from_args(args, home: Path) -> ProbeSpec:
 
 
 def watch(job, stream=sys.stderr, interval: float = 0.25) -> None:
-    """Print each task's progress (stage, step k of n, elapsed) to `stream` until the job ends."""
-    shown: dict[str, tuple] = {}
-    tty = stream.isatty()
+    """Print every progress event (task, step k of n, stage, elapsed) to `stream` until the job ends."""
+    seen = 0
+    started = time.time()
+    width = 20
     while True:
         done = job.wait(interval)
-        snap = job.snapshot()
-        for name, t in snap["tasks"].items():
-            state = (t["state"], t["stage"], t["step"])
-            if shown.get(name) == state or t["state"] == "queued" or not t["of"]:
-                continue
-            shown[name] = state
-            width = 20
-            filled = int(width * t["step"] / t["of"]) if t["of"] else 0
+        events = job.events_since(seen)
+        seen += len(events)
+        for e in events:
+            filled = int(width * e["step"] / e["of"]) if e["of"] else 0
             bar = "#" * filled + "." * (width - filled)
-            elapsed = t["elapsed_s"] or 0.0
-            line = f"{name:32s} [{bar}] {t['step']}/{t['of']} {t['state']:9s} {t['stage']} ({elapsed:.1f} s)"
-            print(("\r" if tty else "") + line, file=stream, flush=True)
+            elapsed = e["time"] - started
+            print(
+                f"{e['task']:28s} [{bar}] {e['step']:>2d}/{e['of']:<2d} {e['stage']} ({elapsed:.1f} s)",
+                file=stream,
+                flush=True,
+            )
         if done:
+            for name, t in job.snapshot()["tasks"].items():
+                if t["state"] != "succeeded":
+                    print(f"{name:28s} {t['state']}", file=stream, flush=True)
             return
 
 

@@ -190,6 +190,8 @@ class Job:
     started: float | None = None
     finished: float | None = None
     tasks: dict[str, TaskProgress] = field(default_factory=dict)
+    # every progress event in order, so a watcher polling now and then misses no stage
+    events: list[dict[str, Any]] = field(default_factory=list)
     cancel_event: threading.Event = field(default_factory=threading.Event)
     done_event: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -205,6 +207,11 @@ class Job:
     @property
     def finished_state(self) -> bool:
         return self.state in ("succeeded", "failed", "cancelled")
+
+    def events_since(self, index: int) -> list[dict[str, Any]]:
+        """Progress events from position `index` on (for watchers that poll)."""
+        with self.lock:
+            return self.events[index:]
 
     def snapshot(self) -> dict[str, Any]:
         """A consistent copy of the job's state, safe to read from another thread."""
@@ -323,6 +330,7 @@ class Engine:
             if event.get("type") == "progress":
                 with job.lock:
                     progress.stage, progress.step, progress.of = event["stage"], event["step"], event["of"]
+                    job.events.append({**event, "task": task.label, "time": time.time()})
 
         with job.lock:
             progress.state, progress.started = "running", time.time()
