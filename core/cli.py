@@ -65,7 +65,9 @@ def build_parser() -> ArgumentParser:
     run.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
     run.add_argument("--home")
     run.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    run.add_argument("--top", type=int, default=10, help="how many worst rows to print")
+    run.add_argument(
+        "--top", type=int, default=10, help="how many worst rows to report (3 per check in text)"
+    )
 
     runs = sub.add_parser("runs", help="list stored runs")
     runs.add_argument("--home")
@@ -242,33 +244,37 @@ def cmd_run(args) -> int:
             )
         )
     else:
-        print_summary(job.run_id, record.run_dir, duration, table, worst)
+        print_summary(job.run_id, record.run_dir, duration, table, min(args.top, 3))
     return code
 
 
-def print_summary(run_id: str, run_dir: Path, duration: float | None, table, worst) -> None:
-    """The human summary: verdict counts per check and target, then the worst rows explained."""
+def print_summary(run_id: str, run_dir: Path, duration: float | None, table, top: int) -> None:
+    """The human summary: verdict counts per check and target, then each check's worst rows explained."""
     from core import report
 
     print(f"\nrun {run_id} succeeded in {duration:.1f} s — {run_dir}")
+    counts = report.verdict_counts(table)
+    print("rows: " + " · ".join(f"{n} {v}" for v, n in counts.items()))
     by = report.verdicts_by_check_target(table)
     print("\nverdicts per check and target:")
     print(f"  {'check':8s} {'target':28s} " + " ".join(f"{v:>16s}" for v in report.VERDICT_ORDER))
     for row in by.to_dict(orient="records"):
-        counts = " ".join(f"{int(row[v]):>16d}" for v in report.VERDICT_ORDER)
-        print(f"  {row['check']:8s} {row['target']:28s} {counts}")
-    if not len(worst):
-        print("\nevery tensor and output is bitwise identical to its reference.")
-        return
-    print(f"\nworst {len(worst)} rows (furthest from their reference):")
-    for r in report.records(worst):
-        who = r.get("adapter") or "base"
-        print(
-            f"  [{r['verdict']}] {r['check']} · {r['target']} vs {r['reference']} · {who} · {r['tensor']} ({r['dtype']})"
-        )
-        print(f"      {r['explanation']}")
-        if r.get("note"):
-            print(f"      why: {r['note']}")
+        line = " ".join(f"{int(row[v]):>16d}" for v in report.VERDICT_ORDER)
+        print(f"  {row['check']:8s} {row['target']:28s} {line}")
+    for check in dict.fromkeys(table["check"]):
+        worst = report.worst_rows(table[table["check"] == check], top)
+        if not len(worst):
+            print(f"\n{check}: every row is bitwise identical to its reference.")
+            continue
+        print(f"\n{check}: {len(worst)} row(s) furthest from their reference")
+        for r in report.records(worst):
+            who = r.get("adapter") or "base"
+            print(
+                f"  [{r['verdict']}] {r['target']} vs {r['reference']} · {who} · {r['tensor']} ({r['dtype']})"
+            )
+            print(f"      {r['explanation']}")
+            if r.get("note"):
+                print(f"      why: {r['note']}")
 
 
 def cmd_runs(args) -> int:

@@ -142,6 +142,11 @@ class Check(ABC):
         return {}
 
 
+def add_note(row: dict[str, Any], text: str) -> None:
+    """Append `text` to the row's `note` (the "why" a user reads next to the numbers)."""
+    row["note"] = f"{row['note']}; {text}" if row.get("note") else text
+
+
 def missing_reference_row(tensor: torch.Tensor) -> dict[str, Any]:
     """A `broken` row for a tensor the reference does not have (key mismatch)."""
     return {

@@ -1,5 +1,6 @@
-"""`deltas`: per adapted module, ΔW on the target (PEFT's own code, in the target's dtype)
-against ΔW computed in float64 on the CPU from the checkpoint with the method's formula."""
+"""`deltas`: per adapted module, ΔW on the target (PEFT's own code, in the dtype PEFT computes
+the adapter in) against ΔW computed in float64 on the CPU from the checkpoint with the method's
+formula."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import torch
 
 from core import formulas
 from core.capture import Capture, TensorKey
-from core.checks.base import CaptureContext, Check, Reference, layer_of
+from core.checks.base import CaptureContext, Check, Reference, add_note, layer_of
 from core.loading import Loaded, read_adapter_config, read_checkpoint
-from core.spec import ProbeSpec
+from core.spec import ProbeSpec, Target
+
+# Methods whose ΔW depends on W itself (rotations, scalings, DoRA's norm).
+MULTIPLICATIVE = ("dora", "boft", "oft", "ia3")
 
 
 class DeltasCheck(Check):
@@ -29,7 +33,8 @@ class DeltasCheck(Check):
                     continue
                 out.add(TensorKey(self.name, adapter, module), formulas.peft_delta(layer, adapter))
                 sources[module] = formulas.peft_delta_source(layer, adapter)
-        out.meta.setdefault(self.name, {})[adapter] = sources
+        kind = formulas.adapter_type(read_adapter_config(loaded.adapter))
+        out.meta.setdefault(self.name, {})[adapter] = {"kind": kind, "sources": sources}
 
     def reference(
         self, spec: ProbeSpec, keys: list[TensorKey], reference_capture: Capture | None
@@ -57,11 +62,17 @@ class DeltasCheck(Check):
 
     def rows(self, spec: ProbeSpec, capture: Capture, reference: Reference) -> list[dict[str, Any]]:
         rows = super().rows(spec, capture, reference)
-        sources = capture.meta.get(self.name, {})
+        meta = capture.meta.get(self.name, {})
+        target_dtype = Target.parse(capture.target).dtype
         for row in rows:
-            source = sources.get(row["adapter"], {}).get(row["tensor"])
+            adapter = meta.get(row["adapter"], {})
+            source = adapter.get("sources", {}).get(row["tensor"])
             if source:
-                row["note"] = (
-                    f"{row['note']}; target ΔW via {source}" if row["note"] else f"target ΔW via {source}"
+                add_note(row, f"target ΔW via {source}")
+            if adapter.get("kind") in MULTIPLICATIVE and target_dtype in ("bfloat16", "float16"):
+                add_note(
+                    row,
+                    f"{adapter['kind']} applies the adapter to W, which is {target_dtype} on this "
+                    "target: W's rounding carries into ΔW",
                 )
         return rows

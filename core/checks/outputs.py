@@ -9,9 +9,9 @@ import torch
 
 from core import metrics
 from core.capture import BASE, Capture, TensorKey
-from core.checks.base import CaptureContext, Check, Reference
+from core.checks.base import CaptureContext, Check, Reference, add_note
 from core.loading import Loaded
-from core.spec import REFERENCE_TARGET, ProbeSpec
+from core.spec import REFERENCE_TARGET, ProbeSpec, Target
 
 
 def forward_output(model, input_ids: torch.Tensor) -> tuple[str, torch.Tensor]:
@@ -63,6 +63,17 @@ class OutputsCheck(Check):
 
     def describe(self, key: TensorKey) -> dict[str, Any]:
         return {"layer": None, "module": key.name, "role": "output"}
+
+    def rows(self, spec: ProbeSpec, capture: Capture, reference: Reference) -> list[dict[str, Any]]:
+        rows = super().rows(spec, capture, reference)
+        target = Target.parse(capture.target)
+        flags = [f for f in str(target).split("+")[1:]]
+        for row in rows:
+            if row["verdict"] in ("identical", "within tolerance"):
+                continue
+            how = f"forward pass in {target.dtype}" + (f" with {', '.join(flags)}" if flags else "")
+            add_note(row, f"{how} against {reference.label}")
+        return rows
 
     def extra_columns(self, key: TensorKey, tensor: torch.Tensor, ref: torch.Tensor | None) -> dict[str, Any]:
         h = metrics.health(tensor)

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from core.capture import BASE, Capture, TensorKey
-from core.checks.base import CaptureContext, Check, Reference, layer_of, missing_reference_row
+from core.checks.base import CaptureContext, Check, Reference, add_note, layer_of, missing_reference_row
 from core.formulas import split_adapter_key
 from core.loading import Loaded, read_checkpoint
 from core.spec import ProbeSpec
@@ -58,11 +58,10 @@ class WeightsCheck(Check):
             if row["adapter"] is None:
                 partners = [k for k, v in tied.items() if v == row["tensor"]]
                 if partners:
-                    row["note"] = f"shares storage with {', '.join(partners)} (tied weights)"
+                    add_note(row, f"shares storage with {', '.join(partners)} (tied weights)")
             ref_dtype = row.get("reference_dtype")
             if ref_dtype and ref_dtype != row["dtype"] and row["verdict"] != "identical":
-                cast = f"cast {ref_dtype} → {row['dtype']} on load"
-                row["note"] = f"{row['note']}; {cast}" if row["note"] else cast
+                add_note(row, f"cast {ref_dtype} → {row['dtype']} on load")
         captured = set(capture.tensors)
         sources = {k.adapter for k in capture.keys(self.name)}
         for encoded, tensor in reference.tensors.items():
