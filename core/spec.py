@@ -124,31 +124,28 @@ class Target:
                 )
         return Target(device=device, dtype=dtype_name, **kwargs)
 
-    def __str__(self) -> str:
-        parts = [f"{self.device}/{self.dtype}"]
+    @property
+    def flags(self) -> list[str]:
+        """The flags in canonical order, as written in a target string (`tf32`, `threads=1`, …)."""
+        flags = []
         if self.tf32:
-            parts.append("tf32")
+            flags.append("tf32")
         if self.deterministic:
-            parts.append("deterministic")
+            flags.append("deterministic")
         if self.threads is not None:
-            parts.append(f"threads={self.threads}")
+            flags.append(f"threads={self.threads}")
         if self.matmul_precision is not None:
-            parts.append(f"matmul={self.matmul_precision}")
-        return "+".join(parts)
+            flags.append(f"matmul={self.matmul_precision}")
+        return flags
+
+    def __str__(self) -> str:
+        return "+".join([f"{self.device}/{self.dtype}", *self.flags])
 
     @property
     def label(self) -> str:
         """Human label like `cuda:1·bf16·tf32`."""
-        parts = [self.device, DTYPE_SHORT[self.dtype]]
-        if self.tf32:
-            parts.append("tf32")
-        if self.deterministic:
-            parts.append("det")
-        if self.threads is not None:
-            parts.append(f"threads={self.threads}")
-        if self.matmul_precision is not None:
-            parts.append(f"matmul={self.matmul_precision}")
-        return "·".join(parts)
+        short = ["det" if f == "deterministic" else f for f in self.flags]
+        return "·".join([self.device, DTYPE_SHORT[self.dtype], *short])
 
     @property
     def slug(self) -> str:

@@ -67,7 +67,7 @@ class OutputsCheck(Check):
     def rows(self, spec: ProbeSpec, capture: Capture, reference: Reference) -> list[dict[str, Any]]:
         rows = super().rows(spec, capture, reference)
         target = Target.parse(capture.target)
-        flags = [f for f in str(target).split("+")[1:]]
+        flags = target.flags
         for row in rows:
             if row["verdict"] in ("identical", "within tolerance"):
                 continue
