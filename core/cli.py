@@ -238,6 +238,7 @@ def cmd_run(args) -> int:
                     "verdicts": report.verdict_counts(table),
                     "verdicts_by_check_target": report.records(by),
                     "worst": report.records(worst),
+                    "notes": record.notes(),
                 },
                 indent=2,
                 default=str,
@@ -245,6 +246,8 @@ def cmd_run(args) -> int:
         )
     else:
         print_summary(job.run_id, record.run_dir, duration, table, min(args.top, 3))
+        for note in record.notes():
+            print(f"note: {note}")
     return code
 
 

@@ -86,6 +86,16 @@ class RunRecord:
             return pd.DataFrame()
         return pd.read_parquet(path)
 
+    def notes(self) -> list[str]:
+        """What the workers noted while capturing (e.g. how a reference was made), each once."""
+        notes: dict[str, None] = {}
+        for path in sorted((self.run_dir / "captures").glob("*/capture.json")):
+            try:
+                notes.update(dict.fromkeys(json.loads(path.read_text()).get("notes", [])))
+            except (OSError, json.JSONDecodeError):
+                continue
+        return list(notes)
+
 
 class Store:
     """Reads and writes runs under `home/runs`."""

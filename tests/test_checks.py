@@ -193,3 +193,30 @@ def test_checkpoint_tensor_not_loaded_is_broken():
     assert [r["verdict"] for r in rows] == ["identical", "broken"]
     assert rows[1]["tensor"] == "model.layers.1.mlp.extra.weight"
     assert "not loaded" in rows[1]["explanation"] and rows[1]["layer"] == 1
+
+
+def test_method_without_a_delta_formula_is_noted_not_fatal(tmp_path, demo_workspace):
+    from peft import LoHaConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = demo_workspace["models"]["tiny-llama"]
+    torch.manual_seed(5)
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base),
+        LoHaConfig(r=4, target_modules=["q_proj"], init_weights=False),
+    )
+    model.save_pretrained(tmp_path / "loha")
+    record = run_in_process(
+        tmp_path / "home",
+        base,
+        [AdapterRef(str(tmp_path / "loha"), "loha")],
+        ["cpu/float32"],
+        ["weights", "deltas", "outputs"],
+    )
+    table = record.metrics()
+    assert "loha" not in set(table[table.check == "deltas"].adapter.dropna())
+    loha = table[(table.check == "weights") & (table.adapter == "loha")]
+    assert (loha.verdict == "identical").all()
+    assert {"hada_w1_a", "hada_w1_b"} <= set(loha.role) and set(loha.module) == {"q_proj"}
+    assert any("loha adapter; its ΔW is not covered" in n for n in record.notes())
+    assert (table[(table.check == "outputs") & (table.adapter == "loha")].verdict == "within tolerance").all()

@@ -26,6 +26,13 @@ class DeltasCheck(Check):
         if loaded.adapter is None:
             return
         adapter = loaded.adapter.name
+        kind = formulas.adapter_type(read_adapter_config(loaded.adapter))
+        if kind not in formulas.ADAPTER_TYPES:
+            out.notes.append(
+                f"deltas: {adapter} is a {kind} adapter; its ΔW is not covered "
+                f"(supported: {', '.join(formulas.ADAPTER_TYPES)}); its weights and outputs are"
+            )
+            return
         sources: dict[str, str] = {}
         with torch.no_grad():
             for module, (layer, names) in formulas.adapted_modules(loaded.model).items():
@@ -33,7 +40,6 @@ class DeltasCheck(Check):
                     continue
                 out.add(TensorKey(self.name, adapter, module), formulas.peft_delta(layer, adapter))
                 sources[module] = formulas.peft_delta_source(layer, adapter)
-        kind = formulas.adapter_type(read_adapter_config(loaded.adapter))
         out.meta.setdefault(self.name, {})[adapter] = {"kind": kind, "sources": sources}
 
     def reference(
@@ -47,6 +53,8 @@ class DeltasCheck(Check):
             if not wanted:
                 continue
             config = read_adapter_config(adapter)
+            if formulas.adapter_type(config) not in formulas.ADAPTER_TYPES:
+                continue
             deltas = formulas.reference_deltas(
                 config, read_checkpoint(adapter.path, prefix="adapter_model"), base
             )

@@ -89,6 +89,7 @@ class WeightsCheck(Check):
             role = "base"
         else:
             split = split_adapter_key(key.name)
-            module_path, param = split if split else (key.name.rsplit(".", 1)[0], "adapter")
-            role = param.split(".")[0]
+            if split is None:  # a method formulas does not know (LoHa, VeRA, …): last part names the role
+                split = key.name.removeprefix("base_model.model.").removesuffix(".weight").rsplit(".", 1)
+            module_path, role = split[0], split[1].split(".")[0]
         return {"layer": layer_of(module_path), "module": module_path.rsplit(".", 1)[-1], "role": role}
