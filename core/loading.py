@@ -203,5 +203,9 @@ def probe_input_ids(probe: ProbeInputs, vocab_size: int, seed: int) -> torch.Ten
 
 
 def _first_line(e: BaseException) -> str:
-    text = str(e).strip() or type(e).__name__
-    return text.splitlines()[0][:300]
+    """The gist of an exception in one line; a line ending in ':' takes the next one along."""
+    lines = [ln.strip() for ln in (str(e).strip() or type(e).__name__).splitlines() if ln.strip()]
+    text = lines[0]
+    if text.endswith(":") and len(lines) > 1:
+        text = f"{text} {lines[1]}"
+    return text[:400]

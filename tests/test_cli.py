@@ -204,3 +204,36 @@ def test_demo_json_and_devices(demo_workspace, tmp_path):
     info = json.loads(dev.stdout)
     assert info["devices"][0]["name"] == "cpu"
     assert info["environment"]["torch"].startswith("2.13.0")
+
+
+@pytest.mark.e2e
+def test_adapter_that_fails_in_the_worker_fails_the_job_with_its_reason(demo_workspace, tmp_path):
+    bad = tmp_path / "badlora"
+    shutil.copytree(demo_workspace["adapters"]["lora"]["path"], bad)
+    config = json.loads((bad / "adapter_config.json").read_text())
+    config["r"] = 16  # the tensors hold rank 8: PEFT refuses them while loading
+    (bad / "adapter_config.json").write_text(json.dumps(config))
+    proc = cli(
+        "run",
+        "--base",
+        demo_workspace["models"]["tiny-llama"],
+        "--adapter",
+        f"{bad}=bad",
+        "--target",
+        "cpu/float32",
+        "--json",
+        home=tmp_path,
+    )
+    assert proc.returncode == 2
+    out = json.loads(proc.stdout)
+    assert out["status"] == "failed"
+    assert (
+        "adapter bad" in out["error"]
+        and "size mismatch" in out["error"]
+        and "load adapter bad" in out["error"]
+    )
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: run") and "size mismatch" in last
+    assert "Traceback" not in proc.stderr
+    listed = cli("runs", "--json", home=tmp_path)
+    assert json.loads(listed.stdout)[0]["status"] == "failed"
