@@ -204,10 +204,6 @@ class Job:
         """Block until the job has ended; True if it did within `timeout`."""
         return self.done_event.wait(timeout)
 
-    @property
-    def finished_state(self) -> bool:
-        return self.state in ("succeeded", "failed", "cancelled")
-
     def events_since(self, index: int) -> list[dict[str, Any]]:
         """Progress events from position `index` on (for watchers that poll)."""
         with self.lock:

@@ -30,7 +30,6 @@ DTYPE_ALIASES = {
 }
 DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
 MATMUL_PRECISIONS = ("highest", "high", "medium")
-LOAD_STRATEGIES = ("isolated",)
 
 
 class SpecError(ValueError):
@@ -44,10 +43,6 @@ class ModelRef:
     path: str
     revision: str | None = None
     trust_remote_code: bool = False
-
-    @property
-    def is_local(self) -> bool:
-        return Path(self.path).expanduser().exists() or self.path.startswith(("/", ".", "~"))
 
     @property
     def name(self) -> str:

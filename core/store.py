@@ -28,7 +28,6 @@ import pandas as pd
 from core.spec import ProbeSpec
 
 ACTIVE_STATES = ("queued", "running")
-FINAL_STATES = ("succeeded", "failed", "cancelled")
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -200,6 +199,3 @@ class Store:
     def delete(self, run_id: str) -> None:
         """Remove a run folder."""
         shutil.rmtree(self.runs_dir / run_id)
-
-    def capture_dir(self, run_id: str, target_slug: str) -> Path:
-        return self.runs_dir / run_id / "captures" / target_slug
