@@ -164,14 +164,12 @@ def load_isolated(
     PiSSA adapter on a float64 target is loaded in float32 and the whole model upcast; the
     note says so.
     """
-    dtype = torch_dtype(target.dtype)
     stage("load base")
     model = load_base(base, target)
     yield Loaded(adapter=None, model=model, notes=[])
     for i, adapter in enumerate(adapters):
         notes: list[str] = []
-        config = read_adapter_config(adapter)
-        upcast = dtype == torch.float64 and is_pissa(config)
+        upcast = _pissa_upcast(adapter, target)
         if i > 0 or upcast:
             stage(f"load base for {adapter.name}")
             del model
@@ -188,7 +186,25 @@ def load_isolated(
         del peft_model
 
 
-STRATEGIES: dict[str, Callable[..., Iterator[Loaded]]] = {"isolated": load_isolated}
+def _pissa_upcast(adapter: AdapterRef, target: Target) -> bool:
+    return target.dtype == "float64" and is_pissa(read_adapter_config(adapter))
+
+
+def isolated_stages(adapters: tuple[AdapterRef, ...], target: Target) -> int:
+    """How many stages `load_isolated` reports, so progress reads step k of a true n."""
+    fresh_bases = sum(1 for i, a in enumerate(adapters) if i > 0 or _pissa_upcast(a, target))
+    return 1 + fresh_bases + len(adapters)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A named way of loading base and adapters: the loader and its stage count."""
+
+    load: Callable[..., Iterator[Loaded]]
+    stages: Callable[[tuple[AdapterRef, ...], Target], int]
+
+
+STRATEGIES: dict[str, Strategy] = {"isolated": Strategy(load=load_isolated, stages=isolated_stages)}
 
 
 def probe_input_ids(probe: ProbeInputs, vocab_size: int, seed: int) -> torch.Tensor:

@@ -57,7 +57,7 @@ class Progress:
     def __call__(self, stage: str) -> None:
         if self.should_cancel():
             raise Cancelled(f"cancelled before {stage!r}")
-        self.step = min(self.step + 1, self.total)
+        self.step += 1
         self.stage = stage
         self.emit(
             {"type": "progress", "target": self.target, "stage": stage, "step": self.step, "of": self.total}
@@ -86,14 +86,17 @@ def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
     spec = ProbeSpec.from_dict(task.spec)
     target = Target.parse(task.target or "")
     checks = get_checks(task.checks)
-    progress = Progress(emit, should_cancel, total=4 + 2 * len(spec.adapters), target=str(target))
+    strategy = STRATEGIES[spec.strategy]
+    # apply flags, the strategy's load stages, one capture per loaded model, write
+    total = 1 + strategy.stages(spec.adapters, target) + (1 + len(spec.adapters)) + 1
+    progress = Progress(emit, should_cancel, total=total, target=str(target))
 
     progress("apply flags")
     apply_flags(target)
     capture = Capture(target=str(target), environment=environment(target.device))
     started = time.time()
     input_ids = None
-    for loaded in STRATEGIES[spec.strategy](spec.base, spec.adapters, target, stage=progress):
+    for loaded in strategy.load(spec.base, spec.adapters, target, stage=progress):
         if input_ids is None:
             input_ids = probe_input_ids(spec.probe, _vocab_size(loaded.model), spec.seed)
         ctx = CaptureContext(spec=spec, target=target, input_ids=input_ids)

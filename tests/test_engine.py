@@ -94,6 +94,11 @@ def test_in_process_run_succeeds(tmp_path, demo_workspace):
     job = engine.submit(spec)
     assert job.wait(120)
     assert job.state == "succeeded", job.error
+    # progress counts true steps: every task ends on step n of n, each step once
+    for name, task in job.snapshot()["tasks"].items():
+        assert task["state"] == "succeeded" and task["step"] == task["of"] > 0, (name, task)
+        steps = [e["step"] for e in job.events if e["task"] == name]
+        assert steps == list(range(1, task["of"] + 1))
     table = engine.store.open(job.run_id).metrics()
     assert set(table["check"]) == {"weights", "outputs"}
     assert set(table["target"]) == {"cpu/float32"}
