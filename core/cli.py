@@ -224,8 +224,8 @@ def cmd_run(args) -> int:
         print(f"error: run {job.run_id} {status}: {error}", file=sys.stderr)
         return EXIT_ERROR
     code = report.exit_code(table)
-    worst = report.worst_rows(table, args.top)
     if args.json:
+        worst = report.worst_rows(table, args.top)
         by = report.verdicts_by_check_target(table)
         print(
             json.dumps(

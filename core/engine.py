@@ -34,11 +34,12 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 @dataclass
 class Outcome:
-    """How a task ended: ok, cancelled, or failed with a reason."""
+    """How a task ended: ok, cancelled, or failed with a reason (the engine adds where it stopped)."""
 
     ok: bool
     cancelled: bool = False
     error: str | None = None
+    stderr_tail: str = ""
 
 
 class Runner(ABC):
@@ -54,19 +55,12 @@ class InProcessRunner(Runner):
     """Runs tasks in the calling process (unit tests). Flags it applies stay applied."""
 
     def run(self, task, on_event, cancel, log_path) -> Outcome:
-        stage = {"name": "start"}
-
-        def emit(event):
-            if event.get("type") == "progress":
-                stage["name"] = event["stage"]
-            on_event(event)
-
         try:
-            run_task(task, emit, cancel.is_set)
+            run_task(task, on_event, cancel.is_set)
         except Cancelled:
             return Outcome(ok=False, cancelled=True)
         except Exception as e:
-            return Outcome(ok=False, error=f"{task.label}: {e} (stage: {stage['name']})")
+            return Outcome(ok=False, error=str(e))
         return Outcome(ok=True)
 
 
@@ -107,7 +101,7 @@ class ProcessRunner(Runner):
                 env=env,
                 start_new_session=True,  # a Ctrl-C in the terminal goes to us, not straight to workers
             )
-        last: dict[str, Any] = {"stage": "start", "step": 0, "of": 0, "final": None}
+        last: dict[str, Any] = {"final": None}
 
         def read_events():
             assert proc.stdout is not None
@@ -116,9 +110,7 @@ class ProcessRunner(Runner):
                     event = json.loads(raw)
                 except json.JSONDecodeError:
                     continue
-                if event.get("type") == "progress":
-                    last.update(stage=event["stage"], step=event["step"], of=event["of"])
-                elif event.get("type") in ("error", "cancelled", "done"):
+                if event.get("type") in ("error", "cancelled", "done"):
                     last["final"] = event
                 on_event(event)
 
@@ -142,19 +134,14 @@ class ProcessRunner(Runner):
         reader.join(timeout=5)
         code = proc.returncode
         final = last["final"] or {}
-        where = f"stage {last['stage']!r}, step {last['step']} of {last['of']}"
         if code == 0 and final.get("type") == "done":
             return Outcome(ok=True)
         if cancel.is_set() and (code == EXIT_CANCELLED or code < 0):
             return Outcome(ok=False, cancelled=True)
         if final.get("type") == "error":
-            return Outcome(ok=False, error=f"{task.label}: {final['message']} ({where})")
+            return Outcome(ok=False, error=final["message"])
         how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
-        stderr = tail(log_path)
-        reason = f"{task.label}: worker process {how} during {where}"
-        if stderr:
-            reason += f"; stderr tail:\n{stderr}"
-        return Outcome(ok=False, error=reason)
+        return Outcome(ok=False, error=f"worker process {how}", stderr_tail=tail(log_path))
 
 
 @dataclass
@@ -335,6 +322,12 @@ class Engine:
         with job.lock:
             progress.finished = time.time()
             progress.state = "succeeded" if outcome.ok else "cancelled" if outcome.cancelled else "failed"
+            if outcome.error is not None:
+                # one place words every failure: which task, what, and where it stopped
+                where = f"stage {progress.stage or 'start'!r}, step {progress.step} of {progress.of}"
+                outcome.error = f"{task.label}: {outcome.error} ({where})"
+                if outcome.stderr_tail:
+                    outcome.error += f"; stderr tail:\n{outcome.stderr_tail}"
             progress.error = outcome.error
         self._persist(job)
         return outcome

@@ -149,7 +149,7 @@ class Loaded:
 
     adapter: AdapterRef | None
     model: object
-    notes: list[str]
+    notes: list[str]  # how this model was materialised, where it differs from what was asked
 
 
 def load_isolated(
@@ -178,9 +178,7 @@ def load_isolated(
         peft_model = attach_adapter(model, adapter, target)
         if upcast:
             peft_model = peft_model.to(torch.float64)
-            notes.append(
-                f"{adapter.name}: PiSSA cannot be initialised in float64; loaded in float32 and upcast to float64"
-            )
+            notes.append("PiSSA cannot be initialised in float64; loaded in float32 and upcast to float64")
         yield Loaded(adapter=adapter, model=peft_model, notes=notes)
         model = None
         del peft_model

@@ -103,7 +103,10 @@ def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
         progress("capture " + ("base" if loaded.adapter is None else loaded.adapter.name))
         for check in checks:
             check.capture(ctx, loaded, capture)
-        capture.notes.extend(loaded.notes)
+        if loaded.notes:
+            # per adapter for the rows that need them, and as text for the run's notes
+            capture.meta.setdefault("load_notes", {})[loaded.adapter.name] = loaded.notes
+            capture.notes.extend(f"{loaded.adapter.name}: {note}" for note in loaded.notes)
     capture.meta["timings"] = {"load_and_capture_s": round(time.time() - started, 3)}
     capture.meta["input_ids"] = input_ids.tolist() if input_ids is not None else None
     progress("write capture")
@@ -177,24 +180,18 @@ def main() -> int:
     from core.loading import LoadError
     from core.spec import SpecError
 
-    stage = {"name": "start"}
-
-    def tracking_emit(event: Event) -> None:
-        if event.get("type") == "progress":
-            stage["name"] = event["stage"]
-        emit(event)
-
+    # The runner knows the stage from the progress events: final events carry only the message.
     try:
-        run_task(task, tracking_emit, lambda: cancel["requested"])
+        run_task(task, emit, lambda: cancel["requested"])
     except Cancelled as e:
-        emit({"type": "cancelled", "message": str(e), "stage": stage["name"]})
+        emit({"type": "cancelled", "message": str(e)})
         return EXIT_CANCELLED
     except (LoadError, SpecError, ValueError) as e:
-        emit({"type": "error", "message": str(e), "stage": stage["name"], "error_type": type(e).__name__})
+        emit({"type": "error", "message": str(e), "error_type": type(e).__name__})
         traceback.print_exc()
         return EXIT_USER_ERROR
     except BaseException as e:
-        emit({"type": "error", "message": f"{type(e).__name__}: {e}", "stage": stage["name"], "crash": True})
+        emit({"type": "error", "message": f"{type(e).__name__}: {e}", "crash": True})
         traceback.print_exc()
         return EXIT_CRASH
     emit({"type": "done"})

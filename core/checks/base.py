@@ -115,27 +115,30 @@ class Check(ABC):
         # target is judged by what the user asked for, bfloat16.
         target_dtype = getattr(torch, Target.parse(capture.target).dtype)
         for key in capture.keys(self.name):
-            labels = self.describe(key)
             tensor = capture.get(key)
             ref = reference.tensors.get(key.encode())
-            row: dict[str, Any] = {
-                "check": self.name,
-                "target": capture.target,
-                "reference": reference.label,
-                "adapter": None if key.adapter == BASE else key.adapter,
-                "tensor": key.name,
-                **labels,
-                "dtype": str(tensor.dtype).removeprefix("torch."),
-                "note": reference.notes.get(key.encode(), ""),
-            }
+            row = self.row_labels(key, capture.target, reference)
+            row["dtype"] = str(tensor.dtype).removeprefix("torch.")
             if ref is None:
                 row.update(missing_reference_row(tensor))
             else:
-                stats = metrics.compare(tensor, ref, tolerance(spec, labels["role"], target_dtype))
+                stats = metrics.compare(tensor, ref, tolerance(spec, row["role"], target_dtype))
                 row.update(metrics.stats_to_row(stats))
             row.update(self.extra_columns(key, tensor, ref))
             rows.append(row)
         return rows
+
+    def row_labels(self, key: TensorKey, target: str, reference: Reference) -> dict[str, Any]:
+        """The columns that say what a row is about: check, target, reference, tensor, labels, note."""
+        return {
+            "check": self.name,
+            "target": target,
+            "reference": reference.label,
+            "adapter": None if key.adapter == BASE else key.adapter,
+            "tensor": key.name,
+            **self.describe(key),
+            "note": reference.notes.get(key.encode(), ""),
+        }
 
     def extra_columns(self, key: TensorKey, tensor: torch.Tensor, ref: torch.Tensor | None) -> dict[str, Any]:
         """Check-specific columns for one row (none by default)."""

@@ -39,21 +39,18 @@ class OutputsCheck(Check):
         kind, tensor = forward_output(loaded.model, ctx.input_ids)
         adapter = BASE if loaded.adapter is None else loaded.adapter.name
         out.add(TensorKey(self.name, adapter, kind), tensor)
-        out.meta.setdefault(self.name, {})["notes"] = (
-            out.meta.get(self.name, {}).get("notes", []) + loaded.notes
-        )
 
     def reference(
         self, spec: ProbeSpec, keys: list[TensorKey], reference_capture: Capture | None
     ) -> Reference:
         if reference_capture is None:
             return Reference(label=str(REFERENCE_TARGET), tensors={}, notes={})
-        notes = {}
-        for note in reference_capture.meta.get(self.name, {}).get("notes", []):
-            adapter = note.split(":", 1)[0]
-            for key in keys:
-                if key.adapter == adapter:
-                    notes[key.encode()] = f"reference: {note.split(':', 1)[1].strip()}"
+        load_notes = reference_capture.meta.get("load_notes", {})
+        notes = {
+            k.encode(): "reference: " + "; ".join(load_notes[k.adapter])
+            for k in keys
+            if k.adapter in load_notes
+        }
         tensors = {
             k.encode(): reference_capture.tensors[k.encode()]
             for k in keys

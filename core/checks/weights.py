@@ -69,14 +69,8 @@ class WeightsCheck(Check):
             if key.adapter in sources and encoded not in captured and key.name not in tied:
                 rows.append(
                     {
-                        "check": self.name,
-                        "target": capture.target,
-                        "reference": reference.label,
-                        "adapter": None if key.adapter == BASE else key.adapter,
-                        "tensor": key.name,
-                        **self.describe(key),
+                        **self.row_labels(key, capture.target, reference),
                         "dtype": None,
-                        "note": "",
                         **missing_reference_row(tensor),
                         "explanation": "key mismatch: in the checkpoint but not loaded on the target",
                     }
