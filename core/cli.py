@@ -18,7 +18,6 @@ from typing import Any
 from core.spec import AdapterRef, ModelRef, ProbeSpec, SpecError, Target, ToleranceOverride, weightdrift_home
 
 EXIT_OK, EXIT_DRIFT, EXIT_ERROR = 0, 1, 2
-DEMO_LM = "tiny-llama"
 
 
 class UsageError(Exception):
@@ -127,18 +126,15 @@ def cmd_demo(args) -> int:
 
 def spec_from_args(args, home: Path) -> ProbeSpec:
     """Build the ProbeSpec of `run` from its arguments (filling in the demo where asked)."""
+    from core.workspace import demo_selection
+
     base = args.base
     adapters = [AdapterRef.parse(a) for a in args.adapter]
     if args.demo:
         manifest = ensure_demo(home)
         if base is None:
-            base = manifest["models"][DEMO_LM]
-            if not adapters:
-                adapters = [
-                    AdapterRef(path=a["path"], name=name)
-                    for name, a in manifest["adapters"].items()
-                    if a["base"] == DEMO_LM and name in ("lora", "dora", "pissa", "boft", "oft", "ia3")
-                ]
+            base, demo_adapters = demo_selection(manifest)
+            adapters = adapters or demo_adapters
     if base is None:
         raise UsageError("--base is required (or --demo)")
     if not args.target:

@@ -85,6 +85,17 @@ class RunRecord:
             return pd.DataFrame()
         return pd.read_parquet(path)
 
+    def environments(self) -> dict[str, dict[str, Any]]:
+        """Each captured target's environment provenance (target string → dict), reading only JSON."""
+        envs: dict[str, dict[str, Any]] = {}
+        for path in sorted((self.run_dir / "captures").glob("*/capture.json")):
+            try:
+                doc = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+            envs[doc.get("target", path.parent.name)] = doc.get("environment", {})
+        return envs
+
     def notes(self) -> list[str]:
         """What the workers noted while capturing (e.g. how a reference was made), each once."""
         notes: dict[str, None] = {}

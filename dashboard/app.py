@@ -1,0 +1,80 @@
+"""WeightDrift dashboard: `streamlit run dashboard/app.py`.
+
+The entry point builds the demo workspace on first launch, draws the run form and the job list in
+the sidebar, keeps the view in the URL and hands over to the page the URL names.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# `streamlit run dashboard/app.py` puts dashboard/ on sys.path, not the repository root.
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import streamlit as st  # noqa: E402
+
+from dashboard.jobs import sidebar_jobs  # noqa: E402
+from dashboard.run_form import run_form  # noqa: E402
+from dashboard.state import home, store, sync_view_with_url  # noqa: E402
+
+VIEWS = Path(__file__).resolve().parent / "views"
+PAGES = [
+    st.Page(
+        VIEWS / "overview.py",
+        title="Overview",
+        icon=":material/dashboard:",
+        url_path="overview",
+    ),
+    st.Page(VIEWS / "drift.py", title="Drift", icon=":material/grid_on:", url_path="drift"),
+    st.Page(VIEWS / "outputs.py", title="Outputs", icon=":material/output:", url_path="outputs"),
+    st.Page(VIEWS / "runs.py", title="Runs", icon=":material/history:", url_path="runs"),
+]
+
+
+def start() -> None:
+    """`/` opens the Overview at its own path, keeping the query string."""
+    st.switch_page(PAGES[0], query_params=st.query_params.to_dict())
+
+
+# Streamlit serves the default page at `/`; a hidden start page keeps `/overview` a real path.
+START = st.Page(start, title="WeightDrift", url_path="start", default=True, visibility="hidden")
+
+
+def demo_manifest() -> dict | None:
+    """The demo workspace's manifest; built on first launch with visible progress."""
+    from core.demo import build_demo, load_manifest
+
+    manifest = load_manifest(home())
+    if manifest is not None:
+        return manifest
+    bar = st.progress(0.0, text="Building the demo workspace (tiny models and adapters, offline)…")
+
+    def progress(stage: str, k: int, n: int) -> None:
+        bar.progress(k / n if n else 0.0, text=f"Building the demo workspace: {stage} · step {k} of {n}")
+
+    try:
+        manifest = build_demo(home(), progress=progress)
+    except Exception as e:  # the app must still come up, e.g. to open stored runs
+        st.error(f"Could not build the demo workspace in {home() / 'demo'}: {type(e).__name__}: {e}")
+        return None
+    bar.empty()
+    return manifest
+
+
+def main() -> None:
+    st.set_page_config(page_title="WeightDrift", page_icon=":material/difference:", layout="wide")
+    page = st.navigation([START, *PAGES], position="sidebar")
+    sync_view_with_url()
+    with st.sidebar:
+        manifest = demo_manifest()
+        st.subheader("New run")
+        run_form(manifest)
+        sidebar_jobs()
+        st.caption(f"Runs are stored in `{store().runs_dir}`")
+    page.run()
+
+
+main()

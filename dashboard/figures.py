@@ -1,0 +1,757 @@
+"""Figures and display tables for the dashboard, built from the metrics table.
+
+Pure functions: DataFrames / arrays in, ``plotly.graph_objects.Figure`` or DataFrames out. Nothing here
+imports Streamlit, so every figure can be built and checked in plain pytest, and the pages only place
+them. No template is set: Streamlit themes figures for its light and dark modes, so explicit colours
+are used only where they carry meaning (verdicts, the perceptual colourscale).
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from core.report import SEVERITY, VERDICT_ORDER
+
+METRICS = ("max_abs", "rel_l2", "max_ulp", "min_atol")
+METRIC_LABELS: dict[str, str] = {
+    "max_abs": "max |Δ|",
+    "rel_l2": "relative L2",
+    "max_ulp": "max ulp (target dtype)",
+    "min_atol": "smallest passing atol",
+    "mean_abs": "mean |Δ|",
+    "rmse": "RMSE",
+}
+
+# Mid-tone colours: dark enough for white backgrounds, light enough for Streamlit's dark theme.
+VERDICT_COLORS: dict[str, str] = {
+    "identical": "#3aa655",
+    "within tolerance": "#1f9bcf",
+    "drift": "#f28e2b",
+    "broken": "#e03131",
+}
+VERDICT_SYMBOLS: dict[str, str] = {
+    "identical": "≡",
+    "within tolerance": "✓",
+    "drift": "▲",
+    "broken": "✗",
+}
+UNKNOWN_COLOR = "#888888"
+UNKNOWN_SYMBOL = "?"
+
+OTHER_ROW = "other"
+COLORSCALE = "Viridis"
+# Paints a whole row; translucent so the text stays readable on light and dark themes alike.
+DIFFER_BACKGROUND = "background-color: rgba(255,165,0,0.25)"
+MISSING = "—"
+# Streamlit sizes figures to the container; this is only a guess used to size the verdict squares.
+_ASSUMED_PLOT_WIDTH = 1100
+
+
+# --------------------------------------------------------------------------------------------- helpers
+def _label(metric: str) -> str:
+    return METRIC_LABELS.get(metric, metric)
+
+
+def _fmt(value: Any) -> str:
+    """Exact-enough number for hover text (%.6g); NaN/None spelled out rather than hidden."""
+    if value is None or (isinstance(value, float) and math.isnan(value)) or value is pd.NA:
+        return "n/a"
+    try:
+        return f"{float(value):.6g}"
+    except (TypeError, ValueError):
+        return html.escape(str(value))
+
+
+def _text(value: Any) -> str:
+    if value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    return str(value)
+
+
+def _explanation_html(value: Any) -> str:
+    # Explanations are one long line joined by " · "; break there so the hover box stays narrow,
+    # and escape because plotly renders hover text as pseudo-HTML (a "<" would eat the rest).
+    text = _text(value)
+    return "<br>".join(html.escape(part) for part in text.split(" · ") if part)
+
+
+def _numeric(series: pd.Series) -> np.ndarray:
+    return pd.to_numeric(series, errors="coerce").to_numpy(dtype=float, na_value=np.nan)
+
+
+def _log10_positive(values: np.ndarray) -> np.ndarray:
+    """log10 where finite and > 0, NaN elsewhere (zeros and non-finite values show as background)."""
+    values = np.asarray(values, dtype=float)
+    out = np.full(values.shape, np.nan)
+    ok = np.isfinite(values) & (values > 0)
+    out[ok] = np.log10(values[ok])
+    return out
+
+
+def _verdict_color(verdict: str) -> str:
+    return VERDICT_COLORS.get(verdict, UNKNOWN_COLOR)
+
+
+def _verdict_symbol(verdict: str) -> str:
+    return VERDICT_SYMBOLS.get(verdict, UNKNOWN_SYMBOL)
+
+
+def _verdicts_in_order(present: Any) -> list[str]:
+    present = [v for v in pd.unique(pd.Series(list(present), dtype=object)) if isinstance(v, str)]
+    return [v for v in VERDICT_ORDER if v in present] + [v for v in present if v not in VERDICT_ORDER]
+
+
+def _empty_figure(message: str = "no rows", *, title: str | None = None) -> go.Figure:
+    fig = go.Figure()
+    fig.add_annotation(text=message, showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5)
+    fig.update_layout(title=title, height=320, xaxis={"visible": False}, yaxis={"visible": False})
+    return fig
+
+
+def _legend_below_title(height: int) -> dict[str, Any]:
+    """A horizontal legend on its own line under the title, placed in container pixels.
+
+    Paper coordinates would depend on the plot area, which automargin changes, and the legend then
+    lands on top of the title or the panel titles.
+    """
+    return {
+        "orientation": "h",
+        "yref": "container",
+        "y": 1 - 44 / height,
+        "yanchor": "top",
+        "xanchor": "left",
+        "x": 0,
+        "title": None,
+        "traceorder": "normal",
+    }
+
+
+def _title_top(text: str | None, height: int) -> dict[str, Any]:
+    return {"text": text, "yref": "container", "y": 1 - 12 / height, "yanchor": "top"}
+
+
+# Forward order of the usual Llama / BERT / GPT module names, for the heatmap's columns.
+MODULE_ORDER = (
+    "embed_tokens",
+    "word_embeddings",
+    "wte",
+    "input_layernorm",
+    "ln_1",
+    "q_proj",
+    "query",
+    "k_proj",
+    "key",
+    "v_proj",
+    "value",
+    "c_attn",
+    "o_proj",
+    "dense",
+    "c_proj",
+    "post_attention_layernorm",
+    "ln_2",
+    "gate_proj",
+    "up_proj",
+    "fc1",
+    "c_fc",
+    "down_proj",
+    "fc2",
+    "norm",
+    "final_layernorm",
+    "ln_f",
+    "lm_head",
+)
+
+
+def _category_axis(labels: list[str]) -> dict[str, Any]:
+    """A categorical axis in the given order that shows every label.
+
+    An explicit tick list keeps every label; plotly otherwise thins crowded category axes.
+    """
+    return {
+        "type": "category",
+        "categoryorder": "array",
+        "categoryarray": labels,
+        "tickmode": "array",
+        "tickvals": labels,
+        "ticktext": labels,
+        "showgrid": False,
+        "zeroline": False,
+    }
+
+
+def _row_labels(table: pd.DataFrame) -> pd.Series:
+    """Layer as a string label; rows without a layer (embeddings, final norm, logits) are "other"."""
+    if "layer" not in table.columns:
+        return pd.Series(OTHER_ROW, index=table.index, dtype=object)
+    layer = pd.to_numeric(table["layer"], errors="coerce")
+    return pd.Series(
+        [OTHER_ROW if pd.isna(v) else str(int(v)) for v in layer], index=table.index, dtype=object
+    )
+
+
+def _col_labels(table: pd.DataFrame) -> pd.Series:
+    module = table["module"] if "module" in table.columns else pd.Series("?", index=table.index)
+    role = table["role"] if "role" in table.columns else pd.Series("", index=table.index)
+    return pd.Series(
+        [f"{_text(m) or '?'} · {_text(r)}" for m, r in zip(module, role, strict=True)],
+        index=table.index,
+        dtype=object,
+    )
+
+
+def _axis_order(table: pd.DataFrame) -> tuple[list[str], list[str]]:
+    """Row labels (ascending layers, then "other") and column labels (module, then role) of a grid.
+
+    Modules follow the forward order of a transformer block (MODULE_ORDER), others their first
+    appearance in the table; within a module the base weight comes first so adapter roles sit
+    right of the weight they modify.
+    """
+    rows = _row_labels(table)
+    layers = sorted({int(r) for r in rows if r != OTHER_ROW})
+    row_order = [str(v) for v in layers] + ([OTHER_ROW] if (rows == OTHER_ROW).any() else [])
+
+    modules: dict[str, list[str]] = {}
+    module = table["module"] if "module" in table.columns else pd.Series("?", index=table.index)
+    role = table["role"] if "role" in table.columns else pd.Series("", index=table.index)
+    for m, r in zip(module, role, strict=True):
+        roles = modules.setdefault(_text(m) or "?", [])
+        if _text(r) not in roles:
+            roles.append(_text(r))
+    col_order = []
+    known = {name: i for i, name in enumerate(MODULE_ORDER)}
+    first = {m: i for i, m in enumerate(modules)}
+    # A block reads in forward order (attention, then MLP); unknown modules keep table order after.
+    for m in sorted(modules, key=lambda m: (known.get(m, len(known)), first[m])):
+        roles = modules[m]
+        ordered = (["base"] if "base" in roles else []) + [r for r in roles if r != "base"]
+        col_order += [f"{m} · {r}" for r in ordered]
+    return row_order, col_order
+
+
+def _grid(table: pd.DataFrame, metric: str, rows: list[str], cols: list[str]) -> pd.DataFrame:
+    cells = pd.DataFrame(
+        {"_row": _row_labels(table), "_col": _col_labels(table), "_value": _numeric(table[metric])},
+        index=table.index,
+    )
+    # max() skips NaN, so a duplicate with a real value wins over one without.
+    pooled = cells.groupby(["_row", "_col"], sort=False)["_value"].max()
+    grid = pooled.unstack("_col") if len(pooled) else pd.DataFrame()
+    grid = grid.reindex(index=rows, columns=cols).astype(float)
+    grid.index.name = "layer"
+    grid.columns.name = "module · role"
+    return grid
+
+
+# --------------------------------------------------------------------------------------------- heatmaps
+def heatmap_grid(table: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """Pivot ONE target's rows into a layer × "module · role" grid of ``metric``.
+
+    Index: layers as strings in ascending numeric order ("0", "1", …, "10"), then "other" for rows
+    without a layer. Columns: "module · role" by module first appearance, "base" role first.
+    Values are floats, NaN where no row exists; if several rows land in one cell the max is kept.
+    """
+    if not len(table):
+        return pd.DataFrame(dtype=float)
+    rows, cols = _axis_order(table)
+    return _grid(table, metric, rows, cols)
+
+
+def _representatives(table: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """One row per cell for the verdict layer: the worst verdict, then the largest metric."""
+    cells = table.assign(
+        _row=_row_labels(table),
+        _col=_col_labels(table),
+        _sev=table["verdict"].map(SEVERITY).fillna(len(SEVERITY)) if "verdict" in table else 0,
+        _value=_numeric(table[metric]),
+    )
+    cells = cells.sort_values(["_sev", "_value"], ascending=False, na_position="last", kind="stable")
+    return cells.drop_duplicates(["_row", "_col"], keep="first")
+
+
+def _tensor_hover(row: pd.Series) -> str:
+    adapter = _text(row.get("adapter")) or "— (base model)"
+    lines = [
+        f"<b>{html.escape(_text(row.get('tensor')))}</b>",
+        f"target: {html.escape(_text(row.get('target')))}"
+        + (f" vs {html.escape(_text(row.get('reference')))}" if _text(row.get("reference")) else ""),
+        f"adapter: {html.escape(adapter)} · role: {html.escape(_text(row.get('role')))}",
+    ]
+    if _text(row.get("dtype")) or _text(row.get("shape")):
+        lines.append(
+            f"dtype {html.escape(_text(row.get('dtype')))} · shape {html.escape(_text(row.get('shape')))}"
+        )
+    verdict = _text(row.get("verdict"))
+    lines.append(f"verdict: <b>{_verdict_symbol(verdict)} {html.escape(verdict)}</b>")
+    for m in METRICS:
+        lines.append(f"{_label(m)}: {_fmt(row.get(m))}")
+    if _text(row.get("explanation")):
+        lines.append(_explanation_html(row.get("explanation")))
+    if _text(row.get("note")):
+        lines.append("note: " + html.escape(_text(row.get("note"))))
+    return "<br>".join(lines)
+
+
+def drift_heatmap(table: pd.DataFrame, metric: str, *, title: str | None = None) -> go.Figure:
+    """Layer × module heatmap of log₁₀ ``metric``, one panel per target, with a clickable verdict layer.
+
+    ``table`` holds the rows of one check (already narrowed to one adapter selection, base rows
+    included if wanted) for any number of targets. Every panel uses the same rows, columns and
+    colour axis so panels compare by eye. Cells with metric 0 (identical tensors) or no row are NaN
+    in z and show the background; the verdict layer (one scatter trace per verdict and panel, a
+    symbol per existing cell) still marks them, carries the exact values in its hover, and its
+    ``customdata`` is ``[target, adapter or "", tensor, check]`` so a selection identifies the tensor.
+    """
+    if not len(table):
+        return _empty_figure("no rows", title=title)
+    label = _label(metric)
+    targets = [t for t in pd.unique(table["target"].astype(object)) if isinstance(t, str)]
+    rows, cols = _axis_order(table)
+    n_panels = len(targets)
+
+    fig = make_subplots(
+        rows=1,
+        cols=n_panels,
+        shared_yaxes=True,
+        subplot_titles=targets,
+        horizontal_spacing=min(0.03, 0.5 / max(n_panels, 1)),
+    )
+    # Squares as large as a cell is likely to be, so a click anywhere in the cell hits the point.
+    cell_px = min(38.0, _ASSUMED_PLOT_WIDTH / max(1, n_panels * len(cols)))
+    marker_size = max(8.0, 0.9 * cell_px)
+    legend_shown: set[str] = set()
+
+    for i, target in enumerate(targets, start=1):
+        part = table[table["target"] == target]
+        grid = _grid(part, metric, rows, cols)
+        z = _log10_positive(grid.to_numpy())
+        fig.add_trace(
+            go.Heatmap(
+                z=z,
+                x=cols,
+                y=rows,
+                coloraxis="coloraxis",
+                # Hover lives on the verdict points (exact values); the heatmap would only repeat a log.
+                hoverinfo="skip",
+                name=target,
+                xgap=1,
+                ygap=1,
+            ),
+            row=1,
+            col=i,
+        )
+        reps = _representatives(part, metric)
+        for verdict in _verdicts_in_order(reps["verdict"]):
+            sub = reps[reps["verdict"] == verdict]
+            color = _verdict_color(verdict)
+            fig.add_trace(
+                go.Scatter(
+                    x=sub["_col"].tolist(),
+                    y=sub["_row"].tolist(),
+                    mode="markers+text",
+                    text=[_verdict_symbol(verdict)] * len(sub),
+                    textposition="middle center",
+                    textfont={"color": color, "size": 14, "shadow": "auto"},
+                    # Nearly transparent: the point only catches clicks; the cell's colour is the heatmap's.
+                    marker={"symbol": "square", "size": marker_size, "color": color, "opacity": 0.03},
+                    # Make the picked cell stand out while keeping the others legible.
+                    selected={"marker": {"opacity": 0.45}},
+                    unselected={"marker": {"opacity": 0.03}, "textfont": {"color": color}},
+                    customdata=[
+                        [
+                            _text(r.get("target")),
+                            _text(r.get("adapter")),
+                            _text(r.get("tensor")),
+                            _text(r.get("check")),
+                        ]
+                        for _, r in sub.iterrows()
+                    ],
+                    hovertext=[_tensor_hover(r) for _, r in sub.iterrows()],
+                    hovertemplate="%{hovertext}<extra></extra>",
+                    name=f"{_verdict_symbol(verdict)} {verdict}",
+                    legendgroup=verdict,
+                    showlegend=verdict not in legend_shown,
+                ),
+                row=1,
+                col=i,
+            )
+            legend_shown.add(verdict)
+        fig.update_xaxes(**_category_axis(cols), tickangle=-60, row=1, col=i)
+        fig.update_yaxes(**_category_axis(rows), autorange="reversed", row=1, col=i)  # layer 0 on top
+    fig.update_yaxes(title_text="layer", row=1, col=1)
+
+    values = _numeric(table[metric])
+    checks = (
+        [c for c in pd.unique(table["check"].astype(object)) if isinstance(c, str)]
+        if "check" in table
+        else []
+    )
+    if title is None:
+        title = f"{' / '.join(checks) or 'drift'} — log₁₀ {label}"
+    if not np.isfinite(_log10_positive(values)).any():
+        fig.add_annotation(
+            text=f"no nonzero {label} values (blank cells = exactly 0 or missing)",
+            showarrow=False,
+            xref="paper",
+            yref="paper",
+            x=0.5,
+            y=1.0,
+            yanchor="bottom",
+            yshift=24,
+        )
+    coloraxis: dict[str, Any] = {}
+    logs = _log10_positive(values)
+    if np.isfinite(logs).any():
+        # At least one decade of colour: values that agree to 3 digits should not look different.
+        lo, hi = float(np.nanmin(logs[np.isfinite(logs)])), float(np.nanmax(logs[np.isfinite(logs)]))
+        if hi - lo < 1.0:
+            mid = (hi + lo) / 2
+            lo, hi = mid - 0.5, mid + 0.5
+        coloraxis.update(cmin=lo, cmax=hi)
+    longest = max((len(c) for c in cols), default=0)
+    height = max(320, 140 + 38 * len(rows) + int(5.5 * longest))
+    fig.update_layout(
+        title=_title_top(title, height),
+        coloraxis={
+            **coloraxis,
+            "colorscale": COLORSCALE,
+            "colorbar": {"title": {"text": f"log₁₀ {label}", "side": "right"}},
+        },
+        height=height,
+        legend=_legend_below_title(height),
+        margin={"t": 110},
+        hovermode="closest",
+    )
+    return fig
+
+
+# --------------------------------------------------------------------------------------------- summaries
+def verdict_counts_figure(counts: pd.DataFrame) -> go.Figure:
+    """Horizontal stacked bars of verdict counts, one bar per "check · target".
+
+    ``counts`` is ``core.report.verdicts_by_check_target(table)``; one trace per verdict, in
+    ``VERDICT_ORDER``, coloured by verdict.
+    """
+    labels = [f"{c} · {t}" for c, t in zip(counts.get("check", []), counts.get("target", []), strict=True)]
+    fig = go.Figure()
+    for verdict in VERDICT_ORDER:
+        n = (
+            pd.to_numeric(counts[verdict], errors="coerce").fillna(0).astype(int).tolist()
+            if verdict in counts.columns
+            else [0] * len(labels)
+        )
+        fig.add_trace(
+            go.Bar(
+                y=labels,
+                x=n,
+                orientation="h",
+                name=f"{_verdict_symbol(verdict)} {verdict}",
+                marker={"color": _verdict_color(verdict)},
+                # Labels only on non-empty segments; a "0" would float over the neighbouring bar.
+                text=[str(v) if v else "" for v in n],
+                textposition="inside",
+                insidetextanchor="middle",
+                hovertemplate=f"%{{y}}<br>{verdict}: %{{x}}<extra></extra>",
+            )
+        )
+    height = max(220, 110 + 30 * len(labels))
+    fig.update_layout(
+        barmode="stack",
+        height=height,
+        xaxis_title="tensors / outputs",
+        yaxis={"autorange": "reversed", "type": "category"},
+        # plotly reverses the legend of stacked bars by default; keep it in severity order.
+        legend={
+            "orientation": "h",
+            "yanchor": "bottom",
+            "y": 1.02,
+            "xanchor": "left",
+            "x": 0,
+            "traceorder": "normal",
+        },
+        margin={"t": 60},
+    )
+    if not labels:
+        fig.add_annotation(text="no rows", showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5)
+    return fig
+
+
+_TARGET_PATTERNS = ("", "/", ".", "x", "\\", "+", "-", "|")
+
+
+def outputs_figure(table: pd.DataFrame) -> go.Figure:
+    """Grouped bars of output (logits) max |Δ| on a log axis: a group per adapter, a bar per target.
+
+    Bar colour is the verdict; the fill pattern tells targets apart (and carries the target legend).
+    ``adapter`` null means the base model and is shown as "base". A log axis cannot draw 0, so
+    bitwise-identical (or NaN) outputs are drawn as a short stub at the bottom, labelled with the
+    verdict symbol; the hover always shows the exact values.
+    """
+    if not len(table):
+        return _empty_figure("no output rows")
+    adapters = [_text(a) or "base" for a in table["adapter"]] if "adapter" in table else ["base"] * len(table)
+    data = table.assign(_adapter=adapters, _value=_numeric(table["max_abs"]))
+    order = list(dict.fromkeys(data["_adapter"]))
+    if "base" in order:  # the base model is the baseline every adapter group is read against
+        order = ["base"] + [a for a in order if a != "base"]
+
+    positive = data["_value"][np.isfinite(data["_value"]) & (data["_value"] > 0)]
+    floor = float(positive.min()) / 10 if len(positive) else 1e-12
+    ceiling = float(positive.max()) * 10 if len(positive) else 1.0
+
+    fig = go.Figure()
+    targets = [t for t in pd.unique(data["target"].astype(object)) if isinstance(t, str)]
+    for i, target in enumerate(targets):
+        part = data[data["target"] == target]
+        heights = [
+            v if np.isfinite(v) and v > 0 else (ceiling if v == np.inf else floor) for v in part["_value"]
+        ]
+        fig.add_trace(
+            go.Bar(
+                x=part["_adapter"].tolist(),
+                y=heights,
+                name=target,
+                offsetgroup=target,
+                marker={
+                    "color": [_verdict_color(_text(v)) for v in part["verdict"]],
+                    "pattern": {"shape": _TARGET_PATTERNS[i % len(_TARGET_PATTERNS)], "fillmode": "overlay"},
+                    "line": {"width": 0},
+                },
+                text=[_verdict_symbol(_text(v)) for v in part["verdict"]],
+                textposition="outside",
+                hovertext=[_tensor_hover(r) for _, r in part.iterrows()],
+                hovertemplate="%{hovertext}<extra></extra>",
+            )
+        )
+    # Legend-only swatches so the colour key is visible next to the pattern (target) key.
+    for verdict in _verdicts_in_order(data["verdict"]):
+        fig.add_trace(
+            go.Bar(
+                x=[None],
+                y=[None],
+                name=f"{_verdict_symbol(verdict)} {verdict}",
+                marker={"color": _verdict_color(verdict)},
+                legendgroup="verdicts",
+                hoverinfo="skip",
+            )
+        )
+    fig.update_layout(
+        barmode="group",
+        title=_title_top("outputs — max |Δ| of logits vs reference", 440),
+        xaxis={"type": "category", "categoryorder": "array", "categoryarray": order, "title": "adapter"},
+        yaxis={"type": "log", "title": "max |Δ| (log)", "exponentformat": "power"},
+        height=440,
+        legend=_legend_below_title(440),
+        margin={"t": 110},
+    )
+    return fig
+
+
+# --------------------------------------------------------------------------------------------- element diffs
+def block_max_pool(matrix: np.ndarray, max_side: int = 256) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Max of |values| over equal blocks so neither side exceeds ``max_side``.
+
+    Returns ``(pooled, row_starts, col_starts)``: a side of length n > max_side is cut into blocks
+    of b = ceil(n / max_side) elements (the last may be shorter), ``*_starts`` being each block's
+    first index. Max pooling, not averaging, so the worst element is never diluted; NaN propagates
+    (a block holding a NaN is NaN) so a NaN is never hidden either. Small matrices come back as
+    ``abs`` in float64, unchanged in shape.
+    """
+    arr = np.abs(np.asarray(matrix, dtype=np.float64))
+    if arr.ndim != 2:
+        raise ValueError(f"block_max_pool needs a 2-D array, got shape {arr.shape}")
+    if max_side < 1:
+        raise ValueError("max_side must be at least 1")
+    starts = []
+    for n in arr.shape:
+        b = max(1, math.ceil(n / max_side))
+        starts.append(np.arange(0, n, b, dtype=np.int64))
+    row_starts, col_starts = starts
+    # np.maximum (unlike np.fmax / nanmax) propagates NaN, which is exactly what is wanted here.
+    pooled = arr
+    if arr.shape[0] > len(row_starts) and len(row_starts):
+        pooled = np.maximum.reduceat(pooled, row_starts, axis=0)
+    if arr.shape[1] > len(col_starts) and len(col_starts):
+        pooled = np.maximum.reduceat(pooled, col_starts, axis=1)
+    return pooled, row_starts, col_starts
+
+
+def _as_2d(diff: np.ndarray) -> tuple[np.ndarray, str]:
+    """2-D view of a tensor diff: vectors become one row, higher ranks fold leading dims into rows."""
+    arr = np.asarray(diff, dtype=np.float64)
+    if arr.ndim == 2:
+        return arr, ""
+    if arr.ndim < 2:
+        return arr.reshape(1, -1), "shown as 1 row"
+    note = f"{'×'.join(map(str, arr.shape))} folded to {arr.shape[-1]} columns"
+    return arr.reshape(-1, arr.shape[-1]), note
+
+
+def _block_ends(starts: np.ndarray, n: int) -> np.ndarray:
+    return np.append(starts[1:], n) - 1
+
+
+def diff_heatmap(diff: np.ndarray, *, title: str = "", max_side: int = 256) -> go.Figure:
+    """Heatmap of log₁₀ |target − reference| for one tensor, block-max-pooled when large.
+
+    ``diff`` is the signed float64 element-wise difference. Exactly-equal cells (|d| = 0) are NaN in
+    z and show the background ("blank = exactly equal"); NaN/Inf cells are marked with a separate
+    red × layer since they would otherwise look blank too. Axis values are element indices (block
+    starts when pooled); the hover gives the exact max |d| of the cell and the index range it covers.
+    """
+    arr, folded = _as_2d(diff)
+    if arr.size == 0:
+        return _empty_figure("empty tensor", title=title or None)
+    pooled, row_starts, col_starts = block_max_pool(arr, max_side=max_side)
+    row_ends = _block_ends(row_starts, arr.shape[0])
+    col_ends = _block_ends(col_starts, arr.shape[1])
+    rb = int(row_starts[1] - row_starts[0]) if len(row_starts) > 1 else 1
+    cb = int(col_starts[1] - col_starts[0]) if len(col_starts) > 1 else 1
+    is_pooled = pooled.shape != arr.shape
+
+    def span(a: int, b: int) -> str:
+        return str(a) if a == b else f"{a}–{b}"
+
+    rows_txt = [span(int(a), int(b)) for a, b in zip(row_starts, row_ends, strict=True)]
+    cols_txt = [span(int(a), int(b)) for a, b in zip(col_starts, col_ends, strict=True)]
+    what = "block max |d|" if is_pooled else "|d|"
+    hover = [
+        [
+            f"rows {r}, cols {c}<br>{what} = "
+            + ("0 (exactly equal)" if v == 0 else ("NaN" if np.isnan(v) else f"{v:.6g}"))
+            for c, v in zip(cols_txt, line, strict=True)
+        ]
+        for r, line in zip(rows_txt, pooled, strict=True)
+    ]
+    fig = go.Figure(
+        go.Heatmap(
+            z=_log10_positive(pooled),
+            x=col_starts,
+            y=row_starts,
+            text=hover,
+            hovertemplate="%{text}<extra></extra>",
+            colorscale=COLORSCALE,
+            colorbar={"title": {"text": "log₁₀ |Δ|<br>(blank = exactly equal)", "side": "right"}},
+            name="log10 |d|",
+        )
+    )
+    bad = ~np.isfinite(pooled)
+    if bad.any():
+        ri, ci = np.nonzero(bad)
+        fig.add_trace(
+            go.Scatter(
+                x=col_starts[ci],
+                y=row_starts[ri],
+                mode="markers",
+                marker={"symbol": "x", "color": VERDICT_COLORS["broken"], "size": 9},
+                name="NaN / Inf",
+                text=[hover[a][b] for a, b in zip(ri, ci, strict=True)],
+                hovertemplate="%{text}<extra>NaN / Inf</extra>",
+            )
+        )
+    parts = [title] if title else []
+    parts.append(f"{arr.shape[0]}×{arr.shape[1]}")
+    if folded:
+        parts.append(folded)
+    if is_pooled:
+        parts.append(f"block max over {rb}×{cb} blocks")
+    if not np.isfinite(_log10_positive(pooled)).any() and not bad.any():
+        parts.append("all elements exactly equal")
+    aspect = pooled.shape[0] / max(1, pooled.shape[1])
+    height = int(min(800, max(320, 160 + 520 * aspect)))
+    fig.update_layout(
+        title=_title_top(" · ".join(parts), height),
+        xaxis={"title": "column index", "showgrid": False, "zeroline": False},
+        yaxis={"title": "row index", "autorange": "reversed", "showgrid": False, "zeroline": False},
+        height=height,
+        showlegend=bool(bad.any()),
+        legend=_legend_below_title(height),
+        margin={"t": 90 if bad.any() else 60},
+    )
+    return fig
+
+
+def diff_histogram(diff: np.ndarray, *, bins: int = 60) -> go.Figure:
+    """Histogram of log₁₀ |d| over the nonzero finite elements of a diff.
+
+    Binned here with numpy (not by plotly) so a large tensor does not put millions of values into
+    the figure. The title counts what the histogram cannot show: exactly-equal and NaN/Inf elements.
+    """
+    arr = np.asarray(diff, dtype=np.float64).ravel()
+    finite = np.isfinite(arr)
+    n_nonfinite = int((~finite).sum())
+    n_zero = int((arr[finite] == 0).sum())
+    mags = np.abs(arr[finite & (arr != 0)])
+    title = f"{mags.size:,} differing · {n_zero:,} exactly equal · {n_nonfinite:,} NaN/Inf (of {arr.size:,})"
+    if not mags.size:
+        return _empty_figure("no nonzero finite differences", title=title)
+    counts, edges = np.histogram(np.log10(mags), bins=bins)
+    centres = (edges[:-1] + edges[1:]) / 2
+    fig = go.Figure(
+        go.Bar(
+            x=centres,
+            y=counts,
+            width=np.diff(edges),
+            customdata=np.stack([edges[:-1], edges[1:]], axis=1),
+            hovertemplate="log₁₀ |d| in [%{customdata[0]:.3f}, %{customdata[1]:.3f})<br>"
+            "%{y} elements<extra></extra>",
+            name="elements",
+        )
+    )
+    fig.update_layout(
+        title=title,
+        xaxis_title="log₁₀ |target − reference|",
+        # Log counts: the few worst elements are the point of this plot and vanish on a linear axis.
+        yaxis={"title": "elements (log)", "type": "log"},
+        bargap=0,
+        height=320,
+    )
+    return fig
+
+
+# --------------------------------------------------------------------------------------------- environment
+def _env_str(value: Any) -> str:
+    if value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value)):
+        return MISSING
+    return str(value)
+
+
+def environment_table(envs: Mapping[str, Mapping[str, Any]]) -> pd.DataFrame:
+    """Environment side by side: a row per key (sorted union), a column per target, plus ``differs``.
+
+    Values are strings, "—" where a target lacks the key or has None; ``differs`` is True when the
+    targets do not all show the same string (so absent vs present counts as a difference).
+    """
+    targets = list(envs)
+    keys = sorted({k for env in envs.values() for k in (env or {})})
+    data = {t: [_env_str((envs[t] or {}).get(k)) for k in keys] for t in targets}
+    df = pd.DataFrame(data, index=pd.Index(keys, name="key"), columns=targets, dtype=object)
+    df["differs"] = [len({data[t][i] for t in targets}) > 1 for i in range(len(keys))]
+    df["differs"] = df["differs"].astype(bool)
+    return df
+
+
+def highlight_differences(df: pd.DataFrame) -> Any:
+    """A pandas Styler painting the rows whose ``differs`` is True and hiding the ``differs`` column."""
+    differs = df["differs"].astype(bool) if "differs" in df.columns else pd.Series(False, index=df.index)
+
+    def paint(row: pd.Series) -> list[str]:
+        return [DIFFER_BACKGROUND if differs.loc[row.name] else ""] * len(row)
+
+    styler = df.style.apply(paint, axis=1)
+    if "differs" in df.columns:
+        styler = styler.hide(subset=["differs"], axis="columns")
+    return styler
+
+
+# --------------------------------------------------------------------------------------------- export
+def figure_html(fig: go.Figure) -> str:
+    """Self-contained HTML for "download figure": plotly.js is inlined, so it opens offline."""
+    return fig.to_html(include_plotlyjs=True, full_html=True)

@@ -1,0 +1,91 @@
+"""Job progress: polled by fragments, drawn from the engine's thread-safe snapshots.
+
+Worker threads never touch Streamlit: they update the Job; these fragments read `Job.snapshot()`
+on the script thread every second while something runs, and rerun the whole app once a job ends
+so the pages show its results.
+"""
+
+from __future__ import annotations
+
+import time
+
+import streamlit as st
+
+from core.engine import Job
+from dashboard.state import engine
+
+POLL_S = 1.0
+IDLE_POLL_S = 5.0
+STATE_ICON = {
+    "queued": ":material/schedule:",
+    "running": ":material/progress_activity:",
+    "succeeded": ":material/check_circle:",
+    "failed": ":material/error:",
+    "cancelled": ":material/cancel:",
+}
+
+
+def active_jobs() -> list[Job]:
+    """Jobs of this server that are queued or running, newest first."""
+    return [j for j in engine().jobs() if j.snapshot()["state"] in ("queued", "running")]
+
+
+def _rerun_when_finished(run_ids: list[str]) -> None:
+    """Rerun the app (once) when a job this session watched has ended."""
+    watched = st.session_state.setdefault("jobs.watched", set())
+    ended = [rid for rid in watched if (job := engine().job(rid)) and job.done_event.is_set()]
+    watched.update(run_ids)
+    if ended:
+        watched.difference_update(ended)
+        st.rerun(scope="app")
+
+
+def draw_progress(job: Job, *, compact: bool = False) -> None:
+    """Per task: state, stage, step k of n and elapsed time; the job's error if it failed."""
+    snap = job.snapshot()
+    elapsed = (snap["finished"] or time.time()) - (snap["started"] or snap["created"])
+    if not compact:
+        st.markdown(f"**Run `{snap['run_id']}`** — {snap['state']} · {elapsed:.1f} s")
+    for name, task in snap["tasks"].items():
+        frac = task["step"] / task["of"] if task["of"] else (1.0 if task["state"] == "succeeded" else 0.0)
+        took = f"{task['elapsed_s']:.1f} s" if task["elapsed_s"] is not None else "waiting"
+        stage = task["stage"] or task["state"]
+        text = f"{STATE_ICON.get(task['state'], '')} {name} · {stage} · step {task['step']} of {task['of']} · {took}"
+        st.progress(min(max(frac, 0.0), 1.0), text=text)
+    if snap["state"] == "failed" and snap["error"]:
+        st.error(f"Run failed: {snap['error']}")
+
+
+def job_panel(run_id: str) -> None:
+    """The selected run's live progress with a cancel button (polls while the job is active)."""
+    job = engine().job(run_id)
+    if job is None:
+        return
+    active = job.snapshot()["state"] in ("queued", "running")
+
+    @st.fragment(run_every=POLL_S if active else None)
+    def panel() -> None:
+        draw_progress(job)
+        running = job.snapshot()["state"] in ("queued", "running")
+        if running and st.button("Cancel run", key=f"cancel.{run_id}", icon=":material/stop_circle:"):
+            job.cancel()
+            st.toast(f"Cancelling {run_id}: workers stop at their next stage.")
+        _rerun_when_finished([run_id] if active else [])
+
+    panel()
+
+
+def sidebar_jobs() -> None:
+    """A compact list of running jobs in the sidebar (any tab's jobs: one engine per server)."""
+    jobs = active_jobs()
+
+    # Idle tabs still look every few seconds, so a job started in another tab shows up here.
+    @st.fragment(run_every=POLL_S if jobs else IDLE_POLL_S)
+    def panel() -> None:
+        running = active_jobs()
+        for job in running:
+            st.caption(f"Running `{job.run_id}`")
+            draw_progress(job, compact=True)
+        _rerun_when_finished([j.run_id for j in running])
+
+    panel()

@@ -1,0 +1,283 @@
+"""The sidebar's run form: base, adapters, targets, checks, tolerances; validated field by field.
+
+Every check that needs no model load runs on each rerun, so a wrong path or an adapter made for
+another base is explained under its own field before anything is submitted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import streamlit as st
+
+from core.checks import CHECKS
+from core.spec import AdapterRef, ModelRef, ProbeSpec, SpecError, Target, ToleranceOverride
+from core.targets import Device, check_targets_exist
+from core.validate import InputError, validate_adapter, validate_model
+from core.workspace import (
+    DEMO_ADAPTERS,
+    DEMO_BASE,
+    DEMO_TARGETS,
+    find_adapters,
+    recent_adapters,
+    recent_bases,
+)
+from dashboard.state import engine, set_view, store
+
+DTYPES = ("float32", "bfloat16", "float16")
+ROLES = ("*", "base", "lora_A", "lora_B", "delta", "output")
+
+
+@dataclass
+class FormErrors:
+    """What is wrong, per field; empty when the form can be submitted."""
+
+    base: list[str] = field(default_factory=list)
+    adapters: list[str] = field(default_factory=list)
+    targets: list[str] = field(default_factory=list)
+    checks: list[str] = field(default_factory=list)
+    tolerance: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return any((self.base, self.adapters, self.targets, self.checks, self.tolerance))
+
+
+def parse_adapter(text: str) -> AdapterRef:
+    """An adapter field value: a folder path, optionally `PATH=NAME`."""
+    return AdapterRef.parse(text)
+
+
+def validate_form(
+    base: str | None,
+    adapters: list[str],
+    targets: list[str],
+    checks: list[str],
+    devices: list[Device],
+    tolerance: ToleranceOverride | None = None,
+) -> FormErrors:
+    """Field-by-field validation of the run form (no model load): the messages the form shows."""
+    errors = FormErrors()
+    shapes = None
+    if not base:
+        errors.base.append("Choose a base model folder or type a path or hub id.")
+    else:
+        try:
+            shapes = validate_model(ModelRef(path=base))
+        except InputError as e:
+            errors.base.append(str(e))
+    refs: list[AdapterRef] = []
+    for text in adapters:
+        try:
+            refs.append(parse_adapter(text))
+        except SpecError as e:
+            errors.adapters.append(str(e))
+    names = [a.name for a in refs]
+    for dup in sorted({n for n in names if names.count(n) > 1}):
+        errors.adapters.append(f"Adapter name {dup!r} is used twice: type one as PATH=OTHER_NAME.")
+    if base and not errors.base:
+        for ref in refs:
+            try:
+                validate_adapter(ref, shapes, base)
+            except InputError as e:
+                errors.adapters.append(str(e))
+    parsed: list[Target] = []
+    if not targets:
+        errors.targets.append("Choose at least one target, e.g. cpu/float32.")
+    for text in targets:
+        try:
+            parsed.append(Target.parse(text))
+        except SpecError as e:
+            errors.targets.append(str(e))
+    if len(set(parsed)) != len(parsed):
+        errors.targets.append("A target is listed twice.")
+    try:
+        check_targets_exist(parsed, devices)
+    except SpecError as e:
+        errors.targets.append(str(e))
+    if not checks:
+        errors.checks.append("Choose at least one check.")
+    if tolerance is not None:
+        for name, value in (("rtol", tolerance.rtol), ("atol", tolerance.atol)):
+            if value is not None and not value >= 0:
+                errors.tolerance.append(f"{name} must be ≥ 0.")
+    return errors
+
+
+def target_options(devices: list[Device]) -> list[str]:
+    """Targets offered for the devices this machine has: each dtype, plus the usual flag variants."""
+    options = []
+    for d in devices:
+        for dtype in DTYPES:
+            options.append(f"{d.name}/{dtype}")
+        if d.kind == "cuda":
+            options += [f"{d.name}/float32+tf32", f"{d.name}/float32+deterministic"]
+        if d.kind == "cpu":
+            options += ["cpu/float32+threads=1", "cpu/float32+deterministic"]
+    return options
+
+
+def _show(errors: list[str]) -> None:
+    for message in errors:
+        st.error(message, icon=":material/error:")
+
+
+def _demo_paths(manifest: dict | None) -> dict[str, str]:
+    return {} if not manifest else {path: f"demo · {name}" for name, path in manifest["models"].items()}
+
+
+def run_form(manifest: dict | None) -> None:
+    """Draw the form in the sidebar; on Run, submit the spec to the engine and select the new run."""
+    devices = engine().devices
+    demo_paths = _demo_paths(manifest)
+    bases = list(demo_paths) + [b for b in recent_bases(store()) if b not in demo_paths]
+    default_base = manifest["models"][DEMO_BASE] if manifest else (bases[0] if bases else None)
+    st.session_state.setdefault("form.base", default_base)
+
+    def base_changed() -> None:
+        st.session_state.pop("form.adapters", None)  # the old base's adapters do not apply
+
+    base = st.selectbox(
+        "Base model",
+        bases,
+        key="form.base",
+        accept_new_options=True,
+        format_func=lambda p: demo_paths.get(p, p),
+        on_change=base_changed,
+        placeholder="a model folder or a hub id",
+        help="A local model folder (config.json + *.safetensors) or a hub id; type to add a path.",
+    )
+    base_errors_at = st.container()
+
+    choices = find_adapters(base, extra_roots=[]) if base else []
+    recent = recent_adapters(store(), base) if base else []
+    fitting = {c.path: c.name if c.name == c.type else f"{c.name} ({c.type})" for c in choices if c.fits}
+    labels = {**fitting, **{a.path: a.name for a in recent if a.path not in fitting}}
+    if "form.adapters" not in st.session_state:
+        demo_base = manifest is not None and base == manifest["models"].get(DEMO_BASE)
+        st.session_state["form.adapters"] = [
+            c.path for c in choices if c.fits and (not demo_base or c.name in DEMO_ADAPTERS)
+        ]
+    for extra in st.session_state["form.adapters"]:
+        labels.setdefault(extra, extra)  # typed paths stay selectable
+    adapters = st.multiselect(
+        "Adapters",
+        list(labels),
+        key="form.adapters",
+        accept_new_options=True,
+        format_func=lambda p: labels.get(p, p),
+        placeholder="adapter folders (type PATH or PATH=NAME)",
+        help="Adapters found next to the base that fit it; type a folder to add another (PATH=NAME renames).",
+    )
+    others = [c for c in choices if not c.fits]
+    if others:
+        st.caption("Not for this base: " + ", ".join(c.name for c in others))
+    adapter_errors_at = st.container()
+
+    options = target_options(devices)
+    st.session_state.setdefault("form.targets", [t for t in DEMO_TARGETS if t in options])
+    for extra in st.session_state["form.targets"]:
+        if extra not in options:
+            options.append(extra)
+    targets = st.multiselect(
+        "Targets",
+        options,
+        key="form.targets",
+        accept_new_options=True,
+        placeholder="DEVICE/DTYPE[+FLAG…]",
+        help=(
+            "Where to load: only devices this machine has. Flags: +tf32 (CUDA), +deterministic, "
+            "+threads=N, +matmul=high. cpu/float64 is the reference and always runs."
+        ),
+    )
+    _target_builder(devices)
+    target_errors_at = st.container()
+
+    checks = st.multiselect(
+        "Checks",
+        list(CHECKS),
+        default=list(CHECKS),
+        key="form.checks",
+        help="\n".join(f"- **{name}**: {c.description}" for name, c in CHECKS.items()),
+    )
+    check_errors_at = st.container()
+
+    with st.expander("Tolerances and seed"):
+        role = st.selectbox(
+            "Applies to role", ROLES, key="form.role", format_func=lambda r: "every row" if r == "*" else r
+        )
+        rtol = st.number_input(
+            "rtol", value=None, min_value=0.0, format="%g", key="form.rtol", placeholder="per-dtype default"
+        )
+        atol = st.number_input(
+            "atol", value=None, min_value=0.0, format="%g", key="form.atol", placeholder="per-dtype default"
+        )
+        seed = st.number_input("Probe seed", value=0, min_value=0, step=1, key="form.seed")
+        tolerance_errors_at = st.container()
+    override = ToleranceOverride(rtol=rtol, atol=atol) if (rtol is not None or atol is not None) else None
+
+    errors = validate_form(base, adapters, targets, checks, devices, override)
+    for where, messages in (
+        (base_errors_at, errors.base),
+        (adapter_errors_at, errors.adapters),
+        (target_errors_at, errors.targets),
+        (check_errors_at, errors.checks),
+        (tolerance_errors_at, errors.tolerance),
+    ):
+        with where:
+            _show(messages)
+
+    if st.button("Run", type="primary", icon=":material/play_arrow:", key="form.run", width="stretch"):
+        if errors:
+            st.error("Fix the fields marked above first.")
+            return
+        spec = ProbeSpec(
+            base=ModelRef(path=base),
+            adapters=tuple(parse_adapter(a) for a in adapters),
+            targets=tuple(Target.parse(t) for t in targets),
+            checks=tuple(checks),
+            tolerances={role: override} if override else {},
+            seed=int(seed),
+        )
+        try:
+            job = engine().submit(spec)
+        except SpecError as e:
+            st.error(str(e))
+            return
+        for name in ("target", "tensor"):
+            set_view(name, None)
+        set_view("run", job.run_id)
+        st.rerun()
+
+
+def _target_builder(devices: list[Device]) -> None:
+    """Compose a target from device, dtype and flags, and add it to the Targets field."""
+    with st.expander("Add a target with flags"):
+        names = [d.name for d in devices]
+        device = st.selectbox("Device", names, key="form.new.device")
+        dtype = st.selectbox("Dtype", DTYPES, key="form.new.dtype")
+        is_cuda = device.startswith("cuda")
+        tf32 = st.toggle(
+            "TF32 (matmul and cuDNN)",
+            key="form.new.tf32",
+            disabled=not is_cuda,
+            help="CUDA only: lets float32 matmuls run in TF32.",
+        )
+        det = st.toggle("Deterministic algorithms", key="form.new.det")
+        threads = st.number_input(
+            "CPU threads",
+            value=None,
+            min_value=1,
+            step=1,
+            key="form.new.threads",
+            placeholder="torch default",
+        )
+        flags = (["tf32"] if tf32 and is_cuda else []) + (["deterministic"] if det else [])
+        flags += [f"threads={int(threads)}"] if threads else []
+        spec = "+".join([f"{device}/{dtype}", *flags])
+
+        def add() -> None:
+            current = list(st.session_state.get("form.targets", []))
+            if spec not in current:
+                st.session_state["form.targets"] = [*current, spec]
+
+        st.button(f"Add {spec}", on_click=add, key="form.new.add", width="stretch")

@@ -1,0 +1,173 @@
+"""The dashboard's shared objects and its URL-backed view state.
+
+One Engine per server process (so every browser tab sees the same jobs), obtained only through
+`engine()`. The view — run, target, metric, tensor, … — lives in `st.query_params`, so a link
+reproduces what is on screen; session state mirrors it so that a page switch, which starts a page
+with a clean URL, keeps the selection.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import streamlit as st
+
+from core.engine import Engine, InProcessRunner, ProcessRunner
+from core.spec import weightdrift_home
+from core.store import RunRecord, Store
+
+# Query parameters that make up a view; anything else in the URL is left alone.
+VIEW_KEYS = ("run", "check", "adapter", "target", "metric", "tensor")
+RUNNER_ENV = "WEIGHTDRIFT_RUNNER"  # "in-process" for tests only: the server itself runs the work
+
+
+def home() -> Path:
+    """The WeightDrift home this server works in ($WEIGHTDRIFT_HOME or ~/.cache/weightdrift)."""
+    return weightdrift_home()
+
+
+@st.cache_resource(show_spinner=False)
+def _engine(home_dir: str, runner: str) -> Engine:
+    return Engine(Path(home_dir), runner=InProcessRunner() if runner == "in-process" else ProcessRunner())
+
+
+def engine() -> Engine:
+    """The server's one Engine for the current home (shared by every session and tab)."""
+    return _engine(str(home()), os.environ.get(RUNNER_ENV, "process"))
+
+
+def store() -> Store:
+    """The store of the engine (the runs on disk)."""
+    return engine().store
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def _metrics(run_dir: str, mtime: float) -> pd.DataFrame:
+    return pd.read_parquet(Path(run_dir) / "metrics.parquet")
+
+
+def metrics_table(record: RunRecord) -> pd.DataFrame:
+    """The run's metrics table, cached while the file is unchanged (empty when it has none)."""
+    path = record.run_dir / "metrics.parquet"
+    if record.status != "succeeded" or not path.exists():
+        return pd.DataFrame()
+    return _metrics(str(record.run_dir), path.stat().st_mtime)
+
+
+# --- view state ---------------------------------------------------------------------------------
+
+
+def _skey(name: str) -> str:
+    return f"view.{name}"
+
+
+def sync_view_with_url() -> None:
+    """Take the view from the URL where it has it; put the session's view back where it does not.
+
+    Called once per rerun before the page runs: a shared link wins, and after a page switch (which
+    starts with an empty query string) the selection carries over.
+    """
+    for name in VIEW_KEYS:
+        if name in st.query_params:
+            st.session_state[_skey(name)] = st.query_params[name]
+        elif st.session_state.get(_skey(name)) is not None:
+            st.query_params[name] = st.session_state[_skey(name)]
+
+
+def view(name: str) -> str | None:
+    """The current value of a view parameter (None when unset)."""
+    value = st.session_state.get(_skey(name))
+    return value if value not in ("", None) else None
+
+
+def set_view(name: str, value: Any) -> None:
+    """Change a view parameter in the session and in the URL (None removes it)."""
+    if value in ("", None):
+        st.session_state[_skey(name)] = None
+        if name in st.query_params:
+            del st.query_params[name]
+        return
+    st.session_state[_skey(name)] = str(value)
+    st.query_params[name] = str(value)
+
+
+def view_query() -> dict[str, str]:
+    """The view as query parameters, for links to other pages."""
+    return {name: v for name in VIEW_KEYS if (v := view(name)) is not None}
+
+
+def bound_select(
+    label: str,
+    name: str,
+    options: Sequence[Any],
+    default: Any = None,
+    *,
+    format_func: Callable[[Any], str] = str,
+    container: Any = None,
+    help: str | None = None,
+    horizontal: bool = False,
+) -> Any:
+    """A selectbox (or segmented control when `horizontal`) whose value is the view parameter `name`.
+
+    The URL's value is used when it is one of the options; otherwise `default` (or the first
+    option). The chosen value is written back to the URL.
+    """
+    container = container or st
+    options = list(options)
+    if not options:
+        return None
+    as_text = {str(o): o for o in options}
+    current = as_text.get(view(name) or "", default if default in options else options[0])
+    set_view(name, current)
+    key = f"widget.{name}"
+    st.session_state[key] = current
+
+    def changed() -> None:
+        set_view(name, st.session_state[key])
+
+    if horizontal:
+        value = container.segmented_control(
+            label, options, key=key, format_func=format_func, on_change=changed, help=help, required=True
+        )
+    else:
+        value = container.selectbox(
+            label, options, key=key, format_func=format_func, on_change=changed, help=help
+        )
+    return value
+
+
+# --- runs ---------------------------------------------------------------------------------------
+
+
+def run_label(record: RunRecord) -> str:
+    """One line naming a run: id, status, targets, adapters."""
+    spec = record.spec
+    targets = ", ".join(t.label for t in spec.targets) if spec else "?"
+    adapters = f"{len(spec.adapters)} adapter(s)" if spec else ""
+    return f"{record.run_id} · {record.status} · {targets} · {adapters}"
+
+
+def open_run(name: str = "run", *, container: Any = None) -> RunRecord | None:
+    """The run picker: the URL's run, else the newest run; None when the store has no runs."""
+    records = store().list_runs()
+    if not records:
+        return None
+    by_id = {r.run_id: r for r in records}
+    wanted = view(name)
+    if wanted is not None and wanted not in by_id:
+        st.warning(f"Run `{wanted}` is not in {store().runs_dir} (deleted, or made with another home).")
+    newest_done = next((r.run_id for r in records if r.status == "succeeded"), records[0].run_id)
+    run_id = bound_select(
+        "Run",
+        name,
+        list(by_id),
+        default=newest_done,
+        format_func=lambda rid: run_label(by_id[rid]),
+        container=container,
+        help="Runs of this WeightDrift home, newest first; runs made with the CLI appear here too.",
+    )
+    return store().open(run_id)

@@ -1,0 +1,79 @@
+"""Small pieces every page uses: downloads for tables and figures, and how a run is introduced."""
+
+from __future__ import annotations
+
+import re
+
+import pandas as pd
+import plotly.graph_objects as go
+import streamlit as st
+
+from core.store import RunRecord
+from dashboard.figures import figure_html
+from dashboard.jobs import job_panel
+from dashboard.state import open_run
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_")
+
+
+def csv_download(table: pd.DataFrame, name: str, *, key: str) -> None:
+    """A button that downloads `table` as CSV (`name`.csv)."""
+    st.download_button(
+        "Download CSV",
+        data=table.to_csv(index=False).encode(),
+        file_name=f"{_slug(name)}.csv",
+        mime="text/csv",
+        key=key,
+        icon=":material/download:",
+        on_click="ignore",
+    )
+
+
+def figure_download(fig: go.Figure, name: str, *, key: str) -> None:
+    """A button that downloads `fig` as one self-contained HTML file (made only when clicked)."""
+    st.download_button(
+        "Download figure (HTML)",
+        data=lambda: figure_html(fig),
+        file_name=f"{_slug(name)}.html",
+        mime="text/html",
+        key=key,
+        icon=":material/download:",
+        on_click="ignore",
+    )
+
+
+def run_header(record: RunRecord) -> bool:
+    """What the run is and its state; True when it has results to show.
+
+    A running run shows live progress (with cancel), a failed one its reason.
+    """
+    spec = record.spec
+    if spec is not None:
+        adapters = ", ".join(a.name for a in spec.adapters) or "none (base model only)"
+        st.caption(
+            f"Base `{spec.base.path}` · adapters {adapters} · targets "
+            f"{', '.join(t.label for t in spec.targets)} · checks {', '.join(spec.checks)}"
+        )
+    if record.status in ("queued", "running"):
+        job_panel(record.run_id)
+        return False
+    if record.status == "failed":
+        st.error(f"Run `{record.run_id}` failed: {record.error}", icon=":material/error:")
+        return False
+    if record.status == "cancelled":
+        st.warning(f"Run `{record.run_id}` was cancelled before it finished; it has no results.")
+        return False
+    return True
+
+
+def finished_run() -> RunRecord:
+    """The run the URL selects, when it has results; otherwise say why and stop the page."""
+    record = open_run()
+    if record is None:
+        st.info("No runs yet. The sidebar's **Run** button starts one on the demo workspace.")
+        st.stop()
+    if not run_header(record):
+        st.stop()
+    return record

@@ -1,0 +1,161 @@
+"""Drift: layer × module heatmaps per target, coloured by log₁₀ of a metric; drill into one tensor."""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from core import report
+from dashboard.figures import (
+    METRIC_LABELS,
+    METRICS,
+    VERDICT_SYMBOLS,
+    diff_heatmap,
+    diff_histogram,
+    drift_heatmap,
+)
+from dashboard.state import bound_select, metrics_table, set_view, view
+from dashboard.ui import csv_download, figure_download, finished_run
+
+BASE = "base model"
+
+st.title("Drift")
+record = finished_run()
+table = metrics_table(record)
+per_tensor = [c for c in dict.fromkeys(table["check"]) if c != "outputs"] if len(table) else []
+if not per_tensor:
+    st.info("This run has no per-tensor checks (weights, deltas); see the Outputs page.")
+    st.stop()
+
+
+def selection_rows(rows: pd.DataFrame, adapter: str) -> pd.DataFrame:
+    """The rows one heatmap shows: an adapter's tensors with the base weights it sits on, or the base alone."""
+    base_rows = rows[rows["adapter"].isna()]
+    if adapter == BASE:
+        return base_rows
+    return pd.concat([base_rows, rows[rows["adapter"] == adapter]])
+
+
+def severity(rows: pd.DataFrame) -> tuple[int, float]:
+    """How bad a selection is: worst verdict, then largest relative error."""
+    if rows.empty:
+        return (-1, 0.0)
+    sev = int(rows["verdict"].map(report.SEVERITY).max())
+    rel = pd.to_numeric(rows["rel_l2"], errors="coerce").max()
+    return (sev, float(rel) if pd.notna(rel) else 0.0)
+
+
+c1, c2, c3 = st.columns([2, 2, 2])
+check = bound_select("Check", "check", per_tensor, container=c1, horizontal=True)
+rows = table[table["check"] == check]
+adapters = [a for a in dict.fromkeys(rows["adapter"].dropna())]
+choices = adapters + ([BASE] if rows["adapter"].isna().any() else [])
+# Open on the selection that is furthest from its reference: that is what the user came for.
+worst_choice = max(choices, key=lambda a: severity(selection_rows(rows, a)))
+adapter = bound_select(
+    "Adapter",
+    "adapter",
+    choices,
+    default=worst_choice,
+    container=c2,
+    format_func=lambda a: a if a == BASE else f"{a} (with the base weights)" if check == "weights" else a,
+)
+metric = bound_select(
+    "Colour by",
+    "metric",
+    METRICS,
+    default="max_ulp" if check == "weights" else "rel_l2",
+    container=c3,
+    format_func=lambda m: METRIC_LABELS[m],
+)
+shown = selection_rows(rows, adapter)
+reference = ", ".join(dict.fromkeys(shown["reference"]))
+st.caption(
+    f"{len(shown)} tensors against **{reference}** · colour: log₁₀ {METRIC_LABELS[metric]} · symbols: "
+    + " ".join(f"{VERDICT_SYMBOLS[v]} {v}" for v in report.VERDICT_ORDER)
+    + " · blank cells: exactly 0 or no such tensor. Click a cell to inspect it."
+)
+
+fig = drift_heatmap(shown, metric, title=f"{check} · {adapter} · {METRIC_LABELS[metric]}")
+event = st.plotly_chart(fig, key="drift.heatmap", on_select="rerun", selection_mode="points")
+points = (event or {}).get("selection", {}).get("points", []) if isinstance(event, dict) else []
+if not points and event is not None and hasattr(event, "selection"):
+    points = event.selection.get("points", [])
+if points:
+    data = points[0].get("customdata")
+    signature = repr(data)
+    # The chart keeps its selection across reruns: act on a new click only.
+    if data and st.session_state.get("drift.applied") != signature:
+        st.session_state["drift.applied"] = signature
+        set_view("target", data[0])
+        set_view("tensor", data[2])
+left, right = st.columns(2)
+with left:
+    figure_download(fig, f"{record.run_id}-{check}-{adapter}-{metric}", key="drift.heatmap.html")
+with right:
+    csv_download(shown, f"{record.run_id}-{check}-{adapter}", key="drift.rows.csv")
+
+st.subheader("Inspect one tensor")
+targets = list(dict.fromkeys(shown["target"]))
+p1, p2 = st.columns([1, 3])
+worst_target = max(targets, key=lambda t: severity(shown[shown["target"] == t]))
+target = bound_select("Target", "target", targets, default=worst_target, container=p1)
+candidates = shown[shown["target"] == target].assign(
+    _sev=lambda t: t["verdict"].map(report.SEVERITY),
+    _val=lambda t: pd.to_numeric(t[metric], errors="coerce").fillna(-1.0),
+)
+candidates = candidates.sort_values(["_sev", "_val"], ascending=False)
+by_name = {r["tensor"]: r for r in candidates.to_dict(orient="records")}
+tensor = bound_select(
+    "Tensor (worst first)",
+    "tensor",
+    list(by_name),
+    container=p2,
+    format_func=lambda n: (
+        f"{VERDICT_SYMBOLS[by_name[n]['verdict']]} {n} · {metric} {by_name[n][metric]:.4g}"
+        if pd.notna(by_name[n][metric])
+        else f"{VERDICT_SYMBOLS[by_name[n]['verdict']]} {n}"
+    ),
+)
+if tensor is None:
+    st.stop()
+row = by_name[tensor]
+if view("tensor") != tensor:
+    set_view("tensor", tensor)
+
+verdict = row["verdict"]
+box = {"identical": st.success, "within tolerance": st.info, "drift": st.warning, "broken": st.error}[verdict]
+box(
+    f"**{verdict}** · `{tensor}` on **{target}** vs {row['reference']} · {row['dtype']} {row['shape']}\n\n"
+    f"{row['explanation']}" + (f"\n\nWhy: {row['note']}" if row.get("note") else ""),
+)
+m = st.columns(5)
+m[0].metric("max |Δ|", f"{row['max_abs']:.4e}" if pd.notna(row["max_abs"]) else "—")
+m[1].metric("relative L2", f"{row['rel_l2']:.4e}" if pd.notna(row["rel_l2"]) else "—")
+m[2].metric("max ulp", f"{row['max_ulp']:.4g}" if pd.notna(row["max_ulp"]) else "—")
+m[3].metric("smallest passing atol", f"{row['min_atol']:.3e}" if pd.notna(row["min_atol"]) else "—")
+m[4].metric("mismatched", f"{int(row['n_mismatch'] or 0)} / {int(row['numel'])}")
+
+
+@st.cache_data(show_spinner="Reading the tensor and its reference…", max_entries=8)
+def load_diff(run_dir: str, run_id: str, check: str, target: str, adapter: str | None, tensor: str):
+    from core.diffmap import element_diff
+
+    return element_diff(record, check, target, adapter, tensor)
+
+
+adapter_of_row = row["adapter"] if isinstance(row["adapter"], str) else None
+try:
+    diff = load_diff(str(record.run_dir), record.run_id, check, target, adapter_of_row, tensor)
+except (KeyError, ValueError, OSError) as e:
+    st.error(f"Cannot show the element-wise difference: {e}")
+    st.stop()
+h1, h2 = st.columns([3, 2])
+with h1:
+    heat = diff_heatmap(diff.diff, title=f"|Δ| element-wise · {tensor} · {target}")
+    st.plotly_chart(heat, key="drift.diff")
+    figure_download(heat, f"{record.run_id}-{target}-{tensor}-diff", key="drift.diff.html")
+with h2:
+    hist = diff_histogram(diff.diff)
+    st.plotly_chart(hist, key="drift.hist")
+    figure_download(hist, f"{record.run_id}-{target}-{tensor}-hist", key="drift.hist.html")

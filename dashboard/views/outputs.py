@@ -1,0 +1,88 @@
+"""Outputs: each target's logits against the float64 reference, with health flags."""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from dashboard.figures import outputs_figure
+from dashboard.state import metrics_table
+from dashboard.ui import csv_download, figure_download, finished_run
+
+HEALTH = {
+    "health_nan": "NaN",
+    "health_inf": "Inf",
+    "health_all_zero": "all zero",
+    "health_identical_rows": "identical rows",
+}
+
+st.title("Outputs")
+record = finished_run()
+table = metrics_table(record)
+rows = table[table["check"] == "outputs"] if len(table) else table
+if rows.empty:
+    st.info("This run did not run the `outputs` check.")
+    st.stop()
+rows = rows.assign(adapter=rows["adapter"].fillna("base model"))
+
+st.caption(
+    f"Logits on the run's fixed probe inputs (seed {record.spec.seed if record.spec else '?'}) against "
+    f"{', '.join(dict.fromkeys(rows['reference']))}, per target and adapter."
+)
+present = [c for c in HEALTH if c in rows.columns]
+
+
+def flags(row: pd.Series) -> str:
+    """The health problems of one output, in words."""
+    found = [label for col, label in HEALTH.items() if col in row and bool(row[col]) and row[col] == row[col]]
+    return ", ".join(found) or "healthy"
+
+
+health = rows.assign(health=rows.apply(flags, axis=1))
+unhealthy = health[health["health"] != "healthy"]
+if len(unhealthy):
+    st.error(
+        "Unhealthy outputs: "
+        + "; ".join(
+            f"{r['target']} · {r['adapter']}: {r['health']}" for r in unhealthy.to_dict(orient="records")
+        ),
+        icon=":material/heart_broken:",
+    )
+else:
+    st.success("No NaN/Inf, no all-zero output, no identical rows on any target.", icon=":material/favorite:")
+
+fig = outputs_figure(table[table["check"] == "outputs"])
+st.plotly_chart(fig, key="outputs.figure")
+figure_download(fig, f"{record.run_id}-outputs", key="outputs.figure.html")
+
+columns = [
+    "target",
+    "adapter",
+    "verdict",
+    "health",
+    "max_abs",
+    "rel_l2",
+    "max_ulp",
+    "min_atol",
+    "cos_sim",
+    "n_mismatch",
+    "numel",
+    "explanation",
+    "note",
+    *present,
+]
+view_rows = health[[c for c in columns if c in health.columns]]
+st.dataframe(
+    view_rows,
+    hide_index=True,
+    key="outputs.table",
+    column_config={
+        "max_abs": st.column_config.NumberColumn(format="%.4e"),
+        "rel_l2": st.column_config.NumberColumn(format="%.4e"),
+        "max_ulp": st.column_config.NumberColumn(format="%.4g"),
+        "min_atol": st.column_config.NumberColumn(format="%.4e"),
+        "cos_sim": st.column_config.NumberColumn(format="%.9f"),
+        "explanation": st.column_config.TextColumn(width="large"),
+    },
+)
+csv_download(view_rows, f"{record.run_id}-outputs", key="outputs.table.csv")

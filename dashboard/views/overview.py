@@ -1,0 +1,83 @@
+"""Overview: verdict counts per check and target, the worst rows explained, environments side by side."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from core import report
+from dashboard.figures import environment_table, highlight_differences, verdict_counts_figure
+from dashboard.state import metrics_table, view_query
+from dashboard.ui import csv_download, figure_download, finished_run
+
+st.title("Overview")
+record = finished_run()
+table = metrics_table(record)
+if table.empty:
+    st.warning("This run has no metric rows.")
+    st.stop()
+
+counts = report.verdict_counts(table)
+bad = counts["drift"] + counts["broken"]
+if bad:
+    st.error(
+        f"**{bad} of {len(table)} rows are beyond tolerance** ({counts['drift']} drift, "
+        f"{counts['broken']} broken). The worst are explained below; the Drift page shows where.",
+        icon=":material/warning:",
+    )
+else:
+    st.success(f"All {len(table)} rows are identical or within tolerance.", icon=":material/check_circle:")
+cols = st.columns(4)
+for col, verdict in zip(cols, report.VERDICT_ORDER, strict=True):
+    col.metric(verdict.capitalize(), counts[verdict])
+
+st.page_link(
+    "views/drift.py", label="Open the drift heatmap", icon=":material/grid_on:", query_params=view_query()
+)
+
+st.subheader("Verdicts per check and target")
+by = report.verdicts_by_check_target(table)
+fig = verdict_counts_figure(by)
+st.plotly_chart(fig, key="overview.verdicts")
+left, right = st.columns(2)
+with left:
+    figure_download(fig, f"{record.run_id}-verdicts", key="overview.verdicts.html")
+with right:
+    csv_download(by, f"{record.run_id}-verdicts", key="overview.verdicts.csv")
+
+st.subheader("Furthest from their reference")
+worst = report.worst_rows(table, 20)
+if worst.empty:
+    st.success("Every row is bitwise identical to its reference.")
+else:
+    st.dataframe(
+        worst,
+        hide_index=True,
+        column_config={
+            "explanation": st.column_config.TextColumn("explanation", width="large"),
+            "note": st.column_config.TextColumn("why", width="large"),
+            "max_abs": st.column_config.NumberColumn(format="%.4e"),
+            "rel_l2": st.column_config.NumberColumn(format="%.4e"),
+            "max_ulp": st.column_config.NumberColumn(format="%.4g"),
+            "min_atol": st.column_config.NumberColumn(format="%.4e"),
+        },
+        key="overview.worst",
+    )
+    csv_download(worst, f"{record.run_id}-worst", key="overview.worst.csv")
+
+notes = record.notes()
+if notes:
+    st.subheader("Notes from the workers")
+    for note in notes:
+        st.markdown(f"- {note}")
+
+st.subheader("Environment per target")
+envs = record.environments()
+env = environment_table(envs)
+n_diff = int(env["differs"].sum()) if len(env) else 0
+st.caption(
+    f"{n_diff} setting(s) differ between targets (highlighted). The reference cpu/float64 is listed too."
+    if n_diff
+    else "Every target ran with the same environment."
+)
+st.dataframe(highlight_differences(env), key="overview.env")
+csv_download(env.reset_index(), f"{record.run_id}-environment", key="overview.env.csv")

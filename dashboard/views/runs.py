@@ -1,0 +1,92 @@
+"""Runs: history with status, duration and targets; open, compare two runs' environments, delete."""
+
+from __future__ import annotations
+
+import time
+
+import pandas as pd
+import streamlit as st
+
+from dashboard.figures import environment_table, highlight_differences
+from dashboard.state import engine, set_view, store
+from dashboard.ui import csv_download
+
+st.title("Runs")
+records = store().list_runs()
+if not records:
+    st.info(
+        f"No runs in `{store().runs_dir}` yet. The sidebar's **Run** button starts one on the demo workspace."
+    )
+    st.stop()
+
+
+def history(records) -> pd.DataFrame:
+    """One row per stored run."""
+    out = []
+    for r in records:
+        spec = r.spec
+        out.append(
+            {
+                "run": r.run_id,
+                "status": r.status,
+                "created": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.info.get("created") or 0)),
+                "duration_s": r.info.get("duration_s"),
+                "targets": ", ".join(str(t) for t in spec.targets) if spec else "?",
+                "adapters": ", ".join(a.name for a in spec.adapters) if spec else "?",
+                "checks": ", ".join(spec.checks) if spec else "?",
+                "base": spec.base.path if spec else "?",
+                "error": (r.error or "").splitlines()[0] if r.error else "",
+            }
+        )
+    return pd.DataFrame(out)
+
+
+table = history(records)
+st.caption("Select a row to open it. Runs made with the CLI in the same home appear here too.")
+event = st.dataframe(
+    table,
+    hide_index=True,
+    on_select="rerun",
+    selection_mode="single-row",
+    key="runs.table",
+    column_config={"duration_s": st.column_config.NumberColumn("duration (s)", format="%.1f")},
+)
+csv_download(table, "weightdrift-runs", key="runs.csv")
+selected = event.selection.rows if event is not None else []
+if selected:
+    run_id = table.iloc[selected[0]]["run"]
+    c1, c2 = st.columns(2)
+    if c1.button(f"Open {run_id}", type="primary", icon=":material/open_in_new:", key="runs.open"):
+        set_view("run", run_id)
+        for name in ("target", "tensor", "adapter", "check"):
+            set_view(name, None)
+        st.switch_page("views/overview.py", query_params={"run": run_id})
+    with c2.popover("Delete…", icon=":material/delete:"):
+        active = (job := engine().job(run_id)) is not None and not job.done_event.is_set()
+        if active:
+            st.warning("This run is still going; cancel it first.")
+        else:
+            st.write(f"Delete run `{run_id}` and everything in its folder? This cannot be undone.")
+            if st.button(f"Yes, delete {run_id}", type="primary", key="runs.delete"):
+                store().delete(run_id)
+                set_view("run", None)
+                st.toast(f"Deleted {run_id}")
+                st.rerun()
+
+st.subheader("Compare two runs' environments")
+ids = [r.run_id for r in records]
+pair = st.multiselect(
+    "Two runs", ids, default=ids[:2] if len(ids) >= 2 else ids, max_selections=2, key="runs.pair"
+)
+if len(pair) == 2:
+    envs = {}
+    for run_id in pair:
+        for target, env in store().open(run_id).environments().items():
+            envs[f"{run_id} · {target}"] = env
+    if not envs:
+        st.info("Neither run has captured environments (they failed before capturing).")
+    else:
+        env = environment_table(envs)
+        st.caption(f"{int(env['differs'].sum())} setting(s) differ (highlighted).")
+        st.dataframe(highlight_differences(env), key="runs.env")
+        csv_download(env.reset_index(), f"environment-{pair[0]}-vs-{pair[1]}", key="runs.env.csv")
