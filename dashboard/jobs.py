@@ -60,6 +60,7 @@ def job_panel(run_id: str) -> None:
     """The selected run's live progress with a cancel button (polls while the job is active)."""
     job = engine().job(run_id)
     if job is None:
+        stored_progress(run_id)
         return
     active = job.snapshot()["state"] in ("queued", "running")
 
@@ -87,5 +88,29 @@ def sidebar_jobs() -> None:
             st.caption(f"Running `{job.run_id}`")
             draw_progress(job, compact=True)
         _rerun_when_finished([j.run_id for j in running])
+
+    panel()
+
+
+def stored_progress(run_id: str) -> None:
+    """Progress of a run another process owns (e.g. the CLI), read from its run.json every second."""
+    from dashboard.state import store
+
+    @st.fragment(run_every=POLL_S)
+    def panel() -> None:
+        record = store().open(run_id)
+        if record.status not in ("queued", "running"):
+            st.rerun(scope="app")
+        owner = record.info.get("owner") or {}
+        st.info(
+            f"Run `{run_id}` is running in another process (pid {owner.get('pid')} on {owner.get('host')})."
+        )
+        for name, task in (record.info.get("targets") or {}).items():
+            frac = task["step"] / task["of"] if task.get("of") else 0.0
+            st.progress(
+                min(max(frac, 0.0), 1.0),
+                text=f"{STATE_ICON.get(task['state'], '')} {name} · {task.get('stage') or task['state']} · "
+                f"step {task.get('step', 0)} of {task.get('of', 0)}",
+            )
 
     panel()

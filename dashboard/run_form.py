@@ -131,27 +131,35 @@ def run_form(manifest: dict | None) -> None:
     demo_paths = _demo_paths(manifest)
     bases = list(demo_paths) + [b for b in recent_bases(store()) if b not in demo_paths]
     default_base = manifest["models"][DEMO_BASE] if manifest else (bases[0] if bases else None)
-    st.session_state.setdefault("form.base", default_base)
+    st.session_state.setdefault("form.base_choice", default_base)
 
     def base_changed() -> None:
         st.session_state.pop("form.adapters", None)  # the old base's adapters do not apply
 
-    base = st.selectbox(
+    chosen = st.selectbox(
         "Base model",
         bases,
-        key="form.base",
-        accept_new_options=True,
+        key="form.base_choice",
         format_func=lambda p: demo_paths.get(p, p),
         on_change=base_changed,
-        placeholder="a model folder or a hub id",
-        help="A local model folder (config.json + *.safetensors) or a hub id; type to add a path.",
+        help="The demo's models and the bases of earlier runs.",
     )
+    typed = st.text_input(
+        "…or a model folder / hub id",
+        key="form.base",
+        on_change=base_changed,
+        placeholder="/path/to/model or org/name",
+        help="A local folder with config.json and *.safetensors, or a hub id (needs the hub or its cache).",
+    )
+    base = typed.strip() or chosen
     base_errors_at = st.container()
 
     choices = find_adapters(base, extra_roots=[]) if base else []
     recent = recent_adapters(store(), base) if base else []
-    fitting = {c.path: c.name if c.name == c.type else f"{c.name} ({c.type})" for c in choices if c.fits}
-    labels = {**fitting, **{a.path: a.name for a in recent if a.path not in fitting}}
+    # Adapters that fit come first; the others stay choosable, and the form says why they fail.
+    labels = {c.path: c.name if c.name == c.type else f"{c.name} ({c.type})" for c in choices if c.fits}
+    labels |= {a.path: a.name for a in recent if a.path not in labels}
+    labels |= {c.path: f"{c.name} — not for this base" for c in choices if not c.fits}
     if "form.adapters" not in st.session_state:
         demo_base = manifest is not None and base == manifest["models"].get(DEMO_BASE)
         st.session_state["form.adapters"] = [
@@ -168,9 +176,6 @@ def run_form(manifest: dict | None) -> None:
         placeholder="adapter folders (type PATH or PATH=NAME)",
         help="Adapters found next to the base that fit it; type a folder to add another (PATH=NAME renames).",
     )
-    others = [c for c in choices if not c.fits]
-    if others:
-        st.caption("Not for this base: " + ", ".join(c.name for c in others))
     adapter_errors_at = st.container()
 
     options = target_options(devices)
@@ -243,10 +248,11 @@ def run_form(manifest: dict | None) -> None:
         except SpecError as e:
             st.error(str(e))
             return
-        for name in ("target", "tensor"):
+        for name in ("target", "tensor", "adapter", "check"):
             set_view(name, None)
         set_view("run", job.run_id)
-        st.rerun()
+        # The drift heatmap is what the user came for: show the job's progress there, then the result.
+        st.switch_page("views/drift.py", query_params={"run": job.run_id})
 
 
 def _target_builder(devices: list[Device]) -> None:

@@ -1,0 +1,188 @@
+"""The dashboard under Streamlit's AppTest: first launch, every page on an empty store and on a
+stored run, the form's validation, and a demo run submitted through the form.
+
+Jobs run with the in-process runner here (WEIGHTDRIFT_RUNNER=in-process); the browser test runs
+real worker processes.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from core.demo import build_demo, load_manifest
+from core.engine import Engine, InProcessRunner
+from core.spec import AdapterRef, ModelRef, ProbeSpec, Target
+from core.store import Store
+
+APP = str(Path(__file__).resolve().parent.parent / "dashboard" / "app.py")
+PAGES = ("views/overview.py", "views/drift.py", "views/outputs.py", "views/runs.py")
+
+
+def make_app(home: Path, monkeypatch: pytest.MonkeyPatch, **params: str) -> AppTest:
+    monkeypatch.setenv("WEIGHTDRIFT_HOME", str(home))
+    monkeypatch.setenv("WEIGHTDRIFT_RUNNER", "in-process")
+    at = AppTest.from_file(APP, default_timeout=120)
+    for k, v in params.items():
+        at.query_params[k] = v
+    return at
+
+
+def texts(at: AppTest) -> str:
+    """Every message, markdown, caption and metric label on the page, as one string."""
+    parts = []
+    for kind in ("error", "warning", "info", "success", "markdown", "caption", "title", "subheader"):
+        parts += [str(e.value) for e in getattr(at, kind)]
+    parts += [str(e.label) for e in at.metric]
+    return "\n".join(parts)
+
+
+def no_exceptions(at: AppTest) -> None:
+    assert not at.exception, [e.value for e in at.exception]
+
+
+@pytest.fixture(scope="module")
+def run_home(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A home with the demo workspace and one finished run (lora + boft on cpu fp32 and bf16)."""
+    home = tmp_path_factory.mktemp("app-home")
+    manifest = build_demo(home)
+    spec = ProbeSpec(
+        base=ModelRef(path=manifest["models"]["tiny-llama"]),
+        adapters=tuple(AdapterRef(path=manifest["adapters"][n]["path"], name=n) for n in ("lora", "boft")),
+        targets=(Target.parse("cpu/float32"), Target.parse("cpu/bfloat16")),
+    )
+    job = Engine(home, runner=InProcessRunner()).submit(spec)
+    assert job.wait(300)
+    assert job.snapshot()["state"] == "succeeded", job.snapshot()["error"]
+    return home, job.run_id
+
+
+def test_first_launch_builds_the_demo_and_every_page_renders_on_an_empty_store(tmp_path, monkeypatch):
+    at = make_app(tmp_path, monkeypatch)
+    at.run()
+    no_exceptions(at)
+    manifest = load_manifest(tmp_path)
+    assert manifest is not None, "the first launch must build the demo workspace"
+    # The form is preselected on the demo: its base, one adapter per method, cpu fp32 and bf16.
+    assert at.sidebar.selectbox(key="form.base_choice").value == manifest["models"]["tiny-llama"]
+    chosen = {Path(p).name for p in at.sidebar.multiselect(key="form.adapters").value}
+    assert chosen == {"lora", "dora", "pissa", "boft", "oft", "ia3"}
+    assert at.sidebar.multiselect(key="form.targets").value == ["cpu/float32", "cpu/bfloat16"]
+    for page in PAGES:
+        at.switch_page(page).run()
+        no_exceptions(at)
+        assert "No runs" in texts(at), page
+
+
+def test_every_page_renders_a_stored_run(run_home, monkeypatch):
+    home, run_id = run_home
+    at = make_app(home, monkeypatch, run=run_id)
+    at.run()
+    no_exceptions(at)
+    assert "rows are beyond tolerance" in texts(at)  # bf16 logits drift on the demo
+    assert [m.label for m in at.metric] == ["Identical", "Within tolerance", "Drift", "Broken"]
+    for page in PAGES[1:]:
+        at.switch_page(page).run()
+        no_exceptions(at)
+        assert at.query_params["run"] == run_id or page.endswith("runs.py")
+
+
+def test_drift_page_opens_the_view_the_url_names(run_home, monkeypatch):
+    home, run_id = run_home
+    table = Store(home).open(run_id).metrics()
+    row = table[(table["check"] == "weights") & (table["target"] == "cpu/bfloat16")].iloc[3]
+    adapter = row["adapter"] if isinstance(row["adapter"], str) else "base model"
+    at = make_app(
+        home,
+        monkeypatch,
+        run=run_id,
+        check="weights",
+        adapter=adapter,
+        metric="rel_l2",
+        target="cpu/bfloat16",
+        tensor=row["tensor"],
+    )
+    at.switch_page("views/drift.py").run()
+    no_exceptions(at)
+    assert at.selectbox(key="widget.run").value == run_id
+    assert at.selectbox(key="widget.metric").value == "rel_l2"
+    assert at.selectbox(key="widget.target").value == "cpu/bfloat16"
+    assert at.selectbox(key="widget.tensor").value == row["tensor"]
+    # The heatmap, the tensor's element-wise difference and its histogram.
+    assert len(at.get("plotly_chart")) == 3
+    assert row["explanation"] in texts(at)
+    # And the state is written back to the URL, so a copied link reproduces it.
+    assert at.query_params["tensor"] == row["tensor"]
+
+
+def test_drift_page_defaults_to_the_worst_target_and_tensor(run_home, monkeypatch):
+    home, run_id = run_home
+    at = make_app(home, monkeypatch, run=run_id, check="deltas")
+    at.switch_page("views/drift.py").run()
+    no_exceptions(at)
+    table = Store(home).open(run_id).metrics()
+    deltas = table[table["check"] == "deltas"]
+    # bf16 deltas of the multiplicative methods drift; the page opens on that target and tensor.
+    assert at.selectbox(key="widget.target").value == "cpu/bfloat16"
+    tensor = at.selectbox(key="widget.tensor").value
+    chosen = deltas[(deltas["target"] == "cpu/bfloat16") & (deltas["tensor"] == tensor)]
+    assert (chosen["verdict"] == "drift").any()
+
+
+def test_the_form_explains_invalid_input_next_to_the_field(run_home, monkeypatch, tmp_path):
+    home, _ = run_home
+    at = make_app(home, monkeypatch)
+    at.run()
+    at.session_state["form.base"] = str(tmp_path / "no-such-model")
+    at.session_state["form.targets"] = ["cpu/float32", "cuda:7/float32"]
+    at.run()
+    no_exceptions(at)
+    errors = [str(e.value) for e in at.sidebar.error]
+    assert any("no such folder" in e for e in errors), errors
+    assert any("cuda:7 does not exist on this machine" in e for e in errors), errors
+    runs_before = len(Store(home).list_runs())
+    at.sidebar.button(key="form.run").click().run()
+    assert any("Fix the fields" in str(e.value) for e in at.sidebar.error)
+    assert len(Store(home).list_runs()) == runs_before  # nothing was submitted
+
+    # An adapter made for another base is refused with the reason.
+    manifest = load_manifest(home)
+    at.session_state["form.base"] = ""
+    at.session_state["form.targets"] = ["cpu/float32"]
+    at.run()
+    at.session_state["form.adapters"] = [manifest["adapters"]["bert-lora"]["path"]]
+    at.run()
+    errors = [str(e.value) for e in at.sidebar.error]
+    assert any("made for a different base model" in e for e in errors), errors
+
+
+def test_a_demo_run_submitted_through_the_form_completes(run_home, monkeypatch):
+    home, _ = run_home
+    manifest = load_manifest(home)
+    store = Store(home)
+    before = {r.run_id for r in store.list_runs()}
+    at = make_app(home, monkeypatch)
+    at.run()
+    at.session_state["form.adapters"] = [manifest["adapters"]["lora"]["path"]]
+    at.run()
+    at.sidebar.button(key="form.run").click().run()
+    no_exceptions(at)
+    new = [r.run_id for r in store.list_runs() if r.run_id not in before]
+    assert len(new) == 1, "Run must start exactly one job"
+    run_id = new[0]
+    deadline = time.time() + 240
+    while store.open(run_id).status in ("queued", "running") and time.time() < deadline:
+        time.sleep(0.5)
+    record = store.open(run_id)
+    assert record.status == "succeeded", record.error
+    at.query_params["run"] = run_id
+    at.switch_page("views/overview.py").run()
+    no_exceptions(at)
+    assert at.selectbox(key="widget.run").value == run_id
+    counts = {m.label: m.value for m in at.metric}
+    table = record.metrics()
+    assert counts["Drift"] == str(int((table["verdict"] == "drift").sum()))
+    assert counts["Identical"] == str(int((table["verdict"] == "identical").sum()))
