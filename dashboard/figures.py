@@ -739,16 +739,18 @@ def environment_table(envs: Mapping[str, Mapping[str, Any]]) -> pd.DataFrame:
 
 
 def highlight_differences(df: pd.DataFrame) -> Any:
-    """A pandas Styler painting the rows whose ``differs`` is True and hiding the ``differs`` column."""
+    """A pandas Styler: the rows whose ``differs`` is True first and painted, without the ``differs`` column.
+
+    The column is dropped rather than hidden: st.dataframe ignores a Styler's hidden columns.
+    """
     differs = df["differs"].astype(bool) if "differs" in df.columns else pd.Series(False, index=df.index)
+    order = list(differs[differs].index) + list(differs[~differs].index)
+    shown = df.drop(columns=["differs"], errors="ignore").loc[order]
 
     def paint(row: pd.Series) -> list[str]:
         return [DIFFER_BACKGROUND if differs.loc[row.name] else ""] * len(row)
 
-    styler = df.style.apply(paint, axis=1)
-    if "differs" in df.columns:
-        styler = styler.hide(subset=["differs"], axis="columns")
-    return styler
+    return shown.style.apply(paint, axis=1)
 
 
 # --------------------------------------------------------------------------------------------- export

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pandas as pd
@@ -337,9 +338,19 @@ def test_environment_table_and_highlight():
     assert df.loc["tf32_matmul", "cuda/float32"] == "True"
     assert df["differs"].dtype == bool
 
-    styled = F.highlight_differences(df).to_html()
-    assert styled.count("rgba(255,165,0,0.25)") >= 1
-    assert ">differs<" not in styled
+    styler = F.highlight_differences(df)
+    assert "differs" not in styler.data.columns  # dropped: st.dataframe ignores hidden columns
+    n_diff = int(df["differs"].sum())
+    assert list(styler.data.index[:n_diff]) == list(df.index[df["differs"]])  # differing rows first
+    css = styler.to_html().split("</style>")[0]
+    rules = re.findall(r"([^{}]+)\{([^}]*)\}", css)
+    painted = {
+        (int(r), int(c))
+        for selector, body in rules
+        if "255,165,0" in body
+        for r, c in re.findall(r"row(\d+)_col(\d+)", selector)
+    }
+    assert painted == {(r, c) for r in range(n_diff) for c in range(len(styler.data.columns))}
 
 
 # --------------------------------------------------------------------------------------------- export

@@ -46,6 +46,7 @@ with right:
 
 st.subheader("Furthest from their reference")
 worst = report.worst_rows(table, 20)
+worst = worst.assign(adapter=worst["adapter"].fillna("base model")) if len(worst) else worst
 if worst.empty:
     st.success("Every row is bitwise identical to its reference.")
 else:
