@@ -384,7 +384,10 @@ def drift_heatmap(table: pd.DataFrame, metric: str, *, title: str | None = None)
             )
             legend_shown.add(verdict)
         fig.update_xaxes(**_category_axis(cols), tickangle=-60, row=1, col=i)
-        fig.update_yaxes(**_category_axis(rows), autorange="reversed", row=1, col=i)  # layer 0 on top
+        # Layer 0 on top; only the first panel labels the layers (shared axis).
+        fig.update_yaxes(
+            **_category_axis(rows), autorange="reversed", showticklabels=i == 1, ticks="", row=1, col=i
+        )
     fig.update_yaxes(title_text="layer", row=1, col=1)
 
     values = _numeric(table[metric])
@@ -457,6 +460,7 @@ def verdict_counts_figure(counts: pd.DataFrame) -> go.Figure:
                 # Labels only on non-empty segments; a "0" would float over the neighbouring bar.
                 text=[str(v) if v else "" for v in n],
                 textposition="inside",
+                textangle=0,  # counts in narrow bars stay upright (smaller) rather than turned 90°
                 insidetextanchor="middle",
                 hovertemplate=f"%{{y}}<br>{verdict}: %{{x}}<extra></extra>",
             )
@@ -528,6 +532,21 @@ def outputs_figure(table: pd.DataFrame) -> go.Figure:
                 textposition="outside",
                 hovertext=[_tensor_hover(r) for _, r in part.iterrows()],
                 hovertemplate="%{hovertext}<extra></extra>",
+                showlegend=False,  # its legend swatch would take the first bar's verdict colour
+            )
+        )
+        # The target's legend entry: its pattern on a neutral grey, so it is not read as a verdict.
+        fig.add_trace(
+            go.Bar(
+                x=[None],
+                y=[None],
+                name=target,
+                marker={
+                    "color": "#9ca3af",
+                    "pattern": {"shape": _TARGET_PATTERNS[i % len(_TARGET_PATTERNS)], "fillmode": "overlay"},
+                },
+                legendgroup="targets",
+                hoverinfo="skip",
             )
         )
     # Legend-only swatches so the colour key is visible next to the pattern (target) key.

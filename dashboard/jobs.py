@@ -50,7 +50,8 @@ def draw_progress(job: Job, *, compact: bool = False) -> None:
         frac = task["step"] / task["of"] if task["of"] else (1.0 if task["state"] == "succeeded" else 0.0)
         took = f"{task['elapsed_s']:.1f} s" if task["elapsed_s"] is not None else "waiting"
         stage = task["stage"] or task["state"]
-        text = f"{STATE_ICON.get(task['state'], '')} {name} · {stage} · step {task['step']} of {task['of']} · {took}"
+        steps = f" · step {task['step']} of {task['of']}" if task["of"] else ""
+        text = f"{STATE_ICON.get(task['state'], '')} {name} · {stage}{steps} · {took}"
         st.progress(min(max(frac, 0.0), 1.0), text=text)
     if snap["state"] == "failed" and snap["error"]:
         st.error(f"Run failed: {snap['error']}")

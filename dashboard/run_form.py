@@ -95,7 +95,7 @@ def validate_form(
     except SpecError as e:
         errors.targets.append(str(e))
     if not checks:
-        errors.checks.append("Choose at least one check.")
+        errors.checks.append("Choose at least one check (under “Checks, tolerances and seed”).")
     if tolerance is not None:
         for name, value in (("rtol", tolerance.rtol), ("atol", tolerance.atol)):
             if value is not None and not value >= 0:
@@ -197,18 +197,19 @@ def run_form(manifest: dict | None) -> None:
     _target_builder(devices)
     target_errors_at = st.container()
 
-    checks = st.multiselect(
-        "Checks",
-        list(CHECKS),
-        default=list(CHECKS),
-        key="form.checks",
-        help="\n".join(f"- **{name}**: {c.description}" for name, c in CHECKS.items()),
-    )
-    check_errors_at = st.container()
-
-    with st.expander("Tolerances and seed"):
+    with st.expander("Checks, tolerances and seed"):
+        checks = st.multiselect(
+            "Checks",
+            list(CHECKS),
+            default=list(CHECKS),
+            key="form.checks",
+            help="\n".join(f"- **{name}**: {c.description}" for name, c in CHECKS.items()),
+        )
         role = st.selectbox(
-            "Applies to role", ROLES, key="form.role", format_func=lambda r: "every row" if r == "*" else r
+            "Tolerance applies to",
+            ROLES,
+            key="form.role",
+            format_func=lambda r: "every row" if r == "*" else r,
         )
         rtol = st.number_input(
             "rtol", value=None, min_value=0.0, format="%g", key="form.rtol", placeholder="per-dtype default"
@@ -218,6 +219,7 @@ def run_form(manifest: dict | None) -> None:
         )
         seed = st.number_input("Probe seed", value=0, min_value=0, step=1, key="form.seed")
         tolerance_errors_at = st.container()
+    check_errors_at = st.container()  # outside the expander, so a missing check is seen when folded
     override = ToleranceOverride(rtol=rtol, atol=atol) if (rtol is not None or atol is not None) else None
 
     errors = validate_form(base, adapters, targets, checks, devices, override)

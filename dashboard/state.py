@@ -127,7 +127,10 @@ def bound_select(
     st.session_state[key] = current
 
     def changed() -> None:
-        set_view(name, st.session_state[key])
+        # Streamlit can hand back a stale option label (e.g. a run's label from before its status
+        # changed) when it no longer names an option: never write that into the URL.
+        if str(st.session_state[key]) in as_text:
+            set_view(name, st.session_state[key])
 
     if horizontal:
         value = container.segmented_control(

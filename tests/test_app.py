@@ -93,7 +93,8 @@ def test_every_page_renders_a_stored_run(run_home, monkeypatch):
 def test_drift_page_opens_the_view_the_url_names(run_home, monkeypatch):
     home, run_id = run_home
     table = Store(home).open(run_id).metrics()
-    row = table[(table["check"] == "weights") & (table["target"] == "cpu/bfloat16")].iloc[3]
+    weights = table[(table["check"] == "weights") & (table["target"] == "cpu/bfloat16")]
+    row = weights[weights["verdict"] == "within tolerance"].iloc[3]  # a bf16 base weight: it differs
     adapter = row["adapter"] if isinstance(row["adapter"], str) else "base model"
     at = make_app(
         home,
@@ -116,6 +117,17 @@ def test_drift_page_opens_the_view_the_url_names(run_home, monkeypatch):
     assert row["explanation"] in texts(at)
     # And the state is written back to the URL, so a copied link reproduces it.
     assert at.query_params["tensor"] == row["tensor"]
+
+    # A tensor equal to its reference has nothing to map: the page says so instead of an empty chart.
+    same = table[(table["check"] == "weights") & (table["verdict"] == "identical")].iloc[0]
+    at.query_params["adapter"] = same["adapter"] if isinstance(same["adapter"], str) else "base model"
+    at.query_params["target"] = same["target"]
+    at.query_params["tensor"] = same["tensor"]
+    at.run()
+    no_exceptions(at)
+    assert at.selectbox(key="widget.tensor").value == same["tensor"]
+    assert "equals its reference exactly" in texts(at)
+    assert len(at.get("plotly_chart")) == 1
 
 
 def test_drift_page_defaults_to_the_worst_target_and_tensor(run_home, monkeypatch):

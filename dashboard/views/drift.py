@@ -46,7 +46,8 @@ def severity(rows: pd.DataFrame) -> tuple[int, float]:
 
 
 c1, c2, c3 = st.columns([2, 2, 2])
-check = bound_select("Check", "check", per_tensor, container=c1, horizontal=True)
+worst_check = max(per_tensor, key=lambda c: severity(table[table["check"] == c]))
+check = bound_select("Check", "check", per_tensor, default=worst_check, container=c1, horizontal=True)
 rows = table[table["check"] == check]
 adapters = [a for a in dict.fromkeys(rows["adapter"].dropna())]
 choices = adapters + ([BASE] if rows["adapter"].isna().any() else [])
@@ -133,7 +134,11 @@ m = st.columns(5)
 m[0].metric("max |Δ|", f"{row['max_abs']:.4e}" if pd.notna(row["max_abs"]) else "—")
 m[1].metric("relative L2", f"{row['rel_l2']:.4e}" if pd.notna(row["rel_l2"]) else "—")
 m[2].metric("max ulp", f"{row['max_ulp']:.4g}" if pd.notna(row["max_ulp"]) else "—")
-m[3].metric("smallest passing atol", f"{row['min_atol']:.3e}" if pd.notna(row["min_atol"]) else "—")
+m[3].metric(
+    f"atol needed at rtol {row['rtol']:g}",
+    f"{row['min_atol']:.3e}" if pd.notna(row["min_atol"]) else "—",
+    help="The smallest atol with which this tensor passes at the row's rtol (0: rtol alone covers it).",
+)
 m[4].metric("mismatched", f"{int(row['n_mismatch'] or 0)} / {int(row['numel'])}")
 
 
@@ -149,6 +154,9 @@ try:
     diff = load_diff(str(record.run_dir), record.run_id, check, target, adapter_of_row, tensor)
 except (KeyError, ValueError, OSError) as e:
     st.error(f"Cannot show the element-wise difference: {e}")
+    st.stop()
+if not (diff.diff != 0).any():
+    st.success(f"Every element of `{tensor}` on {target} equals its reference exactly: nothing to map.")
     st.stop()
 h1, h2 = st.columns([3, 2])
 with h1:

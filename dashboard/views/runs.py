@@ -42,7 +42,10 @@ def history(records) -> pd.DataFrame:
 
 
 table = history(records)
-st.caption("Select a row to open it. Runs made with the CLI in the same home appear here too.")
+st.caption(
+    f"{len(records)} run(s) in `{store().runs_dir}`; newest `{records[0].run_id}` ({records[0].status}). "
+    "Select a row to open or delete it. Runs made with the CLI in the same home appear here too."
+)
 event = st.dataframe(
     table,
     hide_index=True,
@@ -73,11 +76,11 @@ if selected:
                 st.toast(f"Deleted {run_id}")
                 st.rerun()
 
-st.subheader("Compare two runs' environments")
 ids = [r.run_id for r in records]
-pair = st.multiselect(
-    "Two runs", ids, default=ids[:2] if len(ids) >= 2 else ids, max_selections=2, key="runs.pair"
-)
+if len(ids) < 2:
+    st.stop()  # nothing to compare yet
+st.subheader("Compare two runs' environments")
+pair = st.multiselect("Two runs", ids, default=ids[:2], max_selections=2, key="runs.pair")
 if len(pair) == 2:
     envs = {}
     for run_id in pair:

@@ -1,0 +1,455 @@
+"""End to end in a real browser: the real Streamlit server, real worker processes, headless Chromium.
+
+First launch on an empty WeightDrift home (the app builds the demo workspace itself), one click on
+Run with the default demo form, the drift heatmap, a drill-down into one tensor, and the URL of that
+view opened in a fresh browser context (a colleague opening a shared link) showing the same thing.
+Screenshots and the server log go to tests/artifacts/; the click → first heatmap time is printed and
+written to tests/artifacts/timings.json.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+
+# Our own waits (form 120 s, run 180 s, each step 60 s) should fail first, with their messages.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(480)]
+
+ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS = ROOT / "tests" / "artifacts"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+VIEWPORT = {"width": 1600, "height": 1000}
+DEMO_TARGETS = ("cpu/float32", "cpu/bfloat16")
+DRILL_TARGET = "cpu/bfloat16"
+
+HEALTH_TIMEOUT_S = 60
+FORM_TIMEOUT_S = 120  # first launch builds the demo workspace before the form appears
+RUN_TIMEOUT_S = 180
+STEP_TIMEOUT_S = 60  # one rerun after a widget change
+QUIET_S = 6.0  # longer than the sidebar's idle poll (dashboard/jobs.py IDLE_POLL_S = 5 s)
+RUN_ID = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{6}$")
+
+# Streamlit gives a widget with key `a.b` the class `st-key-a-b`.
+SIDEBAR = '[data-testid="stSidebar"]'
+RUN_BUTTON = f"{SIDEBAR} .st-key-form-run button"
+TARGETS_FIELD = f"{SIDEBAR} .st-key-form-targets"
+CHART = '[data-testid="stPlotlyChart"]'
+HEATMAP = ".st-key-drift-heatmap"
+DIFF_CHART = ".st-key-drift-diff"
+EXCEPTION = '[data-testid="stException"]'
+MAIN = '[data-testid="stMain"]'
+
+
+# --- the server ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Server:
+    url: str
+    log: Path
+    home: Path
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            lines = self.log.read_text(errors="replace").splitlines()
+        except OSError as e:
+            return f"(no server log: {e})"
+        return "\n".join(lines[-n:])
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
+            return r.read().decode().strip() == "ok"
+    except OSError:
+        return False
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Terminate the server's process group (the server and its worker processes)."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """`streamlit run dashboard/app.py` on a free port, over a fresh, empty WeightDrift home."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    for old in [*ARTIFACTS.glob("[0-9][0-9]-*.png"), ARTIFACTS / "timings.json"]:
+        old.unlink(missing_ok=True)  # this test's artifacts of an earlier run
+    port = _free_port()
+    home = tmp_path_factory.mktemp("weightdrift-home")
+    env = dict(os.environ)
+    env.pop("WEIGHTDRIFT_RUNNER", None)  # real worker processes
+    env["WEIGHTDRIFT_HOME"] = str(home)
+    env["STREAMLIT_BROWSER_GATHER_USAGE_STATS"] = "false"
+    log = ARTIFACTS / "streamlit-server.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "streamlit",
+        "run",
+        "dashboard/app.py",
+        "--server.port",
+        str(port),
+        "--server.headless",
+        "true",
+    ]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    srv = Server(url=f"http://localhost:{port}", log=log, home=home)
+    try:
+        deadline = time.monotonic() + HEALTH_TIMEOUT_S
+        while not _healthy(srv.url):
+            if proc.poll() is not None:
+                pytest.fail(f"streamlit exited with {proc.returncode}:\n{srv.log_tail()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"streamlit not healthy after {HEALTH_TIMEOUT_S} s:\n{srv.log_tail()}")
+            time.sleep(0.5)
+        yield srv
+    finally:
+        _stop(proc)
+
+
+# --- browser helpers ----------------------------------------------------------------------------
+
+
+def _shot(page, name: str) -> None:
+    page.screenshot(path=str(ARTIFACTS / name))
+
+
+def _main_text(page) -> str:
+    try:
+        return page.locator(MAIN).inner_text(timeout=5_000)
+    except Exception as e:  # only for failure messages
+        return f"(could not read the page: {e})"
+
+
+def _no_exception(page, where: str) -> None:
+    shown = page.locator(EXCEPTION)
+    if shown.count():
+        pytest.fail(f"{where}: the page shows an exception:\n" + "\n---\n".join(shown.all_inner_texts()))
+
+
+def _wait_idle(page, timeout_s: float = STEP_TIMEOUT_S) -> None:
+    """Wait until Streamlit shows no rerun in progress (the status widget) and no stale elements."""
+    page.wait_for_function(
+        """() => !document.querySelector('[data-testid="stStatusWidget"]')
+                 && !document.querySelector('[data-stale="true"]')""",
+        timeout=timeout_s * 1000,
+    )
+
+
+def _combo(page, key: str):
+    """The text input of the selectbox with widget key `key` (dots as in the app, e.g. widget.tensor)."""
+    return page.locator(f".st-key-{key.replace('.', '-')} input[role='combobox']")
+
+
+def _selected(page, key: str) -> str:
+    """What a selectbox shows as chosen (its input's value)."""
+    return _combo(page, key).input_value()
+
+
+def _options(page, key: str):
+    """Open the selectbox's dropdown; returns its option locator."""
+    combo = _combo(page, key)
+    listbox = page.locator('[role="listbox"]')
+    combo.click()
+    if not listbox.is_visible():
+        combo.press("ArrowDown")  # the react-aria combobox opens on ArrowDown when a click only focuses it
+    listbox.wait_for(state="visible", timeout=10_000)
+    return listbox.locator('[role="option"]')
+
+
+def _choose(page, key: str, *, text: str | None = None, index: int | None = None) -> str:
+    """Choose an option (by exact text or position) in a selectbox; returns the chosen option's text."""
+    options = _options(page, key)
+    if text is not None:
+        option = options.filter(has_text=re.compile(f"^{re.escape(text)}$")).first
+    else:
+        option = options.nth(index or 0)
+    label = option.inner_text().strip()
+    option.click()
+    return label
+
+
+def _wait_for(predicate, timeout_s: float, what: str, page) -> None:
+    """Poll `predicate()` until it is true; fail with the page's text when it never is."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if predicate():
+                return
+        except Exception:  # elements replaced by a rerun mid-read: just look again
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(
+                f"timed out after {timeout_s} s waiting for {what} at {page.url}; page:\n{_main_text(page)}"
+            )
+        # Not time.sleep: Playwright's sync API takes in navigations (page.url) only while it runs.
+        page.wait_for_timeout(250)
+
+
+def _query(url: str) -> dict[str, str]:
+    return {k: v[0] for k, v in parse_qs(urlsplit(url).query).items()}
+
+
+def _settle_url(page, quiet_s: float = QUIET_S, timeout_s: float = STEP_TIMEOUT_S) -> list[str]:
+    """Every URL the page shows until it has not changed for `quiet_s` seconds (the last one last)."""
+    seen = [page.url]
+    quiet_since = deadline = time.monotonic()
+    deadline += timeout_s
+    while time.monotonic() - quiet_since < quiet_s:
+        if time.monotonic() > deadline:
+            pytest.fail(f"the URL kept changing for {timeout_s} s: {seen}")
+        page.wait_for_timeout(100)
+        if page.url != seen[-1]:
+            seen.append(page.url)
+            quiet_since = time.monotonic()
+    return seen
+
+
+def _svg_texts(page, selector: str) -> list[str]:
+    return page.locator(f"{selector} svg text").all_text_contents()
+
+
+def _failure_shots(browser) -> None:
+    """Screenshots of every open page, as they are when the test fails (99-failure-*.png)."""
+    pages = [pg for ctx in browser.contexts for pg in ctx.pages]
+    for i, pg in enumerate(pages):
+        with contextlib.suppress(Exception):
+            pg.screenshot(path=str(ARTIFACTS / f"99-failure-{i}.png"))
+            print(f"failure screenshot {ARTIFACTS / f'99-failure-{i}.png'} of {pg.url}")
+
+
+# --- the test -----------------------------------------------------------------------------------
+
+
+def test_first_launch_run_drilldown_and_shared_link(server: Server, capsys: pytest.CaptureFixture) -> None:
+    playwright_sync = pytest.importorskip("playwright.sync_api")
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"no Chromium at {CHROMIUM}")
+    timings: dict[str, float | str] = {}
+    try:
+        with playwright_sync.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            try:
+                _scenario(browser, server, timings)
+            except BaseException:
+                _failure_shots(browser)
+                raise
+            finally:
+                browser.close()
+    except BaseException:
+        print(f"\n--- server log ({server.log}), last lines ---\n{server.log_tail()}")
+        raise
+    finally:
+        if timings:
+            (ARTIFACTS / "timings.json").write_text(json.dumps(timings, indent=2) + "\n")
+    with capsys.disabled():
+        print(
+            f"\ne2e: first launch → run form: {timings['first_launch_to_form_s']:.1f} s · "
+            f"click Run → first heatmap: {timings['click_run_to_first_heatmap_s']:.1f} s "
+            f"(run {timings['run_id']}, {os.cpu_count()} CPUs); drilled into {timings['drilldown']}"
+        )
+
+
+def _scenario(browser, server: Server, timings: dict) -> None:
+    # 1. First launch: the app builds the demo workspace, then the sidebar form appears.
+    context = browser.new_context(viewport=VIEWPORT)
+    page = context.new_page()
+    t0 = time.monotonic()
+    page.goto(f"{server.url}/")
+    page.locator(RUN_BUTTON).wait_for(state="visible", timeout=FORM_TIMEOUT_S * 1000)
+    timings["first_launch_to_form_s"] = round(time.monotonic() - t0, 2)
+    assert (server.home / "demo" / "manifest.json").exists(), "the demo workspace was not built"
+    _wait_idle(page)
+    _no_exception(page, "first launch")
+    _shot(page, "01-first-launch.png")
+
+    # 2. The default form is the demo: both demo targets are in the Targets field.
+    targets_field = page.locator(TARGETS_FIELD)
+    chosen = targets_field.locator('[data-baseweb="tag"]').all_inner_texts()
+    shown = targets_field.inner_text() if not chosen else " ".join(chosen)
+    for target in DEMO_TARGETS:
+        assert target in shown, f"Targets field shows {shown!r}, expected {DEMO_TARGETS}"
+
+    # 3. Run → the Drift page (URL names the new run) shows progress, then the heatmap.
+    page.locator(RUN_BUTTON).click()
+    t_click = time.monotonic()
+    _wait_for(
+        lambda: "/drift" in page.url and RUN_ID.match(_query(page.url).get("run", "")),
+        STEP_TIMEOUT_S,
+        "Run to switch to the Drift page of the new run",
+        page,
+    )
+    run_id = _query(page.url)["run"]
+    timings["run_id"] = run_id
+    heatmap = page.locator(CHART).first
+    failed = page.locator(f'{MAIN} [data-testid="stAlertContentError"]')
+    with contextlib.suppress(Exception):  # the demo run may be over before progress is caught
+        # a task past its first step, so the bars show progress
+        page.locator(MAIN).get_by_text(re.compile(r"step [1-9]\d* of [1-9]")).first.wait_for(timeout=20_000)
+        if not heatmap.is_visible():
+            _shot(page, "02-running.png")
+    heatmap.or_(failed).first.wait_for(state="visible", timeout=RUN_TIMEOUT_S * 1000)
+    t_heatmap = time.monotonic() - t_click
+    if not heatmap.is_visible():
+        pytest.fail("the run failed:\n" + "\n".join(failed.all_inner_texts()) + "\n" + _main_text(page))
+    timings["click_run_to_first_heatmap_s"] = round(t_heatmap, 2)
+    status = json.loads((server.home / "runs" / run_id / "run.json").read_text()).get("status")
+    assert status == "succeeded", f"run {run_id} is {status}"
+
+    # The job's end reruns the app (more than once: the page's and the sidebar's progress fragments);
+    # through all of that the URL must keep naming this run, or a link copied then opens another one.
+    seen = _settle_url(page)
+    runs_in_url = {_query(u).get("run") for u in seen}
+    assert runs_in_url == {run_id}, f"after the run ended the URL named other runs: {seen}"
+    assert "/drift" in page.url, f"Run should land on the Drift page, got {page.url}"
+    _wait_idle(page)
+    _no_exception(page, "Drift after the run")
+
+    # The heatmap has one panel per target.
+    _wait_for(
+        lambda: all(t in _svg_texts(page, HEATMAP) for t in DEMO_TARGETS),
+        STEP_TIMEOUT_S,
+        f"heatmap panels {DEMO_TARGETS}",
+        page,
+    )
+    assert run_id in _selected(page, "widget.run")
+    _shot(page, "03-drift.png")
+
+    # 4. Drill into one tensor: the target picker (away from the default and to cpu/bfloat16), then the
+    #    second-worst tensor, so neither is just what the page opened on.
+    other = next(t for t in DEMO_TARGETS if t != DRILL_TARGET)
+    visited = ([other] if _selected(page, "widget.target") == DRILL_TARGET else []) + [DRILL_TARGET]
+    for target in visited:
+        _choose(page, "widget.target", text=target)
+        _wait_for(
+            lambda target=target: (
+                _query(page.url).get("target") == target
+                and _selected(page, "widget.target") == target
+                and target in _selected(page, "widget.tensor") + " ".join(_svg_texts(page, DIFF_CHART))
+            ),
+            STEP_TIMEOUT_S,
+            f"target {target} in the picker, the URL and the diff chart",
+            page,
+        )
+        _wait_idle(page)
+    default_tensor = _query(page.url).get("tensor")
+    option = _choose(page, "widget.tensor", index=1)
+    _wait_for(
+        lambda: (tensor := _query(page.url).get("tensor")) not in (None, default_tensor) and tensor in option,
+        STEP_TIMEOUT_S,
+        f"the URL to name the tensor of option {option!r}",
+        page,
+    )
+    tensor = _query(page.url)["tensor"]
+    _wait_for(
+        lambda: any(tensor in t and DRILL_TARGET in t for t in _svg_texts(page, DIFF_CHART)),
+        STEP_TIMEOUT_S,
+        f"the element-wise diff chart of {tensor} on {DRILL_TARGET}",
+        page,
+    )
+    _wait_idle(page)
+    _no_exception(page, "Drift drill-down")
+    assert tensor in _selected(page, "widget.tensor")
+    page.get_by_role("heading", name="Inspect one tensor").evaluate("e => e.scrollIntoView({block: 'start'})")
+    _shot(page, "04-drilldown.png")
+
+    timings["drilldown"] = {"targets_chosen": visited, "target": DRILL_TARGET, "tensor": tensor}
+    shared = page.url
+    query = _query(shared)
+    assert "/drift" in urlsplit(shared).path, shared
+    assert query.get("run") == run_id, shared
+    assert query.get("target") == DRILL_TARGET, shared
+    assert query.get("tensor") == tensor, shared
+    context.close()
+
+    # 5. The shared link in a fresh browser context shows the same run, target and tensor.
+    colleague = browser.new_context(viewport=VIEWPORT)
+    page = colleague.new_page()
+    page.goto(shared)
+    page.locator(DIFF_CHART).locator(CHART).wait_for(state="visible", timeout=STEP_TIMEOUT_S * 1000)
+    _wait_idle(page)
+    _no_exception(page, "shared link")
+    assert run_id in _selected(page, "widget.run"), _selected(page, "widget.run")
+    assert _selected(page, "widget.target") == DRILL_TARGET, _selected(page, "widget.target")
+    assert tensor in _selected(page, "widget.tensor"), _selected(page, "widget.tensor")
+    assert page.locator(HEATMAP).locator(CHART).is_visible()
+    assert any(tensor in t and DRILL_TARGET in t for t in _svg_texts(page, DIFF_CHART))
+    assert _query(page.url).get("tensor") == tensor, page.url
+    page.get_by_role("heading", name="Inspect one tensor").evaluate("e => e.scrollIntoView({block: 'start'})")
+    _shot(page, "05-shared-link.png")
+
+    # 6. The other pages of that run.
+    page.goto(f"{server.url}/overview?run={run_id}")
+    page.get_by_role("heading", name="Overview", exact=True).wait_for(timeout=STEP_TIMEOUT_S * 1000)
+    page.locator('[data-testid="stMetricLabel"]').first.wait_for(timeout=STEP_TIMEOUT_S * 1000)
+    _wait_idle(page)
+    _no_exception(page, "Overview")
+    text = _main_text(page)
+    assert "rows are beyond tolerance" in text or "are identical or within tolerance" in text, text
+    labels = [t.strip() for t in page.locator('[data-testid="stMetricLabel"]').all_inner_texts()]
+    for label in ("Identical", "Within tolerance", "Drift", "Broken"):
+        assert label in labels, labels
+    assert run_id in _selected(page, "widget.run")
+    _shot(page, "06-overview.png")
+
+    page.goto(f"{server.url}/runs")
+    page.get_by_role("heading", name="Runs", exact=True).wait_for(timeout=STEP_TIMEOUT_S * 1000)
+    page.locator(f'{MAIN} [data-testid="stDataFrame"]').first.wait_for(timeout=STEP_TIMEOUT_S * 1000)
+    _wait_idle(page)
+    _no_exception(page, "Runs")
+    # The history grid draws on a canvas; the caption above it names the newest run.
+    assert f"newest {run_id} (succeeded)" in page.locator(MAIN).inner_text()
+    _shot(page, "07-runs.png")
+
+    page.goto(f"{server.url}/outputs?run={run_id}")
+    page.get_by_role("heading", name="Outputs", exact=True).wait_for(timeout=STEP_TIMEOUT_S * 1000)
+    page.locator(f"{MAIN} {CHART}").first.wait_for(timeout=STEP_TIMEOUT_S * 1000)
+    _wait_idle(page)
+    _no_exception(page, "Outputs")
+    assert run_id in _selected(page, "widget.run")
+    _shot(page, "08-outputs.png")
+    colleague.close()
