@@ -359,6 +359,23 @@ def _scenario(browser, server: Server, timings: dict) -> None:
     assert run_id in _selected(page, "widget.run")
     _shot(page, "03-drift.png")
 
+    # Choosing a cell by clicking it: a cell of the first panel (cpu/float32) moves the drill-down there.
+    before = _query(page.url)
+    assert before.get("target") == "cpu/bfloat16", before  # the page opens on the worst target
+    cell = page.locator(HEATMAP).locator(".scatterlayer .trace .points path").first
+    box = cell.bounding_box()
+    page.mouse.click(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    _wait_for(
+        lambda: (
+            _query(page.url).get("target") == DEMO_TARGETS[0]
+            and _selected(page, "widget.target") == DEMO_TARGETS[0]
+        ),
+        STEP_TIMEOUT_S,
+        f"a click on a {DEMO_TARGETS[0]} cell to select that target in the URL and the picker",
+        page,
+    )
+    _wait_idle(page)
+
     # 4. Drill into one tensor: the target picker (away from the default and to cpu/bfloat16), then the
     #    second-worst tensor, so neither is just what the page opened on.
     other = next(t for t in DEMO_TARGETS if t != DRILL_TARGET)
