@@ -198,3 +198,33 @@ def test_a_demo_run_submitted_through_the_form_completes(run_home, monkeypatch):
     table = record.metrics()
     assert counts["Drift"] == str(int((table["verdict"] == "drift").sum()))
     assert counts["Identical"] == str(int((table["verdict"] == "identical").sum()))
+
+
+def test_a_failed_run_shows_its_reason_on_every_result_page(run_home, monkeypatch):
+    home, good = run_home
+    store = Store(home)
+    spec = store.open(good).spec
+    record = store.create_run(spec)
+    reason = "cpu/bfloat16: worker process was killed by SIGKILL (stage 'load base', step 2 of 21)"
+    store.update(record.run_id, status="failed", error=reason)
+    at = make_app(home, monkeypatch, run=record.run_id)
+    for page in PAGES[:3]:
+        at.switch_page(page).run()
+        no_exceptions(at)
+        assert any(reason in str(e.value) for e in at.error), page
+        assert not at.get("plotly_chart"), page
+    store.delete(record.run_id)
+
+
+def test_a_run_owned_by_another_process_shows_its_stored_progress(run_home, monkeypatch):
+    home, good = run_home
+    store = Store(home)
+    record = store.create_run(store.open(good).spec)  # owned by this (live) pid, unknown to the app's engine
+    progress = {"name": "cpu/float32", "state": "running", "stage": "capture lora", "step": 7, "of": 21}
+    store.update(record.run_id, status="running", targets={"cpu/float32": progress})
+    at = make_app(home, monkeypatch, run=record.run_id)
+    at.switch_page("views/drift.py").run()
+    no_exceptions(at)
+    assert "is running in another process" in texts(at)
+    assert any("capture lora · step 7 of 21" in str(p.proto.text) for p in at.get("progress"))
+    store.delete(record.run_id)
