@@ -326,7 +326,6 @@ def drift_heatmap(table: pd.DataFrame, metric: str, *, title: str | None = None)
     # Squares as large as a cell is likely to be, so a click anywhere in the cell hits the point.
     cell_px = min(38.0, _ASSUMED_PLOT_WIDTH / max(1, n_panels * len(cols)))
     marker_size = max(8.0, 0.9 * cell_px)
-    legend_shown: set[str] = set()
 
     for i, target in enumerate(targets, start=1):
         part = table[table["target"] == target]
@@ -377,16 +376,30 @@ def drift_heatmap(table: pd.DataFrame, metric: str, *, title: str | None = None)
                     hovertemplate="%{hovertext}<extra></extra>",
                     name=f"{_verdict_symbol(verdict)} {verdict}",
                     legendgroup=verdict,
-                    showlegend=verdict not in legend_shown,
+                    # The legend gets opaque swatches below; these points are nearly transparent.
+                    showlegend=False,
                 ),
                 row=1,
                 col=i,
             )
-            legend_shown.add(verdict)
         fig.update_xaxes(**_category_axis(cols), tickangle=-60, row=1, col=i)
         # Layer 0 on top; only the first panel labels the layers (shared axis).
         fig.update_yaxes(
             **_category_axis(rows), autorange="reversed", showticklabels=i == 1, ticks="", row=1, col=i
+        )
+    for verdict in _verdicts_in_order(table["verdict"]):
+        fig.add_trace(
+            go.Scatter(
+                x=[None],
+                y=[None],
+                mode="markers",
+                marker={"symbol": "square", "size": 12, "color": _verdict_color(verdict)},
+                name=f"{_verdict_symbol(verdict)} {verdict}",
+                legendgroup=verdict,  # clicking it hides that verdict's symbols in every panel
+                hoverinfo="skip",
+            ),
+            row=1,
+            col=1,
         )
     fig.update_yaxes(title_text="layer", row=1, col=1)
 
@@ -617,8 +630,13 @@ def _block_ends(starts: np.ndarray, n: int) -> np.ndarray:
     return np.append(starts[1:], n) - 1
 
 
-def diff_heatmap(diff: np.ndarray, *, title: str = "", max_side: int = 256) -> go.Figure:
+def diff_heatmap(
+    diff: np.ndarray, *, title: str = "", max_side: int = 256, failing: np.ndarray | None = None
+) -> go.Figure:
     """Heatmap of log₁₀ |target − reference| for one tensor, block-max-pooled when large.
+
+    ``failing`` (same shape, bool) marks the elements beyond tolerance: the cells (blocks) that
+    hold one get an outlined square, so a handful of failures in a large matrix can be found.
 
     ``diff`` is the signed float64 element-wise difference. Exactly-equal cells (|d| = 0) are NaN in
     z and show the background ("blank = exactly equal"); NaN/Inf cells are marked with a separate
@@ -675,6 +693,30 @@ def diff_heatmap(diff: np.ndarray, *, title: str = "", max_side: int = 256) -> g
                 hovertemplate="%{text}<extra>NaN / Inf</extra>",
             )
         )
+    n_failing = 0
+    if failing is not None:
+        fail2d, _ = _as_2d(np.asarray(failing, dtype=float))
+        n_failing = int(fail2d.sum())
+        if n_failing:
+            fail_pooled, _, _ = block_max_pool(fail2d, max_side=max_side)
+            ri, ci = np.nonzero(fail_pooled > 0)
+            limit = 5000  # beyond this the markers hide the map; the count is in the legend
+            fig.add_trace(
+                go.Scatter(
+                    x=col_starts[ci[:limit]],
+                    y=row_starts[ri[:limit]],
+                    mode="markers",
+                    marker={
+                        "symbol": "square-open",
+                        "color": VERDICT_COLORS["drift"],
+                        "size": 9,
+                        "line": {"width": 2},
+                    },
+                    name=f"beyond tolerance ({n_failing} element{'s' if n_failing != 1 else ''})",
+                    text=[hover[a][b] for a, b in zip(ri[:limit], ci[:limit], strict=True)],
+                    hovertemplate="%{text}<extra>beyond tolerance</extra>",
+                )
+            )
     parts = [title] if title else []
     parts.append(f"{arr.shape[0]}×{arr.shape[1]}")
     if folded:
@@ -690,9 +732,9 @@ def diff_heatmap(diff: np.ndarray, *, title: str = "", max_side: int = 256) -> g
         xaxis={"title": "column index", "showgrid": False, "zeroline": False},
         yaxis={"title": "row index", "autorange": "reversed", "showgrid": False, "zeroline": False},
         height=height,
-        showlegend=bool(bad.any()),
+        showlegend=bool(bad.any() or n_failing),
         legend=_legend_below_title(height),
-        margin={"t": 90 if bad.any() else 60},
+        margin={"t": 90 if bad.any() or n_failing else 60},
     )
     return fig
 

@@ -100,7 +100,12 @@ def _heatmaps(fig):
 
 
 def _scatters(fig):
-    return [tr for tr in fig.data if tr.type == "scatter"]
+    """The verdict layer's points (the legend-only swatches carry no data)."""
+    return [tr for tr in fig.data if tr.type == "scatter" and tr.customdata is not None]
+
+
+def _legend(fig):
+    return [tr.name for tr in fig.data if tr.type == "scatter" and tr.showlegend is not False]
 
 
 def test_drift_heatmap_panels_and_exact_log_values(table):
@@ -159,7 +164,9 @@ def test_drift_heatmap_hover_has_exact_values_and_one_legend_entry_per_verdict(t
     fig = F.drift_heatmap(table, "max_abs")
     drift = [tr for tr in _scatters(fig) if tr.legendgroup == "drift"]
     assert len(drift) == 2  # one per panel
-    assert [tr.showlegend for tr in drift] == [True, False]
+    assert [tr.showlegend for tr in drift] == [False, False]  # the legend has its own swatches
+    legend = _legend(fig)
+    assert sorted(legend) == sorted(f"{F.VERDICT_SYMBOLS[v]} {v}" for v in set(table["verdict"]))
     hover = drift[1].hovertext[0]
     assert "model.layers.2.v_proj.lora_B" in hover
     assert "cpu/bfloat16" in hover
@@ -360,3 +367,14 @@ def test_figure_html_is_self_contained(table):
     assert '<script src="https://cdn' not in text
     assert "plotly.js v" in text or "Plotly" in text
     assert len(text) > 1_000_000  # the library itself is inlined
+
+
+def test_diff_heatmap_outlines_the_blocks_that_hold_failing_elements():
+    diff = np.full((600, 300), 1e-6)
+    failing = np.zeros_like(diff, dtype=bool)
+    failing[0, 0] = failing[599, 299] = failing[1, 1] = True  # (0,0) and (1,1) share a 3×2 block
+    fig = F.diff_heatmap(diff, failing=failing)
+    marks = [t for t in fig.data if t.type == "scatter" and "beyond tolerance" in t.name]
+    assert len(marks) == 1 and "3 elements" in marks[0].name
+    assert sorted(zip(marks[0].y, marks[0].x, strict=True)) == [(0, 0), (597, 298)]
+    assert not [t for t in F.diff_heatmap(diff, failing=np.zeros_like(failing)).data if t.type == "scatter"]

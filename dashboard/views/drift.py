@@ -160,7 +160,7 @@ if not (diff.diff != 0).any():
     st.stop()
 h1, h2 = st.columns([3, 2])
 with h1:
-    heat = diff_heatmap(diff.diff, title=f"|Δ| element-wise · {tensor} · {target}")
+    heat = diff_heatmap(diff.diff, title=f"|Δ| element-wise · {tensor} · {target}", failing=diff.mismatch)
     st.plotly_chart(heat, key="drift.diff")
     figure_download(heat, f"{record.run_id}-{target}-{tensor}-diff", key="drift.diff.html")
 with h2:
