@@ -69,6 +69,14 @@ def main() -> None:
     page = st.navigation([START, *PAGES], position="sidebar")
     sync_view_with_url()
     with st.sidebar:
+        if st.get_option("server.address") in (None, "", "0.0.0.0", "::"):
+            # .streamlit/config.toml (read from the working directory) pins localhost; without it
+            # Streamlit listens on every interface, and this app starts jobs on this machine.
+            st.warning(
+                "This server listens on all network interfaces. Start it from the repository root "
+                "(which has .streamlit/config.toml) or pass --server.address localhost.",
+                icon=":material/lan:",
+            )
         manifest = demo_manifest()
         st.subheader("New run")
         run_form(manifest)
