@@ -469,4 +469,27 @@ def _scenario(browser, server: Server, timings: dict) -> None:
     _no_exception(page, "Outputs")
     assert run_id in _selected(page, "widget.run")
     _shot(page, "08-outputs.png")
+
+    # 8. A second run, cancelled from its progress panel: the job ends as cancelled, the page says so.
+    page.locator(RUN_BUTTON).click()
+    _wait_for(
+        lambda: "/drift" in page.url and _query(page.url).get("run") not in (None, run_id),
+        STEP_TIMEOUT_S,
+        "a second Run to switch to the Drift page of a new run",
+        page,
+    )
+    second = _query(page.url)["run"]
+    cancel = page.locator(MAIN).get_by_role("button", name="Cancel run")
+    cancel.wait_for(state="visible", timeout=STEP_TIMEOUT_S * 1000)
+    cancel.click()
+    run_json = server.home / "runs" / second / "run.json"
+    _wait_for(
+        lambda: json.loads(run_json.read_text()).get("status") == "cancelled",
+        RUN_TIMEOUT_S,
+        f"run {second} to end as cancelled",
+        page,
+    )
+    page.locator(MAIN).get_by_text("was cancelled before it finished").wait_for(timeout=STEP_TIMEOUT_S * 1000)
+    _no_exception(page, "cancelled run")
+    _shot(page, "09-cancelled.png")
     colleague.close()
