@@ -99,7 +99,7 @@ def element_diff(record: RunRecord, check: str, target: str, adapter: str | None
             )
         # The check looks the same key up in the reference capture (outputs: the fp64 logits).
         reference_capture, _ = _read_capture(ref_folder, key)
-    full = the_check.reference(spec, [key], reference_capture)
+    full = the_check.reference_for(spec, key, reference_capture)
     ref_tensor = full.tensors.get(key.encode())
     if ref_tensor is None:
         raise KeyError(f"no reference ({full.label}) for tensor {tensor!r}{_for(adapter)} {where}")

@@ -7,7 +7,7 @@ Safetensors first; `.bin` checkpoints only through `torch.load(weights_only=True
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,21 +38,31 @@ def _quiet_transformers() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def read_checkpoint(folder: str | Path, prefix: str = "") -> dict[str, torch.Tensor]:
+def read_checkpoint(
+    folder: str | Path, prefix: str = "", names: Collection[str] | None = None
+) -> dict[str, torch.Tensor]:
     """Every tensor of a model or adapter folder, as stored (dtype and values untouched).
 
     Reads `*.safetensors` (single file or sharded with an index); falls back to `*.bin`
     with `weights_only=True`. Raises LoadError naming the file when it is truncated or corrupt.
+    With `names`, safetensors files give only those tensors (read lazily: a single tensor of a
+    large checkpoint costs its own bytes only); `.bin` files are read whole, then filtered.
     """
     folder = Path(folder)
     files = sorted(folder.glob(f"{prefix}*.safetensors"))
     if files:
+        from safetensors import safe_open
         from safetensors.torch import load_file
 
         tensors: dict[str, torch.Tensor] = {}
         for f in files:
             try:
-                tensors.update(load_file(str(f)))
+                if names is None:
+                    tensors.update(load_file(str(f)))
+                    continue
+                with safe_open(str(f), framework="pt") as handle:
+                    present = handle.keys()  # a safe_open handle has keys() but is not iterable
+                    tensors.update({k: handle.get_tensor(k) for k in present if k in names})
             except Exception as e:
                 raise LoadError(f"{f}: not a readable safetensors file ({e})") from e
         return tensors
@@ -64,7 +74,7 @@ def read_checkpoint(folder: str | Path, prefix: str = "") -> dict[str, torch.Ten
                 tensors.update(torch.load(str(f), map_location="cpu", weights_only=True))
             except Exception as e:
                 raise LoadError(f"{f}: not a loadable weights-only checkpoint ({e})") from e
-        return tensors
+        return tensors if names is None else {k: v for k, v in tensors.items() if k in names}
     raise LoadError(f"{folder}: no *.safetensors or *.bin weights found")
 
 

@@ -229,3 +229,22 @@ def test_as_2d():
     assert as_2d((4, 5)) == (4, 5)
     assert as_2d((2, 16, 256)) == (32, 256)
     assert as_2d((0,)) == (1, 0)
+
+
+def test_weights_drilldown_reads_only_the_one_tensor_from_the_checkpoint(run, monkeypatch):
+    """A drill-down must not load the whole checkpoint (GBs for a real base)."""
+    import core.loading
+
+    record, table = run
+    row = table[(table["check"] == "weights") & table["adapter"].isna()].iloc[0]
+    calls = []
+    real = core.loading.read_checkpoint
+
+    def spy(folder, prefix="", names=None):
+        calls.append(names)
+        return real(folder, prefix=prefix, names=names)
+
+    monkeypatch.setattr("core.checks.weights.read_checkpoint", spy)
+    d = element_diff(record, "weights", row["target"], None, row["tensor"])
+    assert calls == [{row["tensor"]}]
+    assert float(np.abs(d.diff).max()) == row["max_abs"]

@@ -104,6 +104,10 @@ class Check(ABC):
     ) -> Reference:
         """The reference tensors for `keys` (from the checkpoint, or from the cpu/float64 capture)."""
 
+    def reference_for(self, spec: ProbeSpec, key: TensorKey, reference_capture: Capture | None) -> Reference:
+        """The reference of one tensor (the drill-down); checks with a cheaper way override this."""
+        return self.reference(spec, [key], reference_capture)
+
     def describe(self, key: TensorKey) -> dict[str, Any]:
         """Row labels for a tensor: layer, module, role (checks refine this)."""
         return {"layer": layer_of(key.name), "module": key.name.rsplit(".", 1)[-1], "role": key.check}

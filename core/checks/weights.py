@@ -51,6 +51,13 @@ class WeightsCheck(Check):
             tensors.update({TensorKey(self.name, source, name).encode(): t for name, t in file.items()})
         return Reference(label="checkpoint", tensors=tensors, notes={})
 
+    def reference_for(self, spec: ProbeSpec, key: TensorKey, reference_capture: Capture | None) -> Reference:
+        # One tensor read lazily from the checkpoint, not the whole file (GBs for a real base).
+        path = spec.base.path if key.adapter == BASE else {a.name: a.path for a in spec.adapters}[key.adapter]
+        prefix = "" if key.adapter == BASE else "adapter_model"
+        file = read_checkpoint(path, prefix=prefix, names={key.name})
+        return Reference(label="checkpoint", tensors={key.encode(): t for name, t in file.items()}, notes={})
+
     def rows(self, spec: ProbeSpec, capture: Capture, reference: Reference) -> list[dict[str, Any]]:
         rows = super().rows(spec, capture, reference)
         tied = capture.meta.get(self.name, {}).get("tied", {})
