@@ -143,27 +143,35 @@ m[4].metric("mismatched", f"{int(row['n_mismatch'] or 0)} / {int(row['numel'])}"
 
 
 @st.cache_data(show_spinner="Reading the tensor and its reference…", max_entries=8)
-def load_diff(run_dir: str, run_id: str, check: str, target: str, adapter: str | None, tensor: str):
+def drill_figures(run_id: str, check: str, target: str, adapter: str | None, tensor: str):
+    """The element-wise map and histogram of one tensor (None when it equals its reference).
+
+    Only the figures are cached (at most 256×256 cells): the full-size difference arrays of a
+    large tensor are dropped as soon as they are drawn.
+    """
     from core.diffmap import element_diff
 
-    return element_diff(record, check, target, adapter, tensor)
+    diff = element_diff(record, check, target, adapter, tensor)
+    if not (diff.diff != 0).any():
+        return None
+    heat = diff_heatmap(diff.diff, title=f"|Δ| element-wise · {tensor} · {target}", failing=diff.mismatch)
+    return heat, diff_histogram(diff.diff)
 
 
 adapter_of_row = row["adapter"] if isinstance(row["adapter"], str) else None
 try:
-    diff = load_diff(str(record.run_dir), record.run_id, check, target, adapter_of_row, tensor)
+    figures = drill_figures(record.run_id, check, target, adapter_of_row, tensor)
 except (KeyError, ValueError, OSError) as e:
     st.error(f"Cannot show the element-wise difference: {e}")
     st.stop()
-if not (diff.diff != 0).any():
+if figures is None:
     st.success(f"Every element of `{tensor}` on {target} equals its reference exactly: nothing to map.")
     st.stop()
+heat, hist = figures
 h1, h2 = st.columns([3, 2])
 with h1:
-    heat = diff_heatmap(diff.diff, title=f"|Δ| element-wise · {tensor} · {target}", failing=diff.mismatch)
     st.plotly_chart(heat, key="drift.diff")
     figure_download(heat, f"{record.run_id}-{target}-{tensor}-diff", key="drift.diff.html")
 with h2:
-    hist = diff_histogram(diff.diff)
     st.plotly_chart(hist, key="drift.hist")
     figure_download(hist, f"{record.run_id}-{target}-{tensor}-hist", key="drift.hist.html")
