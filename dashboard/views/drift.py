@@ -79,9 +79,7 @@ st.caption(
 
 fig = drift_heatmap(shown, metric, title=f"{check} · {adapter} · {METRIC_LABELS[metric]}")
 event = st.plotly_chart(fig, key="drift.heatmap", on_select="rerun", selection_mode="points")
-points = (event or {}).get("selection", {}).get("points", []) if isinstance(event, dict) else []
-if not points and event is not None and hasattr(event, "selection"):
-    points = event.selection.get("points", [])
+points = (event or {}).get("selection", {}).get("points", [])  # PlotlyState is a dict
 if points:
     data = points[0].get("customdata")
     signature = repr(data)
