@@ -248,3 +248,23 @@ def test_weights_drilldown_reads_only_the_one_tensor_from_the_checkpoint(run, mo
     d = element_diff(record, "weights", row["target"], None, row["tensor"])
     assert calls == [{row["tensor"]}]
     assert float(np.abs(d.diff).max()) == row["max_abs"]
+
+
+def test_deltas_drilldown_reads_one_base_weight_only(run, monkeypatch):
+    """The ΔW reference of one module needs that module's base weight, not the whole base."""
+    import core.loading
+
+    record, table = run
+    row = table[(table["check"] == "deltas") & (table["target"] == "cpu/bfloat16")].iloc[0]
+    calls = []
+    real = core.loading.read_checkpoint
+
+    def spy(folder, prefix="", names=None):
+        calls.append((prefix, names))
+        return real(folder, prefix=prefix, names=names)
+
+    monkeypatch.setattr("core.checks.deltas.read_checkpoint", spy)
+    d = element_diff(record, "deltas", row["target"], row["adapter"], row["tensor"])
+    assert ("", {f"{row['tensor']}.weight"}) in calls  # the base: one weight, read lazily
+    assert float(np.abs(d.diff).max()) == row["max_abs"]
+    assert d.explanation == row["explanation"]

@@ -45,7 +45,16 @@ class DeltasCheck(Check):
     def reference(
         self, spec: ProbeSpec, keys: list[TensorKey], reference_capture: Capture | None
     ) -> Reference:
-        base = {k: v.to(torch.float64) for k, v in read_checkpoint(spec.base.path).items()}
+        return self._reference(spec, keys, only_keys=False)
+
+    def reference_for(self, spec: ProbeSpec, key: TensorKey, reference_capture: Capture | None) -> Reference:
+        # The drill-down: one module's base weight (read lazily) and its adapter tensors, not every
+        # module of the base.
+        return self._reference(spec, [key], only_keys=True)
+
+    def _reference(self, spec: ProbeSpec, keys: list[TensorKey], only_keys: bool) -> Reference:
+        names = {f"{k.name}.weight" for k in keys} if only_keys else None
+        base = {k: v.to(torch.float64) for k, v in read_checkpoint(spec.base.path, names=names).items()}
         tensors: dict[str, torch.Tensor] = {}
         notes: dict[str, str] = {}
         for adapter in spec.adapters:
@@ -53,12 +62,21 @@ class DeltasCheck(Check):
             if not wanted:
                 continue
             config = read_adapter_config(adapter)
-            if formulas.adapter_type(config) not in formulas.ADAPTER_TYPES:
-                continue
-            deltas = formulas.reference_deltas(
-                config, read_checkpoint(adapter.path, prefix="adapter_model"), base
-            )
             kind = formulas.adapter_type(config)
+            if kind not in formulas.ADAPTER_TYPES:
+                continue
+            adapter_tensors = read_checkpoint(adapter.path, prefix="adapter_model")
+            if only_keys:
+                modules = formulas.adapter_module_keys(adapter_tensors)
+                adapter_tensors = {
+                    t: adapter_tensors[t]
+                    for k in wanted
+                    if k.name in modules
+                    for t in modules[k.name].keys.values()
+                }
+                if not adapter_tensors:
+                    continue
+            deltas = formulas.reference_deltas(config, adapter_tensors, base)
             for key in wanted:
                 if key.name in deltas:
                     tensors[key.encode()] = deltas[key.name]
