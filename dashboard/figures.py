@@ -18,6 +18,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from core.diffmap import as_2d
 from core.report import SEVERITY, VERDICT_ORDER
 
 METRICS = ("max_abs", "rel_l2", "max_ulp", "min_atol")
@@ -615,15 +616,19 @@ def block_max_pool(matrix: np.ndarray, max_side: int = 256) -> tuple[np.ndarray,
     return pooled, row_starts, col_starts
 
 
-def _as_2d(diff: np.ndarray) -> tuple[np.ndarray, str]:
-    """2-D view of a tensor diff: vectors become one row, higher ranks fold leading dims into rows."""
-    arr = np.asarray(diff, dtype=np.float64)
-    if arr.ndim == 2:
+def _as_2d(values: np.ndarray, shape: tuple[int, ...] | None = None) -> tuple[np.ndarray, str]:
+    """`values` as drawn (the fold rule of core.diffmap.as_2d), and a note on how `shape` was folded.
+
+    `shape` is the tensor's own shape when `values` arrive already folded (as ElementDiff's do).
+    """
+    arr = np.asarray(values, dtype=np.float64)
+    shape = tuple(arr.shape) if shape is None else tuple(shape)
+    arr = arr.reshape(as_2d(tuple(arr.shape)))
+    if len(shape) == 2:
         return arr, ""
-    if arr.ndim < 2:
-        return arr.reshape(1, -1), "shown as 1 row"
-    note = f"{'×'.join(map(str, arr.shape))} folded to {arr.shape[-1]} columns"
-    return arr.reshape(-1, arr.shape[-1]), note
+    if len(shape) < 2:
+        return arr, "shown as 1 row"
+    return arr, f"{'×'.join(map(str, shape))} folded to {shape[-1]} columns"
 
 
 def _block_ends(starts: np.ndarray, n: int) -> np.ndarray:
@@ -631,11 +636,17 @@ def _block_ends(starts: np.ndarray, n: int) -> np.ndarray:
 
 
 def diff_heatmap(
-    diff: np.ndarray, *, title: str = "", max_side: int = 256, failing: np.ndarray | None = None
+    diff: np.ndarray,
+    *,
+    title: str = "",
+    max_side: int = 256,
+    failing: np.ndarray | None = None,
+    shape: tuple[int, ...] | None = None,
 ) -> go.Figure:
     """Heatmap of log₁₀ |target − reference| for one tensor, block-max-pooled when large.
 
-    ``failing`` (same shape, bool) marks the elements beyond tolerance: the cells (blocks) that
+    ``shape`` is the tensor's own shape when ``diff`` is already folded to 2-D, for the title.
+    ``failing`` (same shape as ``diff``, bool) marks the elements beyond tolerance: the cells (blocks) that
     hold one get an outlined square, so a handful of failures in a large matrix can be found.
 
     ``diff`` is the signed float64 element-wise difference. Exactly-equal cells (|d| = 0) are NaN in
@@ -643,7 +654,7 @@ def diff_heatmap(
     red × layer since they would otherwise look blank too. Axis values are element indices (block
     starts when pooled); the hover gives the exact max |d| of the cell and the index range it covers.
     """
-    arr, folded = _as_2d(diff)
+    arr, folded = _as_2d(diff, shape)
     if arr.size == 0:
         return _empty_figure("empty tensor", title=title or None)
     pooled, row_starts, col_starts = block_max_pool(arr, max_side=max_side)

@@ -378,3 +378,10 @@ def test_diff_heatmap_outlines_the_blocks_that_hold_failing_elements():
     assert len(marks) == 1 and "3 elements" in marks[0].name
     assert sorted(zip(marks[0].y, marks[0].x, strict=True)) == [(0, 0), (597, 298)]
     assert not [t for t in F.diff_heatmap(diff, failing=np.zeros_like(failing)).data if t.type == "scatter"]
+
+
+def test_diff_heatmap_names_the_fold_of_an_already_folded_tensor():
+    logits = np.ones((32, 256)) * 1e-6  # (2, 16, 256) as ElementDiff hands it over
+    fig = F.diff_heatmap(logits, shape=(2, 16, 256))
+    assert "2×16×256 folded to 256 columns" in fig.layout.title.text
+    assert fig.data[0].z.shape == (32, 256)

@@ -152,7 +152,9 @@ def drill_figures(run_id: str, check: str, target: str, adapter: str | None, ten
     diff = element_diff(record, check, target, adapter, tensor)
     if not (diff.diff != 0).any():
         return None
-    heat = diff_heatmap(diff.diff, title=f"|Δ| element-wise · {tensor} · {target}", failing=diff.mismatch)
+    heat = diff_heatmap(
+        diff.diff, title=f"|Δ| element-wise · {tensor} · {target}", failing=diff.mismatch, shape=diff.shape
+    )
     return heat, diff_histogram(diff.diff)
 
 
