@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.spec import AdapterRef, ModelRef
-from core.store import Store
+from core.store import RunRecord
 
 DEMO_BASE = "tiny-llama"
 # The adapters a demo run loads by default: one per method. pissa_init/pissa_lora serve the
@@ -41,10 +41,10 @@ def demo_selection(manifest: dict) -> tuple[str, list[AdapterRef]]:
     return manifest["models"][DEMO_BASE], adapters
 
 
-def recent_bases(store: Store, limit: int = 10) -> list[str]:
-    """Base model paths or hub ids of stored runs, newest first, each once."""
+def recent_bases(records: list[RunRecord], limit: int = 10) -> list[str]:
+    """Base model paths or hub ids of stored runs (`Store.list_runs()`, newest first), each once."""
     seen: dict[str, None] = {}
-    for record in store.list_runs():
+    for record in records:
         if record.spec is not None:
             seen.setdefault(record.spec.base.path, None)
         if len(seen) >= limit:
@@ -52,10 +52,10 @@ def recent_bases(store: Store, limit: int = 10) -> list[str]:
     return list(seen)
 
 
-def recent_adapters(store: Store, base: str) -> list[AdapterRef]:
-    """Adapters used with `base` in stored runs, newest first, each path once."""
+def recent_adapters(records: list[RunRecord], base: str) -> list[AdapterRef]:
+    """Adapters used with `base` in stored runs (`Store.list_runs()`, newest first), each path once."""
     seen: dict[str, AdapterRef] = {}
-    for record in store.list_runs():
+    for record in records:
         if record.spec is not None and record.spec.base.path == base:
             for a in record.spec.adapters:
                 seen.setdefault(a.path, a)

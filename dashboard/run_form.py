@@ -42,11 +42,6 @@ class FormErrors:
         return any((self.base, self.adapters, self.targets, self.checks, self.tolerance))
 
 
-def parse_adapter(text: str) -> AdapterRef:
-    """An adapter field value: a folder path, optionally `PATH=NAME`."""
-    return AdapterRef.parse(text)
-
-
 def validate_form(
     base: str | None,
     adapters: list[str],
@@ -68,7 +63,7 @@ def validate_form(
     refs: list[AdapterRef] = []
     for text in adapters:
         try:
-            refs.append(parse_adapter(text))
+            refs.append(AdapterRef.parse(text))
         except SpecError as e:
             errors.adapters.append(str(e))
     names = [a.name for a in refs]
@@ -129,7 +124,8 @@ def run_form(manifest: dict | None) -> None:
     """Draw the form in the sidebar; on Run, submit the spec to the engine and select the new run."""
     devices = engine().devices
     demo_paths = _demo_paths(manifest)
-    bases = list(demo_paths) + [b for b in recent_bases(store()) if b not in demo_paths]
+    records = store().list_runs()  # read once: both "recent" lists come from it
+    bases = list(demo_paths) + [b for b in recent_bases(records) if b not in demo_paths]
     default_base = manifest["models"][DEMO_BASE] if manifest else (bases[0] if bases else None)
     st.session_state.setdefault("form.base_choice", default_base)
 
@@ -155,7 +151,7 @@ def run_form(manifest: dict | None) -> None:
     base_errors_at = st.container()
 
     choices = find_adapters(base, extra_roots=[]) if base else []
-    recent = recent_adapters(store(), base) if base else []
+    recent = recent_adapters(records, base) if base else []
     # Adapters that fit come first; the others stay choosable, and the form says why they fail.
     labels = {c.path: c.name if c.name == c.type else f"{c.name} ({c.type})" for c in choices if c.fits}
     labels |= {a.path: a.name for a in recent if a.path not in labels}
@@ -239,7 +235,7 @@ def run_form(manifest: dict | None) -> None:
             return
         spec = ProbeSpec(
             base=ModelRef(path=base),
-            adapters=tuple(parse_adapter(a) for a in adapters),
+            adapters=tuple(AdapterRef.parse(a) for a in adapters),
             targets=tuple(Target.parse(t) for t in targets),
             checks=tuple(checks),
             tolerances={role: override} if override else {},
