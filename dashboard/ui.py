@@ -13,6 +13,14 @@ from dashboard.figures import figure_html
 from dashboard.jobs import job_panel
 from dashboard.state import open_run
 
+# How the metric columns read in every table: exponent form, so 1e-7 and 1e-3 are told apart.
+METRIC_COLUMN_CONFIG = {
+    "max_abs": st.column_config.NumberColumn(format="%.4e"),
+    "rel_l2": st.column_config.NumberColumn(format="%.4e"),
+    "max_ulp": st.column_config.NumberColumn(format="%.4g"),
+    "min_atol": st.column_config.NumberColumn(format="%.4e"),
+}
+
 
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_")
@@ -42,6 +50,15 @@ def figure_download(fig: go.Figure, name: str, *, key: str) -> None:
         icon=":material/download:",
         on_click="ignore",
     )
+
+
+def downloads(fig: go.Figure, table: pd.DataFrame, name: str, *, key: str) -> None:
+    """The figure (HTML) and the table behind it (CSV), side by side."""
+    left, right = st.columns(2)
+    with left:
+        figure_download(fig, name, key=f"{key}.html")
+    with right:
+        csv_download(table, name, key=f"{key}.csv")
 
 
 def run_header(record: RunRecord) -> bool:

@@ -15,7 +15,7 @@ from dashboard.figures import (
     drift_heatmap,
 )
 from dashboard.state import bound_select, metrics_table, set_view, view
-from dashboard.ui import csv_download, figure_download, finished_run
+from dashboard.ui import downloads, figure_download, finished_run
 
 BASE = "base model"
 
@@ -88,11 +88,7 @@ if points:
         st.session_state["drift.applied"] = signature
         set_view("target", data[0])
         set_view("tensor", data[2])
-left, right = st.columns(2)
-with left:
-    figure_download(fig, f"{record.run_id}-{check}-{adapter}-{metric}", key="drift.heatmap.html")
-with right:
-    csv_download(shown, f"{record.run_id}-{check}-{adapter}", key="drift.rows.csv")
+downloads(fig, shown, f"{record.run_id}-{check}-{adapter}-{metric}", key="drift.heatmap")
 
 st.subheader("Inspect one tensor")
 targets = list(dict.fromkeys(shown["target"]))

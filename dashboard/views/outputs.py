@@ -7,7 +7,7 @@ import streamlit as st
 
 from dashboard.figures import outputs_figure
 from dashboard.state import metrics_table
-from dashboard.ui import csv_download, figure_download, finished_run
+from dashboard.ui import METRIC_COLUMN_CONFIG, csv_download, figure_download, finished_run
 
 HEALTH = {
     "health_nan": "NaN",
@@ -77,10 +77,7 @@ st.dataframe(
     hide_index=True,
     key="outputs.table",
     column_config={
-        "max_abs": st.column_config.NumberColumn(format="%.4e"),
-        "rel_l2": st.column_config.NumberColumn(format="%.4e"),
-        "max_ulp": st.column_config.NumberColumn(format="%.4g"),
-        "min_atol": st.column_config.NumberColumn(format="%.4e"),
+        **METRIC_COLUMN_CONFIG,
         "cos_sim": st.column_config.NumberColumn(format="%.9f"),
         "explanation": st.column_config.TextColumn(width="large"),
     },

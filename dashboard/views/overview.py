@@ -7,7 +7,7 @@ import streamlit as st
 from core import report
 from dashboard.figures import environment_table, highlight_differences, verdict_counts_figure
 from dashboard.state import metrics_table, view_query
-from dashboard.ui import csv_download, figure_download, finished_run
+from dashboard.ui import METRIC_COLUMN_CONFIG, csv_download, downloads, finished_run
 
 st.title("Overview")
 record = finished_run()
@@ -38,11 +38,7 @@ st.subheader("Verdicts per check and target")
 by = report.verdicts_by_check_target(table)
 fig = verdict_counts_figure(by)
 st.plotly_chart(fig, key="overview.verdicts")
-left, right = st.columns(2)
-with left:
-    figure_download(fig, f"{record.run_id}-verdicts", key="overview.verdicts.html")
-with right:
-    csv_download(by, f"{record.run_id}-verdicts", key="overview.verdicts.csv")
+downloads(fig, by, f"{record.run_id}-verdicts", key="overview.verdicts")
 
 st.subheader("Furthest from their reference")
 worst = report.worst_rows(table, 20)
@@ -56,10 +52,7 @@ else:
         column_config={
             "explanation": st.column_config.TextColumn("explanation", width="large"),
             "note": st.column_config.TextColumn("why", width="large"),
-            "max_abs": st.column_config.NumberColumn(format="%.4e"),
-            "rel_l2": st.column_config.NumberColumn(format="%.4e"),
-            "max_ulp": st.column_config.NumberColumn(format="%.4g"),
-            "min_atol": st.column_config.NumberColumn(format="%.4e"),
+            **METRIC_COLUMN_CONFIG,
         },
         key="overview.worst",
     )
