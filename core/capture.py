@@ -23,6 +23,13 @@ SEP = "::"
 BASE = "-"  # the adapter slot of a tensor taken from the bare base model
 
 
+def capture_folder_name(target_slug: str, check: str = "", variant: str = "") -> str:
+    """`cpu_float32` for the shared load loop, `cpu_float32@adapters-load_adapter` for an own-worker check."""
+    if not check:
+        return target_slug
+    return f"{target_slug}@{check}" + (f"-{variant}" if variant else "")
+
+
 @dataclass(frozen=True)
 class TensorKey:
     """Names one captured tensor: which check took it, with which adapter, and its own name."""
@@ -49,6 +56,17 @@ class Capture:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
+    # Set for the capture of a check that runs in its own worker (`Check.own_worker`), and the
+    # variant it ran (a load strategy, …); empty for the shared load loop's capture.
+    check: str = ""
+    variant: str = ""
+
+    @property
+    def label(self) -> str:
+        """`cpu/float32`, or `cpu/float32 · adapters:load_adapter` for an own-worker capture."""
+        if not self.check:
+            return self.target
+        return f"{self.target} · {self.check}" + (f":{self.variant}" if self.variant else "")
 
     def add(self, key: TensorKey, tensor: torch.Tensor) -> None:
         """Keep a detached CPU copy (same dtype) so the capture outlives the model."""
@@ -70,6 +88,8 @@ class Capture:
         doc = {
             "format": "weightdrift-capture/1",
             "target": self.target,
+            "check": self.check,
+            "variant": self.variant,
             "environment": self.environment,
             "notes": self.notes,
             "meta": self.meta,
@@ -92,4 +112,6 @@ class Capture:
             tensors=tensors,
             notes=doc.get("notes", []),
             meta=doc.get("meta", {}),
+            check=doc.get("check", ""),
+            variant=doc.get("variant", ""),
         )

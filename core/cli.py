@@ -50,6 +50,27 @@ def build_parser() -> ArgumentParser:
         help="DEVICE/DTYPE[+tf32|+deterministic|+threads=N|+matmul=P], e.g. cpu/bfloat16",
     )
     run.add_argument("--check", action="extend", nargs="+", default=[], metavar="NAME")
+    run.add_argument(
+        "--strategy",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="load strategies the adapters check runs side by side (isolated is always added)",
+    )
+    run.add_argument(
+        "--merge-subset",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="adapter names the merge check merges together (adapter_names=)",
+    )
+    run.add_argument(
+        "--scenario",
+        metavar="NAME",
+        help="run a demo scenario (implies --demo); `python -m core scenarios` lists them",
+    )
     run.add_argument("--atol", type=float, help="absolute tolerance for every row (default: per dtype)")
     run.add_argument("--rtol", type=float, help="relative tolerance for every row (default: per dtype)")
     run.add_argument("--seed", type=int, default=0, help="seed of the probe inputs")
@@ -72,6 +93,9 @@ def build_parser() -> ArgumentParser:
     runs.add_argument("--home")
     runs.add_argument("--json", action="store_true")
 
+    scenarios = sub.add_parser("scenarios", help="list the demo scenarios")
+    scenarios.add_argument("--json", action="store_true")
+
     devices = sub.add_parser("devices", help="print the devices and the environment")
     devices.add_argument("--json", action="store_true")
     return p
@@ -81,9 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:
         args = build_parser().parse_args(argv)
-        return {"demo": cmd_demo, "run": cmd_run, "runs": cmd_runs, "devices": cmd_devices}[args.command](
-            args
-        )
+        commands = {
+            "demo": cmd_demo,
+            "run": cmd_run,
+            "runs": cmd_runs,
+            "scenarios": cmd_scenarios,
+            "devices": cmd_devices,
+        }
+        return commands[args.command](args)
     except (UsageError, SpecError) as e:
         print(f"error: {e}", file=sys.stderr)
         if debug:
@@ -128,6 +157,8 @@ def spec_from_args(args, home: Path) -> ProbeSpec:
     """Build the ProbeSpec of `run` from its arguments (filling in the demo where asked)."""
     from core.workspace import demo_selection
 
+    if args.scenario:
+        return scenario_from_args(args, home)
     base = args.base
     adapters = [AdapterRef.parse(a) for a in args.adapter]
     if args.demo:
@@ -152,7 +183,52 @@ def spec_from_args(args, home: Path) -> ProbeSpec:
         checks=tuple(args.check) if args.check else ("weights", "deltas", "outputs"),
         tolerances=tolerances,
         seed=args.seed,
+        strategies=tuple(dict.fromkeys(["isolated", *args.strategy])),
+        merge_subset=tuple(args.merge_subset),
     )
+
+
+def scenario_from_args(args, home: Path) -> ProbeSpec:
+    """The spec of `--scenario NAME` on the demo workspace; --target/--check/--seed/tolerances override it."""
+    import dataclasses
+
+    from core.scenarios import scenario_spec
+    from core.targets import discover_devices
+
+    if args.base or args.adapter:
+        raise UsageError("--scenario picks the base and adapters itself; leave out --base and --adapter")
+    spec = scenario_spec(args.scenario, ensure_demo(home), discover_devices())
+    changes: dict[str, Any] = {"seed": args.seed}
+    if args.target:
+        changes["targets"] = tuple(Target.parse(t) for t in args.target)
+    if args.check:
+        changes["checks"] = tuple(args.check)
+    if args.strategy:
+        changes["strategies"] = tuple(dict.fromkeys(["isolated", *args.strategy]))
+    if args.merge_subset:
+        changes["merge_subset"] = tuple(args.merge_subset)
+    if args.atol is not None or args.rtol is not None:
+        changes["tolerances"] = {"*": ToleranceOverride(rtol=args.rtol, atol=args.atol)}
+    return dataclasses.replace(spec, **changes)
+
+
+def cmd_scenarios(args) -> int:
+    from core.scenarios import SCENARIOS
+
+    if args.json:
+        print(
+            json.dumps(
+                [
+                    {"name": s.name, "title": s.title, "page": s.page, "description": s.description}
+                    for s in SCENARIOS.values()
+                ],
+                indent=2,
+            )
+        )
+    else:
+        for s in SCENARIOS.values():
+            print(f"{s.name:32s} [{s.page}] {s.title}: {s.description}")
+    return EXIT_OK
 
 
 def watch(job, stream=sys.stderr, interval: float = 0.25) -> None:

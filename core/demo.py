@@ -28,7 +28,7 @@ import torch
 
 from core.formulas import adapter_type
 
-DEMO_VERSION = "1"
+DEMO_VERSION = "2"
 """Bump when the contents change: an existing workspace of another version is rebuilt."""
 
 DEMO_DIR = "demo"
@@ -67,6 +67,11 @@ SEEDS: dict[str, int] = {
     "oft": 105,
     "ia3": 106,
     "bert-lora": 107,
+    "lora_b": 108,
+    "lora_lm_head": 109,
+    "lora_embed": 110,
+    "lora_nan": 111,
+    "lora_noop": 112,
 }
 
 Progress = Callable[[str, int, int], None]
@@ -98,7 +103,15 @@ _ARTIFACTS: list[tuple[str, str]] = [
     ("adapter oft", "adapters/oft"),
     ("adapter ia3", "adapters/ia3"),
     ("adapter bert-lora", "adapters/bert-lora"),
+    ("adapter lora_b", "adapters/lora_b"),
+    ("adapter lora_lm_head", "adapters/lora_lm_head"),
+    ("adapter lora_embed", "adapters/lora_embed"),
+    ("adapter lora_nan", "adapters/lora_nan"),
+    ("adapter lora_noop", "adapters/lora_noop"),
 ]
+
+# The module whose lora_B gets a NaN in `lora_nan` (safe_merge must name it).
+NAN_MODULE = "model.layers.1.self_attn.v_proj"
 
 
 def load_manifest(home: Path) -> dict | None:
@@ -276,6 +289,45 @@ def _build_into(tmp: Path, final: Path, progress: Progress | None) -> dict:
         _save_adapter(_load_bert(bert), bert_lora, SEEDS["bert-lora"], tmp / "adapters/bert-lora")
         record("bert-lora", "tiny-bert")
 
+        # Scenario adapters (merge residuals, adapter consistency): all for tiny-llama, whose
+        # lm_head is tied to embed_tokens.
+        start("adapter lora_b")
+        lora_b = LoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj", "v_proj", "o_proj", "up_proj"],
+            init_lora_weights=False,
+        )
+        _save_adapter(_load_llama(llama), lora_b, SEEDS["lora_b"], tmp / "adapters/lora_b")
+        record("lora_b", "tiny-llama")
+
+        start("adapter lora_lm_head")
+        tied_head = LoraConfig(
+            r=8, lora_alpha=16, target_modules=["q_proj", "lm_head"], init_lora_weights=False
+        )
+        _save_adapter(_load_llama(llama), tied_head, SEEDS["lora_lm_head"], tmp / "adapters/lora_lm_head")
+        record("lora_lm_head", "tiny-llama")
+
+        start("adapter lora_embed")
+        tied_embed = LoraConfig(
+            r=8, lora_alpha=16, target_modules=["q_proj", "embed_tokens"], init_lora_weights=False
+        )
+        _save_adapter(_load_llama(llama), tied_embed, SEEDS["lora_embed"], tmp / "adapters/lora_embed")
+        record("lora_embed", "tiny-llama")
+
+        start("adapter lora_nan")
+        nan = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        _save_adapter(
+            _load_llama(llama), nan, SEEDS["lora_nan"], tmp / "adapters/lora_nan", mutate=_inject_nan
+        )
+        record("lora_nan", "tiny-llama")
+
+        start("adapter lora_noop")
+        # PEFT's default init: B = 0, so the adapter changes nothing ("is my adapter applied?")
+        noop = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=True)
+        _save_adapter(_load_llama(llama), noop, SEEDS["lora_noop"], tmp / "adapters/lora_noop")
+        record("lora_noop", "tiny-llama")
+
     manifest = {
         "version": DEMO_VERSION,
         "models": {name: str(path) for name, path in models.items()},
@@ -341,6 +393,15 @@ def _perturb_magnitude(model: torch.nn.Module, gen: torch.Generator) -> None:
             continue
         weight = dora["default"].weight
         weight.mul_(1 + 0.1 * (2 * torch.rand(weight.shape, generator=gen) - 1))
+
+
+def _inject_nan(model: torch.nn.Module, gen: torch.Generator) -> None:
+    """Write one NaN into lora_B of :data:`NAN_MODULE` (a diverged training run, in one element)."""
+    for name, module in model.named_modules():
+        if name.endswith(NAN_MODULE) and hasattr(module, "lora_B"):
+            module.lora_B["default"].weight[3, 2] = float("nan")
+            return
+    raise AssertionError(f"{NAN_MODULE} is not adapted")
 
 
 def _save_pissa(base: torch.nn.Module, adapters: Path, start: Callable[[str], None]) -> None:

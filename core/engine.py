@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from core.capture import capture_folder_name
 from core.spec import REFERENCE_TARGET, ProbeSpec, SpecError, Target
 from core.store import Store
 from core.worker import EXIT_CANCELLED, Cancelled, Task, run_task, task_json
@@ -236,8 +237,12 @@ class Engine:
         if not spec.checks:
             raise SpecError("no check given")
         get_checks(spec.checks)
-        if spec.strategy not in STRATEGIES:
-            raise SpecError(f"unknown load strategy {spec.strategy!r}; available: {', '.join(STRATEGIES)}")
+        unknown = [s for s in spec.strategies if s not in STRATEGIES]
+        if unknown or not spec.strategies:
+            raise SpecError(
+                f"unknown load strategy {', '.join(map(repr, unknown)) or '(none given)'}; "
+                f"available: {', '.join(STRATEGIES)}"
+            )
         check_targets_exist(spec.targets, self.devices)
         validate_inputs(spec)
 
@@ -265,27 +270,30 @@ class Engine:
 
         spec = job.spec
         checks = get_checks(spec.checks)
-        tasks = [
-            Task(
+
+        def task(target: Target, names: tuple[str, ...], variant: str | None = None) -> Task:
+            return Task(
                 kind="capture",
                 run_dir=str(job.run_dir),
                 spec=spec.to_dict(),
-                target=str(t),
-                checks=spec.checks,
+                target=str(target),
+                checks=names,
+                variant=variant,
             )
+
+        shared = tuple(c.name for c in checks if not c.own_worker)
+        tasks = [task(t, shared) for t in spec.targets] if shared else []
+        # Checks that load models their own way get a fresh worker per target and variant.
+        tasks += [
+            task(t, (c.name,), v)
+            for c in checks
+            if c.own_worker
             for t in spec.targets
+            for v in c.variants(spec, t)
         ]
-        ref_checks = tuple(c.name for c in checks if c.needs_reference_target)
+        ref_checks = tuple(c.name for c in checks if c.needs_reference_target and not c.own_worker)
         if ref_checks and REFERENCE_TARGET not in spec.targets:
-            tasks.append(
-                Task(
-                    kind="capture",
-                    run_dir=str(job.run_dir),
-                    spec=spec.to_dict(),
-                    target=str(REFERENCE_TARGET),
-                    checks=ref_checks,
-                )
-            )
+            tasks.append(task(REFERENCE_TARGET, ref_checks))
         return tasks
 
     def _device_lock(self, device: str) -> threading.Lock:
@@ -317,7 +325,12 @@ class Engine:
 
         with job.lock:
             progress.state, progress.started = "running", time.time()
-        log = job.run_dir / "logs" / f"{Target.parse(task.target).slug if task.target else 'compare'}.log"
+        folder = (
+            capture_folder_name(Target.parse(task.target).slug, task.own_check or "", task.variant or "")
+            if task.target
+            else "compare"
+        )
+        log = job.run_dir / "logs" / f"{folder}.log"
         outcome = self.runner.run(task, on_event, job.cancel_event, log)
         with job.lock:
             progress.finished = time.time()

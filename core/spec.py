@@ -201,7 +201,11 @@ class ProbeSpec:
     # role (or "*") -> tolerance; overrides the per-dtype defaults
     tolerances: dict[str, ToleranceOverride] = field(default_factory=dict)
     seed: int = 0
-    strategy: str = "isolated"
+    # Load strategies the `adapters` check runs side by side (`isolated` is its ground truth); every
+    # other check loads by `isolated`.
+    strategies: tuple[str, ...] = ("isolated",)
+    # Adapters the `merge` check merges together (`adapter_names=`); empty: its own default.
+    merge_subset: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -227,7 +231,9 @@ class ProbeSpec:
             ),
             tolerances={k: ToleranceOverride(**v) for k, v in (d.get("tolerances") or {}).items()},
             seed=d.get("seed", 0),
-            strategy=d.get("strategy", "isolated"),
+            # runs stored before strategies became a list have a single `strategy`
+            strategies=tuple(d.get("strategies") or [d.get("strategy", "isolated")]),
+            merge_subset=tuple(d.get("merge_subset") or ()),
         )
 
     @staticmethod

@@ -3,8 +3,10 @@
     <run_id>/spec.json                 the ProbeSpec
     <run_id>/run.json                  status, timings, per-target progress, errors, owner pid
     <run_id>/captures/<target>/        capture.json + tensors.safetensors (the snapshot format)
+    <run_id>/captures/<target>@<check>-<variant>/   the same, for a check run in its own worker
     <run_id>/logs/<target>.log         worker stderr
     <run_id>/metrics.parquet           the metrics table
+    <run_id>/<name>.parquet            a check's own tables (memory_timeline, placement, …)
 
 Every file is written to a temporary name and renamed into place, so a reader sees either the
 old or the new content. A run whose owning process is gone while it was still queued or running
@@ -85,6 +87,13 @@ class RunRecord:
             return pd.DataFrame()
         return pd.read_parquet(path)
 
+    def table(self, name: str) -> pd.DataFrame:
+        """A check's own table `<name>.parquet` (empty if the run has none)."""
+        path = self.run_dir / f"{name}.parquet"
+        if not path.exists():
+            return pd.DataFrame()
+        return pd.read_parquet(path)
+
     def environments(self) -> dict[str, dict[str, Any]]:
         """Each captured target's environment provenance (target string → dict), reading only JSON."""
         envs: dict[str, dict[str, Any]] = {}
@@ -145,8 +154,12 @@ class Store:
 
     def write_metrics(self, run_id: str, table: pd.DataFrame) -> Path:
         """Store the metrics table as Parquet (atomically)."""
-        path = self.runs_dir / run_id / "metrics.parquet"
-        tmp = path.with_name(f".metrics.{secrets.token_hex(4)}.tmp")
+        return self.write_table(run_id, "metrics", table)
+
+    def write_table(self, run_id: str, name: str, table: pd.DataFrame) -> Path:
+        """Store a table of the run as `<name>.parquet` (atomically)."""
+        path = self.runs_dir / run_id / f"{name}.parquet"
+        tmp = path.with_name(f".{name}.{secrets.token_hex(4)}.tmp")
         table.to_parquet(tmp, index=False)
         os.replace(tmp, path)
         return path

@@ -27,6 +27,17 @@ EXIT_USER_ERROR = 3
 EXIT_CANCELLED = 4
 
 
+# Samples a worker process takes of itself before its task starts (process start, after importing
+# torch), for the memory timeline; empty where tasks run in a process that existed before.
+PROCESS_SAMPLES: list[dict[str, Any]] = []
+
+
+def _sample_process(stage: str) -> None:
+    import psutil
+
+    PROCESS_SAMPLES.append({"stage": stage, "time": time.time(), "rss": psutil.Process().memory_info().rss})
+
+
 class Cancelled(Exception):
     """Raised at a stage boundary once cancellation was requested."""
 
@@ -40,10 +51,20 @@ class Task:
     spec: dict[str, Any]
     target: str | None = None
     checks: tuple[str, ...] = ()
+    variant: str | None = None  # set for an own-worker check's task (then `checks` is that one check)
+
+    @property
+    def own_check(self) -> str | None:
+        """The check this task runs in its own worker, or None for the shared load loop."""
+        return self.checks[0] if self.variant is not None else None
 
     @property
     def label(self) -> str:
-        return self.target or "compare"
+        if self.target is None:
+            return "compare"
+        if self.variant is None:
+            return self.target
+        return f"{self.target} · {self.checks[0]}" + (f":{self.variant}" if self.variant else "")
 
 
 class Progress:
@@ -75,8 +96,12 @@ def run_task(task: Task, emit: Emit, should_cancel: Callable[[], bool] = lambda:
 
 
 def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> None:
-    """Load base and adapters on the task's target and write its capture into the run folder."""
-    from core.capture import Capture
+    """Load base and adapters on the task's target and write its capture into the run folder.
+
+    The shared load loop (strategy `isolated`) serves every check that does not run in its own
+    worker; a task with a `variant` runs that one own-worker check's `run` instead.
+    """
+    from core.capture import Capture, capture_folder_name
     from core.checks import get_checks
     from core.checks.base import CaptureContext
     from core.loading import STRATEGIES, probe_input_ids
@@ -86,7 +111,32 @@ def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
     spec = ProbeSpec.from_dict(task.spec)
     target = Target.parse(task.target or "")
     checks = get_checks(task.checks)
-    strategy = STRATEGIES[spec.strategy]
+    run_dir = Path(task.run_dir)
+    folder = run_dir / "captures" / capture_folder_name(target.slug, task.own_check or "", task.variant or "")
+    if task.own_check is not None:
+        check = checks[0]
+        variant = task.variant or ""
+        total = 1 + check.run_stages(spec, target, variant) + 1
+        progress = Progress(emit, should_cancel, total=total, target=task.label)
+        progress("apply flags")
+        apply_flags(target)
+        capture = Capture(
+            target=str(target), environment=environment(target.device), check=check.name, variant=variant
+        )
+        started = time.time()
+        vocab = _config_vocab_size(spec.base)
+        input_ids = probe_input_ids(spec.probe, vocab, spec.seed)
+        ctx = CaptureContext(spec=spec, target=target, input_ids=input_ids, run_dir=run_dir)
+        check.run(ctx, variant, progress, capture)
+        capture.meta["timings"] = {"load_and_capture_s": round(time.time() - started, 3)}
+        capture.meta["input_ids"] = input_ids.tolist()
+        progress("write capture")
+        capture.save(folder)
+        return
+
+    # Checks that change the loaded model (merging) see it after the others have taken theirs.
+    checks = sorted(checks, key=lambda c: c.mutates_model)
+    strategy = STRATEGIES["isolated"]
     # apply flags, the strategy's load stages, one capture per loaded model, write
     total = 1 + strategy.stages(spec.adapters, target) + (1 + len(spec.adapters)) + 1
     progress = Progress(emit, should_cancel, total=total, target=str(target))
@@ -99,7 +149,7 @@ def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
     for loaded in strategy.load(spec.base, spec.adapters, target, stage=progress):
         if input_ids is None:
             input_ids = probe_input_ids(spec.probe, _vocab_size(loaded.model), spec.seed)
-        ctx = CaptureContext(spec=spec, target=target, input_ids=input_ids)
+        ctx = CaptureContext(spec=spec, target=target, input_ids=input_ids, run_dir=run_dir)
         progress("capture " + ("base" if loaded.adapter is None else loaded.adapter.name))
         for check in checks:
             check.capture(ctx, loaded, capture)
@@ -110,7 +160,22 @@ def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
     capture.meta["timings"] = {"load_and_capture_s": round(time.time() - started, 3)}
     capture.meta["input_ids"] = input_ids.tolist() if input_ids is not None else None
     progress("write capture")
-    capture.save(Path(task.run_dir) / "captures" / target.slug)
+    capture.save(folder)
+
+
+def _config_vocab_size(base) -> int:
+    """The base's vocabulary size from its config alone (an own-worker check loads the model itself)."""
+    import transformers
+
+    from core.loading import LoadError, _first_line
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(
+            base.path, revision=base.revision, trust_remote_code=base.trust_remote_code
+        )
+    except Exception as e:
+        raise LoadError(f"{base.path}: not a model folder or reachable hub id ({_first_line(e)})") from e
+    return int(getattr(config, "vocab_size", None) or config.get_text_config().vocab_size)
 
 
 def _vocab_size(model) -> int:
@@ -119,30 +184,42 @@ def _vocab_size(model) -> int:
 
 
 def run_compare(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> None:
-    """Turn the run's captures into the metrics table (`metrics.parquet`)."""
-    from core.capture import Capture
+    """Turn the run's captures into the metrics table (`metrics.parquet`) and the checks' own tables."""
+    from core.capture import Capture, capture_folder_name
     from core.checks import get_checks
     from core.spec import REFERENCE_TARGET, ProbeSpec
     from core.store import Store
 
     run_dir = Path(task.run_dir)
+    store = Store(run_dir.parent.parent)
     spec = ProbeSpec.from_dict(task.spec)
     checks = get_checks(spec.checks)
-    progress = Progress(emit, should_cancel, total=len(checks) * len(spec.targets) + 1, target=None)
-    captures = {str(t): Capture.load(run_dir / "captures" / t.slug) for t in spec.targets}
-    ref_folder = run_dir / "captures" / REFERENCE_TARGET.slug
+    captures_dir = run_dir / "captures"
+    shared = [c for c in checks if not c.own_worker]
+    shared_captures = [Capture.load(captures_dir / t.slug) for t in spec.targets] if shared else []
+    by_check: dict[str, list[Capture]] = {}
+    for check in checks:
+        if not check.own_worker:
+            by_check[check.name] = shared_captures
+            continue
+        by_check[check.name] = [
+            Capture.load(captures_dir / capture_folder_name(t.slug, check.name, v))
+            for t in spec.targets
+            for v in check.variants(spec, t)
+        ]
+    total = sum(c.compare_steps(by_check[c.name]) for c in checks) + 1
+    progress = Progress(emit, should_cancel, total=total, target=None)
+    ref_folder = captures_dir / REFERENCE_TARGET.slug
     reference_capture = Capture.load(ref_folder) if ref_folder.exists() else None
     rows: list[dict[str, Any]] = []
+    tables = {}
     for check in checks:
-        # One reference per check for all targets: it does not depend on the target.
-        keys = sorted({k for c in captures.values() for k in c.keys(check.name)}, key=lambda k: k.encode())
-        reference = check.reference(spec, keys, reference_capture)
-        for target in spec.targets:
-            progress(f"compare {check.name} on {target}")
-            rows.extend(check.rows(spec, captures[str(target)], reference))
+        rows.extend(check.compare(spec, by_check[check.name], reference_capture, progress))
+        tables.update(check.tables(spec, by_check[check.name]))
     progress("write metrics")
-    table = metrics_table(rows)
-    Store(run_dir.parent.parent).write_metrics(run_dir.name, table)
+    for name, table in tables.items():
+        store.write_table(run_dir.name, name, table)
+    store.write_metrics(run_dir.name, metrics_table(rows))
 
 
 def metrics_table(rows: list[dict[str, Any]]):
@@ -164,6 +241,10 @@ def metrics_table(rows: list[dict[str, Any]]):
 
 def main() -> int:
     """Entry point of a worker process: task JSON on stdin, events as JSON lines on stdout."""
+    _sample_process("process start")
+    import torch  # noqa: F401  (imported here so the memory timeline can say what importing it costs)
+
+    _sample_process("import torch")
     events = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # anything a library prints goes to the log, not into the event stream
     cancel = {"requested": False}

@@ -22,7 +22,7 @@ from core.workspace import (
     recent_adapters,
     recent_bases,
 )
-from dashboard.state import engine, set_view, store
+from dashboard.state import engine, start_run, store
 
 DTYPES = ("float32", "bfloat16", "float16")
 ROLES = ("*", "base", "lora_A", "lora_B", "delta", "output")
@@ -241,16 +241,8 @@ def run_form(manifest: dict | None) -> None:
             tolerances={role: override} if override else {},
             seed=int(seed),
         )
-        try:
-            job = engine().submit(spec)
-        except SpecError as e:
-            st.error(str(e))
-            return
-        for name in ("target", "tensor", "adapter", "check"):
-            set_view(name, None)
-        set_view("run", job.run_id)
         # The drift heatmap is what the user came for: show the job's progress there, then the result.
-        st.switch_page("views/drift.py", query_params={"run": job.run_id})
+        start_run(spec, "drift")
 
 
 def _target_builder(devices: list[Device]) -> None:

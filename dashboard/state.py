@@ -17,7 +17,7 @@ import pandas as pd
 import streamlit as st
 
 from core.engine import Engine, InProcessRunner, ProcessRunner
-from core.spec import weightdrift_home
+from core.spec import ProbeSpec, SpecError, weightdrift_home
 from core.store import RunRecord, Store
 
 # Query parameters that make up a view; anything else in the URL is left alone.
@@ -174,3 +174,19 @@ def open_run(name: str = "run", *, container: Any = None) -> RunRecord | None:
         help="Runs of this WeightDrift home, newest first; runs made with the CLI appear here too.",
     )
     return store().open(run_id)
+
+
+def start_run(spec: ProbeSpec, page: str) -> None:
+    """Submit `spec` and open `views/<page>.py` on the new run (its progress, then its result).
+
+    A spec the engine refuses is shown as an error where the caller drew its widgets.
+    """
+    try:
+        job = engine().submit(spec)
+    except SpecError as e:
+        st.error(str(e))
+        return
+    for name in VIEW_KEYS:
+        set_view(name, None)
+    set_view("run", job.run_id)
+    st.switch_page(f"views/{page}.py", query_params={"run": job.run_id})

@@ -8,10 +8,11 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
+from core.spec import SpecError
 from core.store import RunRecord
 from dashboard.figures import figure_html
 from dashboard.jobs import job_panel
-from dashboard.state import open_run
+from dashboard.state import engine, home, open_run, start_run
 
 # How the metric columns read in every table: exponent form, so 1e-7 and 1e-3 are told apart.
 METRIC_COLUMN_CONFIG = {
@@ -94,3 +95,36 @@ def finished_run() -> RunRecord:
     if not run_header(record):
         st.stop()
     return record
+
+
+def scenario_buttons(page: str, *, expanded: bool = False) -> None:
+    """The demo scenarios this page offers, one button each: a click runs it and opens the result here."""
+    from core.demo import load_manifest
+    from core.scenarios import scenario_spec, scenarios_for
+
+    scenarios = scenarios_for(page)
+    if not scenarios:
+        return
+    with st.expander("Demo scenarios: reproduce a problem in one click", expanded=expanded):
+        manifest = load_manifest(home())
+        if manifest is None:
+            st.info("The demo workspace is not built yet (it is built on first launch).")
+            return
+        columns = st.columns(min(len(scenarios), 3))
+        for i, scenario in enumerate(scenarios):
+            with columns[i % len(columns)]:
+                clicked = st.button(
+                    scenario.title,
+                    key=f"scenario.{scenario.name}",
+                    help=scenario.description,
+                    icon=":material/play_arrow:",
+                    use_container_width=True,
+                )
+                st.caption(scenario.description)
+                if clicked:
+                    try:
+                        spec = scenario_spec(scenario.name, manifest, engine().devices)
+                    except SpecError as e:
+                        st.error(str(e))
+                        continue
+                    start_run(spec, page)

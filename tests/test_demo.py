@@ -14,7 +14,20 @@ import torch
 from core.demo import DEMO_VERSION, build_demo, load_manifest
 from core.formulas import adapter_type
 
-LLAMA_ADAPTERS = ["lora", "dora", "pissa_init", "pissa", "pissa_lora", "boft", "oft", "ia3"]
+LLAMA_ADAPTERS = [
+    "lora",
+    "dora",
+    "pissa_init",
+    "pissa",
+    "pissa_lora",
+    "boft",
+    "oft",
+    "ia3",
+    "lora_b",
+    "lora_lm_head",
+    "lora_embed",
+    "lora_noop",
+]
 EXPECTED_TYPES = {
     "lora": "lora",
     "dora": "dora",
@@ -25,6 +38,11 @@ EXPECTED_TYPES = {
     "oft": "oft",
     "ia3": "ia3",
     "bert-lora": "lora",
+    "lora_b": "lora",
+    "lora_lm_head": "lora",
+    "lora_embed": "lora",
+    "lora_nan": "lora",
+    "lora_noop": "lora",
 }
 TOKENS = torch.tensor([[1, 5, 17, 42, 99, 128, 200, 255, 3, 64, 7, 31]])
 
@@ -102,6 +120,24 @@ def test_adapter_configs_as_specified(demo_workspace: dict) -> None:
     oft = config("oft")
     assert (oft["use_cayley_neumann"], oft["num_cayley_neumann_terms"], oft["coft"]) == (True, 5, False)
     assert config("ia3")["feedforward_modules"] == ["down_proj"]
+    assert config("lora_lm_head")["target_modules"] == ["lm_head", "q_proj"]
+    assert config("lora_embed")["target_modules"] == ["embed_tokens", "q_proj"]
+
+
+def test_scenario_adapters(demo_workspace: dict) -> None:
+    from core.demo import NAN_MODULE
+    from core.loading import read_checkpoint
+
+    def tensors(name: str) -> dict[str, torch.Tensor]:
+        return read_checkpoint(demo_workspace["adapters"][name]["path"], prefix="adapter_model")
+
+    nan = {k for k, t in tensors("lora_nan").items() if t.isnan().any()}
+    assert nan == {f"base_model.model.{NAN_MODULE}.lora_B.weight"}
+    assert int(tensors("lora_nan")[nan.pop()].isnan().sum()) == 1
+    noop = tensors("lora_noop")
+    assert all(not t.any() for k, t in noop.items() if ".lora_B." in k)
+    assert any(t.any() for k, t in noop.items() if ".lora_A." in k)
+    assert any("lora_embedding_A" in k for k in tensors("lora_embed"))
 
 
 def test_every_adapter_loads_and_changes_the_output(demo_workspace: dict) -> None:
@@ -119,6 +155,8 @@ def test_every_adapter_loads_and_changes_the_output(demo_workspace: dict) -> Non
             if name == "pissa_init":
                 # PiSSA's starting point: residual base + principal part == the base model
                 assert diff < 1e-4, (name, diff)
+            elif name == "lora_noop":
+                assert diff == 0, (name, diff)  # B = 0: the adapter is not applied at all
             else:
                 assert diff > 1e-2, (name, diff)
 
@@ -137,11 +175,11 @@ def test_second_build_is_byte_identical_and_fast(demo_workspace: dict, tmp_path:
     elapsed = time.perf_counter() - start
     assert elapsed < 60, elapsed
     first = _hashes(_home(demo_workspace) / "demo")
-    assert len(first) == 11  # 2 models + 9 adapters
+    assert len(first) == 16  # 2 models + 14 adapters
     assert _hashes(tmp_path / "demo") == first
     assert other["models"]["tiny-llama"] == str(tmp_path.resolve() / "demo/models/tiny-llama")
-    assert [k for _, k, _ in calls] == list(range(1, 12)) and {n for *_, n in calls} == {11}
-    assert ("adapter dora", 4, 11) in calls
+    assert [k for _, k, _ in calls] == list(range(1, 17)) and {n for *_, n in calls} == {16}
+    assert ("adapter dora", 4, 16) in calls
 
 
 def test_existing_workspace_is_returned_untouched(demo_workspace: dict) -> None:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -18,6 +20,9 @@ from core import metrics
 from core.capture import BASE, Capture, TensorKey
 from core.loading import Loaded
 from core.spec import ProbeSpec, Target
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 # The metrics table's leading columns (DESIGN.md); checks may add more after these.
 METRIC_COLUMNS = (
@@ -57,6 +62,7 @@ class CaptureContext:
     spec: ProbeSpec
     target: Target
     input_ids: torch.Tensor  # on the CPU; checks move it where the model lives
+    run_dir: Path | None = None  # the run's folder (e.g. to save a merged model into)
 
 
 @dataclass
@@ -93,6 +99,11 @@ class Check(ABC):
     description: ClassVar[str]
     # True when the reference is the capture of the cpu/float64 target (not the checkpoint).
     needs_reference_target: ClassVar[bool] = False
+    # A check that loads models its own way (load strategies, a memory timeline) runs in a fresh
+    # worker process of its own per target and variant; the shared load loop leaves it out.
+    own_worker: ClassVar[bool] = False
+    # A check whose capture changes the loaded model (merging) runs after the other checks on it.
+    mutates_model: ClassVar[bool] = False
 
     @abstractmethod
     def capture(self, ctx: CaptureContext, loaded: Loaded, out: Capture) -> None:
@@ -103,6 +114,46 @@ class Check(ABC):
         self, spec: ProbeSpec, keys: list[TensorKey], reference_capture: Capture | None
     ) -> Reference:
         """The reference tensors for `keys` (from the checkpoint, or from the cpu/float64 capture)."""
+
+    def variants(self, spec: ProbeSpec, target: Target) -> tuple[str, ...]:
+        """The variants an own-worker check runs on `target`, one worker each (e.g. load strategies)."""
+        return ("",)
+
+    def run_stages(self, spec: ProbeSpec, target: Target, variant: str) -> int:
+        """How many times `run` calls `stage` for this variant, so progress reads step k of a true n."""
+        return 0
+
+    def run(self, ctx: CaptureContext, variant: str, stage: Callable[[str], None], out: Capture) -> None:
+        """Own-worker checks: load and capture on `ctx.target` for `variant`, calling `stage` before each step."""
+        raise NotImplementedError(f"{self.name} runs in the shared load loop")
+
+    def compare(
+        self,
+        spec: ProbeSpec,
+        captures: list[Capture],
+        reference_capture: Capture | None,
+        progress: Callable[[str], None],
+    ) -> list[dict[str, Any]]:
+        """Every row of this check for the run: one reference for all captures, then rows per capture.
+
+        Checks whose rows need several captures at once (a variant against another) override this.
+        """
+        # One reference per check for all targets: it does not depend on the target.
+        keys = sorted({k for c in captures for k in c.keys(self.name)}, key=lambda k: k.encode())
+        reference = self.reference(spec, keys, reference_capture)
+        rows: list[dict[str, Any]] = []
+        for capture in captures:
+            progress(f"compare {self.name} on {capture.label}")
+            rows.extend(self.rows(spec, capture, reference))
+        return rows
+
+    def compare_steps(self, captures: list[Capture]) -> int:
+        """How many times `compare` calls `progress`."""
+        return len(captures)
+
+    def tables(self, spec: ProbeSpec, captures: list[Capture]) -> dict[str, pd.DataFrame]:
+        """Extra tables this check stores in the run folder as `<name>.parquet` (none by default)."""
+        return {}
 
     def reference_for(self, spec: ProbeSpec, key: TensorKey, reference_capture: Capture | None) -> Reference:
         """The reference of one tensor (the drill-down); checks with a cheaper way override this."""
