@@ -15,7 +15,16 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from core.spec import AdapterRef, ModelRef, ProbeSpec, SpecError, Target, ToleranceOverride, weightdrift_home
+from core.spec import (
+    DEFAULT_CHECKS,
+    AdapterRef,
+    ModelRef,
+    ProbeSpec,
+    SpecError,
+    Target,
+    ToleranceOverride,
+    weightdrift_home,
+)
 
 EXIT_OK, EXIT_DRIFT, EXIT_ERROR = 0, 1, 2
 
@@ -180,7 +189,7 @@ def spec_from_args(args, home: Path) -> ProbeSpec:
         base=ModelRef(path=base, trust_remote_code=args.trust_remote_code),
         adapters=tuple(adapters),
         targets=tuple(targets),
-        checks=tuple(args.check) if args.check else ("weights", "deltas", "outputs"),
+        checks=tuple(args.check) if args.check else DEFAULT_CHECKS,
         tolerances=tolerances,
         seed=args.seed,
         strategies=tuple(dict.fromkeys(["isolated", *args.strategy])),

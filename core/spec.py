@@ -30,6 +30,9 @@ DTYPE_ALIASES = {
 }
 DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
 MATMUL_PRECISIONS = ("highest", "high", "medium")
+# What a run checks unless told otherwise; merge, memory and adapters load models their own way
+# and are asked for by name (or by a scenario).
+DEFAULT_CHECKS = ("weights", "deltas", "outputs")
 
 
 class SpecError(ValueError):
@@ -196,7 +199,7 @@ class ProbeSpec:
     base: ModelRef
     adapters: tuple[AdapterRef, ...]
     targets: tuple[Target, ...]
-    checks: tuple[str, ...] = ("weights", "deltas", "outputs")
+    checks: tuple[str, ...] = DEFAULT_CHECKS
     probe: ProbeInputs = field(default_factory=ProbeInputs)
     # role (or "*") -> tolerance; overrides the per-dtype defaults
     tolerances: dict[str, ToleranceOverride] = field(default_factory=dict)
@@ -223,7 +226,7 @@ class ProbeSpec:
             base=ModelRef(**d["base"]),
             adapters=tuple(AdapterRef(**a) for a in d.get("adapters", [])),
             targets=tuple(Target.parse(t) for t in d["targets"]),
-            checks=tuple(d.get("checks", ("weights", "deltas", "outputs"))),
+            checks=tuple(d.get("checks", DEFAULT_CHECKS)),
             probe=ProbeInputs(
                 batch=probe.get("batch", 2),
                 seq_len=probe.get("seq_len", 16),

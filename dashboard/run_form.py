@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import streamlit as st
 
 from core.checks import CHECKS
-from core.spec import AdapterRef, ModelRef, ProbeSpec, SpecError, Target, ToleranceOverride
+from core.spec import DEFAULT_CHECKS, AdapterRef, ModelRef, ProbeSpec, SpecError, Target, ToleranceOverride
 from core.targets import Device, check_targets_exist
 from core.validate import InputError, validate_adapter, validate_model
 from core.workspace import (
@@ -197,7 +197,7 @@ def run_form(manifest: dict | None) -> None:
         checks = st.multiselect(
             "Checks",
             list(CHECKS),
-            default=list(CHECKS),
+            default=list(DEFAULT_CHECKS),
             key="form.checks",
             help="\n".join(f"- **{name}**: {c.description}" for name, c in CHECKS.items()),
         )
