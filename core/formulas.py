@@ -42,6 +42,9 @@ _PARAM_NAMES = (
     "lora_A.weight",
     "lora_B.weight",
     "lora_B.bias",
+    # a copy of the base embedding PEFT saves with LoRA on embeddings (save_embedding_layers); it is
+    # the module's base weight, no part of ΔW
+    "base_layer.weight",
     "oft_R.weight",
     "boft_R",
     "boft_s",
@@ -200,12 +203,29 @@ def _t(x: torch.Tensor, fan_in_fan_out: bool) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------
 
 
+def _lora_embedding_delta(
+    config: Mapping[str, Any], mod: AdapterModule, tensors: Mapping[str, torch.Tensor], weight: torch.Tensor
+) -> torch.Tensor:
+    """LoRA on ``nn.Embedding``: ``(B@A)ᵀ·s`` with A ``(r, num_embeddings)`` and B ``(dim, r)``.
+
+    Same as PEFT's ``lora.Embedding.get_delta_weight`` (which transposes unconditionally:
+    fan_in_fan_out plays no part for embeddings).
+    """
+    a = _need(mod, "lora_embedding_A", tensors)
+    b = _need(mod, "lora_embedding_B", tensors)
+    r, scaling = _lora_rank_and_scaling(config, mod.module)
+    num_embeddings, dim = weight.shape
+    _check_shape(mod, "lora_embedding_A", a.shape, (r, num_embeddings))
+    _check_shape(mod, "lora_embedding_B", b.shape, (dim, r))
+    return (b @ a).T * scaling
+
+
 def _lora_delta(
     config: Mapping[str, Any], mod: AdapterModule, tensors: Mapping[str, torch.Tensor], weight: torch.Tensor
 ) -> torch.Tensor:
     """``s·B@A``, transposed for fan_in_fan_out; shapes checked against the config rank and the base."""
     if "lora_embedding_A" in mod.keys or "lora_embedding_B" in mod.keys:
-        raise ValueError(f"module {mod.module}: LoRA on embeddings is not supported by reference_deltas")
+        return _lora_embedding_delta(config, mod, tensors, weight)
     if "lora_B.bias" in mod.keys:
         raise ValueError(
             f"module {mod.module}: lora_bias changes the bias, which reference_deltas does not cover"
@@ -228,6 +248,8 @@ def _dora_delta(
     Same as PEFT's DoRA merge for Linear: the norm is taken of the unmerged weight plus the LoRA
     delta and is a constant there (detached), which changes nothing for the value.
     """
+    if "lora_embedding_A" in mod.keys:
+        raise ValueError(f"module {mod.module}: DoRA on embeddings is not supported by reference_deltas")
     fifo = bool(config.get("fan_in_fan_out"))
     lora = _t(_lora_delta(config, mod, tensors, weight), fifo)  # (out, in)
     w = _t(weight, fifo)
@@ -406,7 +428,8 @@ def reference_deltas(
     the result are module paths (``model.layers.0.self_attn.q_proj``). Rules:
 
     * LoRA / PiSSA: ``s·B@A``, ``s = alpha/r`` (``alpha/sqrt(r)`` with rsLoRA), rank_pattern and
-      alpha_pattern honoured, transposed with fan_in_fan_out. For PiSSA this is the change relative to
+      alpha_pattern honoured, transposed with fan_in_fan_out; on embeddings ``s·(B@A)ᵀ`` from
+      ``lora_embedding_A``/``lora_embedding_B``. For PiSSA this is the change relative to
       the *residual* base PEFT computes in memory when it loads the adapter (``W − top-r SVD``), which
       is what PEFT's ``get_delta_weight`` and merge add; see :func:`merged_weights`.
     * DoRA: ``m ⊙ (W + sBA)/‖W + sBA‖ − W`` with a per-output-row norm.
@@ -425,9 +448,21 @@ def reference_deltas(
         raise ValueError("adapter checkpoint holds no adapter tensors")
     with torch.no_grad():
         return {
-            name: formula(adapter_config, mod, adapter_tensors, _base_weight(mod, base_weights))
+            name: formula(
+                adapter_config, mod, adapter_tensors, _module_base_weight(mod, adapter_tensors, base_weights)
+            )
             for name, mod in modules.items()
         }
+
+
+def _module_base_weight(
+    mod: AdapterModule, adapter_tensors: Mapping[str, torch.Tensor], base_weights: Mapping[str, torch.Tensor]
+) -> torch.Tensor:
+    """The float64 W the adapter is applied to: the adapter's own copy of the base layer when it saved
+    one (PEFT loads that copy over the base's), else the base checkpoint's weight."""
+    if "base_layer.weight" in mod.keys:
+        return _need(mod, "base_layer.weight", adapter_tensors)
+    return _base_weight(mod, base_weights)
 
 
 def pissa_residual(weight: torch.Tensor, r: int) -> torch.Tensor:
@@ -455,14 +490,40 @@ def merged_weights(
     deltas = reference_deltas(adapter_config, adapter_tensors, base_weights)
     kind = adapter_type(adapter_config)
     fifo = bool(adapter_config.get("fan_in_fan_out"))
+    modules = adapter_module_keys(adapter_tensors)
     out: dict[str, torch.Tensor] = {}
     for name, delta in deltas.items():
-        weight = base_weights[name + ".weight"].detach().to(device="cpu", dtype=torch.float64)
+        weight = _module_base_weight(modules[name], adapter_tensors, base_weights)
         if kind == "pissa":
             r, _ = _lora_rank_and_scaling(adapter_config, name)
             weight = _t(pissa_residual(_t(weight, fifo), r), fifo)
         out[name] = weight + delta
     return out
+
+
+def sequential_merged_weights(
+    adapters: list[tuple[Mapping[str, Any], Mapping[str, torch.Tensor]]],
+    base_weights: Mapping[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """Merged weights after merging several adapters one after another, in float64.
+
+    ``adapters`` is a list of ``(adapter_config, adapter_tensors)`` in merge order. Each adapter's
+    merge rule is applied to the weight the previous merges left (``W₁ = W₀ + ΔW₁(W₀)``,
+    ``W₂ = W₁ + ΔW₂(W₁)``, …), which is what merging them into one model does: the multiplicative
+    methods (DoRA, BOFT, OFT, IA3) rotate or scale the already merged weight. Keys are the modules
+    any of the adapters adapts; PiSSA is refused because its residual base would have to be taken
+    of an already merged weight, which no PEFT load does.
+    """
+    current = dict(base_weights)
+    touched: set[str] = set()
+    for config, tensors in adapters:
+        if adapter_type(config) == "pissa":
+            raise ValueError("PiSSA cannot be merged after another adapter: its base is a residual of W")
+        merged = merged_weights(config, tensors, current)
+        for name, weight in merged.items():
+            current[name + ".weight"] = weight
+            touched.add(name)
+    return {name: current[name + ".weight"] for name in sorted(touched)}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -478,7 +539,7 @@ def _kind_of_layer(layer: nn.Module, adapter: str) -> str:
     from peft.tuners.oft import layer as oft
 
     kind = None
-    if isinstance(layer, lora.LoraLayer) and adapter in layer.lora_A:
+    if isinstance(layer, lora.LoraLayer) and (adapter in layer.lora_A or adapter in layer.lora_embedding_A):
         variant = layer.lora_variant.get(adapter)
         if variant is not None and type(variant).__name__ != "DoraLinearVariant":
             raise ValueError(f"LoRA variant {type(variant).__name__} is not supported by peft_delta")

@@ -42,6 +42,10 @@ def safetensors_header(path: Path) -> dict:
     return {k: v for k, v in header.items() if k != "__metadata__"}
 
 
+# Input embeddings that a tied `lm_head` shares its storage with (Llama/Mistral, GPT-2, BERT, GPT-NeoX).
+TIED_EMBEDDING_NAMES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
+
+
 def weight_shapes(folder: Path, prefix: str = "") -> dict[str, tuple[int, ...]] | None:
     """Tensor name → shape from the safetensors headers of a folder (None when it has only .bin files)."""
     files = sorted(folder.glob(f"{prefix}*.safetensors"))
@@ -67,10 +71,16 @@ def validate_model(model: ModelRef) -> dict[str, tuple[int, ...]] | None:
     if not (path / "config.json").exists():
         raise InputError(f"base model {model.path}: not a model folder (no config.json)")
     try:
-        json.loads((path / "config.json").read_text())
+        config = json.loads((path / "config.json").read_text())
     except json.JSONDecodeError as e:
         raise InputError(f"base model {model.path}: config.json is not valid JSON ({e})") from e
-    return weight_shapes(path)
+    shapes = weight_shapes(path)
+    if shapes is not None and "lm_head.weight" not in shapes and config.get("tie_word_embeddings", True):
+        # A tied output head is stored once, as the input embedding; adapters may still target it.
+        embedding = next((k for k in shapes if k.endswith(TIED_EMBEDDING_NAMES)), None)
+        if embedding is not None:
+            shapes["lm_head.weight"] = shapes[embedding]
+    return shapes
 
 
 def validate_adapter(adapter: AdapterRef, base_shapes: dict[str, tuple[int, ...]] | None, base: str) -> None:

@@ -83,4 +83,20 @@ class OutputsCheck(Check):
         if ref is not None and h.identical_rows and not h.all_zero and not metrics.health(ref).identical_rows:
             cols["verdict"] = "broken"
             cols["explanation"] = "all output rows are identical while the reference's are not"
+        cols.update(nonfinite_output(h))
         return cols
+
+
+def nonfinite_output(h: metrics.Health) -> dict[str, Any]:
+    """A `broken` verdict for outputs holding NaN/Inf, even where the reference holds the same.
+
+    The tolerance rule counts NaN == NaN as equal (assert_close's equal_nan); for weights that is
+    right (the file holds them), for a model's outputs it never is.
+    """
+    if not (h.n_nan or h.n_inf):
+        return {}
+    return {
+        "verdict": "broken",
+        "explanation": f"the outputs hold {h.n_nan} NaN and {h.n_inf} Inf: a weight or adapter tensor "
+        "is not finite, or the forward pass overflowed",
+    }

@@ -1,0 +1,616 @@
+"""`merge`: merged weights against W + ΔW in float64, merged against unmerged outputs, save round trip.
+
+Per adapter and target, on the loaded PeftModel (this check mutates it, so it runs last):
+
+1. outputs of the unmerged model; PEFT's ΔW (`delta` rows, against the float64 formula);
+2. tied storage among the adapted modules, found before merging (`tied` findings);
+3. a safe merge module by module (`layer.merge(safe_merge=True)`), so a NaN/Inf names its module;
+   merged weights (`merged` rows, against ``formulas.merged_weights`` in float64 from the
+   checkpoints), the tied partners' weights after the merge (`tied` rows) and outputs;
+4. `unmerge` of every layer: weight round trip (`roundtrip` rows, against W before the merge) and
+   outputs;
+5. `merge_and_unload(safe_merge=True)`: outputs; then the save round trip (which save paths work,
+   shared tensors, reload on the same target, outputs against the pre-save ones);
+6. with several adapters (``spec.merge_subset``, else the run's first two plain LoRA adapters), on a
+   fresh base: merged one after another against all at once (one combined ``cat`` adapter).
+
+Tensor names in the capture are ``<role>:<stage>:<name>`` (see `key_name`); every output stage is
+compared with the unmerged output on the same target and with the cpu/float64 capture's unmerged
+output (the exact model), and a second verdict (`peft_verdict`) applies PEFT's own test tolerance.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+
+from core import formulas, merging, metrics
+from core.capture import Capture, TensorKey
+from core.checks.base import CaptureContext, Check, Reference, add_note, layer_of, tolerance
+from core.checks.outputs import forward_output, nonfinite_output
+from core.loading import Loaded, attach_adapter, load_base, read_adapter_config, read_checkpoint, torch_dtype
+from core.spec import REFERENCE_TARGET, AdapterRef, ProbeSpec, Target
+
+OUTPUT_STAGES = ("unmerged", "merge_adapter", "unmerge_adapter", "merge_and_unload", "reload")
+SUBSET_STAGES = ("subset unmerged", "subset sequential", "subset together")
+ROLES = ("merged", "roundtrip", "delta", "tied", "output")
+SUBSET_SEP = "+"
+UNTIE = "untie before merging"
+
+
+def key_name(role: str, stage: str, name: str) -> str:
+    """The capture tensor name of one measurement: ``role:stage:name``."""
+    return f"{role}:{stage}:{name}"
+
+
+def parse_name(name: str) -> tuple[str, str, str]:
+    """(role, stage, name) of a capture tensor name made by `key_name`."""
+    role, stage, rest = name.split(":", 2)
+    return role, stage, rest
+
+
+def _subset_label(names: list[str] | tuple[str, ...]) -> str:
+    return SUBSET_SEP.join(names)
+
+
+class MergeCheck(Check):
+    name = "merge"
+    description = "merged weights vs W + ΔW in float64, merged vs unmerged outputs, save round trip"
+    needs_reference_target = True
+    mutates_model = True
+
+    # ------------------------------------------------------------------------------------------
+    # capture
+    # ------------------------------------------------------------------------------------------
+
+    def capture(self, ctx: CaptureContext, loaded: Loaded, out: Capture) -> None:
+        if loaded.adapter is None:
+            return
+        adapter = loaded.adapter.name
+        meta = out.meta.setdefault(self.name, {}).setdefault("adapters", {}).setdefault(adapter, {})
+        kind = formulas.adapter_type(read_adapter_config(loaded.adapter))
+        meta["kind"] = kind
+        if kind not in formulas.ADAPTER_TYPES:
+            out.notes.append(
+                f"merge: {adapter} is a {kind} adapter; its merge rule is not covered "
+                f"(supported: {', '.join(formulas.ADAPTER_TYPES)})"
+            )
+            return
+        with torch.no_grad():
+            self._capture_adapter(ctx, loaded, out, meta)
+            if adapter == ctx.spec.adapters[-1].name:
+                self._capture_subset(ctx, out)
+
+    def _add(self, out: Capture, adapter: str, role: str, stage: str, name: str, t: torch.Tensor) -> None:
+        out.add(TensorKey(self.name, adapter, key_name(role, stage, name)), t)
+
+    def _capture_adapter(self, ctx: CaptureContext, loaded: Loaded, out: Capture, meta: dict) -> None:
+        adapter, model = loaded.adapter.name, loaded.model
+        layers = {m: lay for m, (lay, names) in formulas.adapted_modules(model).items() if adapter in names}
+
+        def forward(m) -> torch.Tensor:
+            kind, t = forward_output(m, ctx.input_ids)
+            meta["output"] = kind
+            return t
+
+        self._add(out, adapter, "output", "unmerged", "logits", forward(model))
+        sources = {}
+        for module, layer in layers.items():
+            try:
+                self._add(out, adapter, "delta", "peft", module, formulas.peft_delta(layer, adapter))
+                sources[module] = formulas.peft_delta_source(layer, adapter)
+            except ValueError as e:  # a layer type peft_delta does not cover: said, not fatal
+                sources[module] = f"not compared: {e}"
+        meta["delta_sources"] = sources
+
+        # Tied storage, found before anything is merged.
+        tied = merging.tied_adapted_modules(model, adapter)
+        meta["tied"] = [f.as_dict() for f in tied]
+        before = {m: merging.base_weight(lay).detach().clone() for m, lay in layers.items()}
+        for module, w in before.items():
+            self._add(out, adapter, "before", "", module, w)
+
+        errors = merging.merge_modules(model, [adapter], safe=True)
+        meta["safe_merge_errors"] = errors
+        for module, layer in layers.items():
+            self._add(out, adapter, "merged", "merge_adapter", module, merging.base_weight(layer))
+        params = dict(model.named_parameters(remove_duplicate=False))
+        stripped = {merging._strip(n): p for n, p in params.items()}
+        for finding in tied:
+            for partner in merging.tied_partner_modules(finding):
+                weight = stripped.get(partner + ".weight")
+                if weight is not None:
+                    self._add(out, adapter, "tied", "merge_adapter", partner, weight)
+        self._add(out, adapter, "output", "merge_adapter", "logits", forward(model))
+
+        merging.unmerge_modules(model)
+        for module, layer in layers.items():
+            self._add(out, adapter, "roundtrip", "unmerge_adapter", module, merging.base_weight(layer))
+        self._add(out, adapter, "output", "unmerge_adapter", "logits", forward(model))
+
+        try:
+            merged = model.merge_and_unload(safe_merge=True, adapter_names=[adapter])
+        except ValueError as e:
+            meta["merge_and_unload_error"] = f"{type(e).__name__}: {e}"
+            return
+        pre_save = forward(merged)
+        self._add(out, adapter, "output", "merge_and_unload", "logits", pre_save)
+        if ctx.target.is_reference:
+            return  # the exact model's save round trip is nobody's question: saves a second model
+        meta["save"] = self._save_round_trip(ctx, merged, adapter, out, forward)
+
+    def _save_round_trip(self, ctx: CaptureContext, merged, adapter: str, out: Capture, forward) -> dict:
+        groups = merging.shared_groups(merged.state_dict())
+        attempts = [merging.try_save_file(merged)]
+        run_dir = getattr(ctx, "run_dir", None)
+        scratch = None
+        if run_dir is not None:
+            folder = Path(run_dir) / "merged" / ctx.target.slug / adapter
+        else:  # no run folder (a direct call): save into a scratch folder removed afterwards
+            import tempfile
+
+            scratch = Path(tempfile.mkdtemp(prefix="wd-merged-"))
+            folder = scratch / adapter
+        try:
+            saved = merging.save_pretrained_atomic(merged, folder)
+            attempts.append(saved)
+            reload_error = ""
+            if saved.ok:
+                try:
+                    t = merging.reload_forward(
+                        saved.folder, ctx.target.device, torch_dtype(ctx.target.dtype), forward
+                    )
+                    self._add(out, adapter, "output", "reload", "logits", t)
+                except Exception as e:  # a reload failure is a finding of the save report
+                    reload_error = merging._first_line(e)
+        finally:
+            if scratch is not None:
+                import shutil
+
+                shutil.rmtree(scratch, ignore_errors=True)
+                for a in attempts:
+                    a.folder = ""
+        return {
+            "shared": groups,
+            "attempts": [a.__dict__ for a in attempts],
+            "reload_error": reload_error,
+            "fix": merging.save_fix(groups, attempts),
+        }
+
+    def subset(self, spec: ProbeSpec) -> tuple[list[AdapterRef], str]:
+        """The adapters merged together, and why (or a note saying why none are)."""
+        by_name = {a.name: a for a in spec.adapters}
+        if spec.merge_subset:
+            unknown = [n for n in spec.merge_subset if n not in by_name]
+            if unknown:
+                return [], f"merge subset names adapters not in the run: {', '.join(unknown)}"
+            chosen = [by_name[n] for n in spec.merge_subset]
+            kinds = {a.name: formulas.adapter_type(read_adapter_config(a)) for a in chosen}
+            bad = [f"{n} ({k})" for n, k in kinds.items() if k != "lora"]
+            if bad:
+                return [], (
+                    "merge subset: only plain LoRA adapters can share one PeftModel and be combined "
+                    f"into one adapter here; not {', '.join(bad)}"
+                )
+        else:
+            # Default: the run's first two plain LoRA adapters (name others with merge_subset).
+            chosen = [a for a in spec.adapters if formulas.adapter_type(read_adapter_config(a)) == "lora"][:2]
+        if len(chosen) < 2:
+            return [], "merge subset: fewer than two plain LoRA adapters in the run, nothing merged together"
+        return chosen, ""
+
+    def _capture_subset(self, ctx: CaptureContext, out: Capture) -> None:
+        chosen, why = self.subset(ctx.spec)
+        meta = out.meta.setdefault(self.name, {})
+        if not chosen:
+            meta["subset_note"] = why
+            return
+        names = [a.name for a in chosen]
+        label = _subset_label(names)
+        meta["subset"] = names
+        model = load_base(ctx.spec.base, ctx.target)
+        for a in chosen:
+            model = attach_adapter(model, a, ctx.target)
+        layers = dict(formulas.adapted_modules(model))
+        before = {m: merging.base_weight(lay).detach().clone() for m, (lay, _) in layers.items()}
+        model.base_model.set_adapter(names)  # all active: the unmerged sum
+        self._add(out, label, "output", "subset unmerged", "logits", forward_output(model, ctx.input_ids)[1])
+        errors = {}
+        for a in names:  # one after another: W is rounded to its dtype after each adapter
+            errors.update(merging.merge_modules(model, [a], safe=True))
+        for module, (layer, _) in layers.items():
+            self._add(out, label, "merged", "subset sequential", module, merging.base_weight(layer))
+        self._add(
+            out, label, "output", "subset sequential", "logits", forward_output(model, ctx.input_ids)[1]
+        )
+        # Back to the exact W (unmerge would leave its own round-trip residual), then all at once.
+        merging.unmerge_modules(model)
+        for module, (layer, _) in layers.items():
+            merging.base_weight(layer).data.copy_(before[module])
+        try:
+            model.add_weighted_adapter(names, [1.0] * len(names), "combined", combination_type="cat")
+            model.base_model.set_adapter(["combined"])
+            errors.update(merging.merge_modules(model, ["combined"], safe=True))
+            for module, (layer, _) in layers.items():
+                self._add(out, label, "merged", "subset together", module, merging.base_weight(layer))
+            self._add(
+                out, label, "output", "subset together", "logits", forward_output(model, ctx.input_ids)[1]
+            )
+        except (ValueError, TypeError, RuntimeError) as e:
+            meta["subset_together_error"] = merging._first_line(e)
+        meta["subset_errors"] = errors
+        del model
+
+    # ------------------------------------------------------------------------------------------
+    # reference
+    # ------------------------------------------------------------------------------------------
+
+    def reference(
+        self, spec: ProbeSpec, keys: list[TensorKey], reference_capture: Capture | None
+    ) -> Reference:
+        return self._reference(spec, keys, reference_capture, only_keys=False)
+
+    def reference_for(self, spec: ProbeSpec, key: TensorKey, reference_capture: Capture | None) -> Reference:
+        # The drill-down: one module's adapter tensors and base weight, read lazily.
+        return self._reference(spec, [key], reference_capture, only_keys=True)
+
+    def _reference(
+        self, spec: ProbeSpec, keys: list[TensorKey], reference_capture: Capture | None, only_keys: bool
+    ) -> Reference:
+        tensors: dict[str, torch.Tensor] = {}
+        notes: dict[str, str] = {}
+        parsed = [(k, *parse_name(k.name)) for k in keys]
+        weight_keys = [p for p in parsed if p[1] in ("merged", "delta", "tied")]
+        if weight_keys:
+            names = None
+            if only_keys:
+                names = {f"{p[3]}.weight" for p in weight_keys} | {"model.embed_tokens.weight"}
+            base = read_checkpoint(spec.base.path, names=names)
+            base = _with_tied_aliases(spec, base)
+            by_name = {a.name: a for a in spec.adapters}
+            cache: dict[str, tuple[dict, dict]] = {}
+
+            def adapter_files(name: str) -> tuple[dict, dict]:
+                if name not in cache:
+                    a = by_name[name]
+                    files = read_checkpoint(a.path, prefix="adapter_model")
+                    if only_keys:  # the drill-down: just the modules asked for
+                        wanted = {p[3] for p in weight_keys}
+                        modules = formulas.adapter_module_keys(files)
+                        files = {
+                            t: files[t] for m in wanted if m in modules for t in modules[m].keys.values()
+                        }
+                    cache[name] = (read_adapter_config(a), files)
+                return cache[name]
+
+            merged_cache: dict[str, dict[str, torch.Tensor]] = {}
+            for key, role, _stage, name in weight_keys:
+                try:
+                    if role == "tied":
+                        w = base.get(f"{name}.weight")
+                        if w is not None:
+                            tensors[key.encode()] = w.to(torch.float64)
+                            notes[key.encode()] = "its own base weight: no adapter targets it"
+                        continue
+                    if key.adapter not in merged_cache:
+                        if SUBSET_SEP in key.adapter and key.adapter not in by_name:
+                            files = [adapter_files(n) for n in key.adapter.split(SUBSET_SEP)]
+                            merged_cache[key.adapter] = formulas.sequential_merged_weights(files, base)
+                            merged_cache[key.adapter + "/delta"] = {}
+                        else:
+                            config, tensors_ = adapter_files(key.adapter)
+                            merged_cache[key.adapter] = formulas.merged_weights(config, tensors_, base)
+                            merged_cache[key.adapter + "/delta"] = formulas.reference_deltas(
+                                config, tensors_, base
+                            )
+                    source = merged_cache[key.adapter + ("/delta" if role == "delta" else "")]
+                    if name in source:
+                        tensors[key.encode()] = source[name]
+                        notes[key.encode()] = (
+                            "ΔW, float64 formula from the checkpoint"
+                            if role == "delta"
+                            else "W + ΔW, float64 formula from the checkpoint"
+                            + (" (adapters merged in order)" if SUBSET_SEP in key.adapter else "")
+                        )
+                except (ValueError, KeyError) as e:
+                    notes[key.encode()] = f"no float64 reference: {e}"
+        if reference_capture is not None:
+            for key, role, stage, name in parsed:
+                if role != "output":
+                    continue
+                exact = TensorKey(self.name, key.adapter, key_name("output", _exact_stage(stage), name))
+                t = reference_capture.get(exact)
+                if t is not None:
+                    tensors[key.encode()] = t
+                    load_notes = reference_capture.meta.get("load_notes", {}).get(key.adapter)
+                    if load_notes:
+                        notes[key.encode()] = "reference: " + "; ".join(load_notes)
+        return Reference(label="fp64 formula", tensors=tensors, notes=notes)
+
+    # ------------------------------------------------------------------------------------------
+    # rows
+    # ------------------------------------------------------------------------------------------
+
+    def describe(self, key: TensorKey) -> dict[str, Any]:
+        role, stage, name = parse_name(key.name)
+        if role == "output":
+            return {"layer": None, "module": name, "role": "output", "stage": stage}
+        return {"layer": layer_of(name), "module": name.rsplit(".", 1)[-1], "role": role, "stage": stage}
+
+    def rows(self, spec: ProbeSpec, capture: Capture, reference: Reference) -> list[dict[str, Any]]:
+        target = Target.parse(capture.target)
+        dtype = getattr(torch, target.dtype)
+        meta = capture.meta.get(self.name, {})
+        adapters_meta = meta.get("adapters", {})
+        rows: list[dict[str, Any]] = []
+        for key in capture.keys(self.name):
+            role, stage, name = parse_name(key.name)
+            if role == "before":
+                continue
+            info = adapters_meta.get(key.adapter, {})
+            kind = info.get("kind", "lora")
+            tensor = capture.get(key)
+            if role in ("merged", "delta", "tied"):
+                ref = reference.tensors.get(key.encode())
+                label = "fp64 formula" if role != "tied" else "base weight (checkpoint)"
+                row = self._row(
+                    spec, capture, key, tensor, ref, label, reference.notes.get(key.encode(), ""), dtype
+                )
+                self._weight_findings(row, role, name, info, target)
+                rows.append(row)
+            elif role == "roundtrip":
+                before = capture.get(TensorKey(self.name, key.adapter, key_name("before", "", name)))
+                row = self._row(spec, capture, key, tensor, before, "W before merge (same target)", "", dtype)
+                add_note(row, "unmerge_adapter() must restore W: this is what it left")
+                rows.append(row)
+            elif role == "output":
+                rows.extend(self._output_rows(spec, capture, key, tensor, reference, kind, info, dtype))
+        return rows
+
+    def _row(
+        self,
+        spec: ProbeSpec,
+        capture: Capture,
+        key: TensorKey,
+        tensor: torch.Tensor,
+        ref: torch.Tensor | None,
+        label: str,
+        note: str,
+        dtype: torch.dtype,
+    ) -> dict[str, Any]:
+        row = self.row_labels(key, capture.target, Reference(label=label, tensors={}, notes={}))
+        row["note"] = note
+        row["dtype"] = str(tensor.dtype).removeprefix("torch.")
+        if ref is None:
+            row.update(
+                shape="x".join(map(str, tensor.shape)),
+                numel=tensor.numel(),
+                bitwise_equal=False,
+                verdict="broken",
+                explanation=f"no reference ({label}) for this tensor" + (f": {note}" if note else ""),
+            )
+            return row
+        stats = metrics.compare(tensor, ref, tolerance(spec, row["role"], dtype))
+        row.update(metrics.stats_to_row(stats))
+        return row
+
+    def _weight_findings(self, row: dict, role: str, name: str, info: dict, target: Target) -> None:
+        errors = info.get("safe_merge_errors", {})
+        if role == "merged" and name in errors:
+            row["verdict"] = "broken"
+            row["explanation"] = f"safe_merge refused to merge {name}: {errors[name]}"
+            add_note(row, "the module stayed unmerged; fix or retrain the adapter tensor holding NaN/Inf")
+        for finding in info.get("tied", []):
+            partners = merging.tied_partner_modules(
+                merging.TiedFinding(finding["module"], tuple(finding["tied_to"]))
+            )
+            if (role == "merged" and name == finding["module"]) or (role == "tied" and name in partners):
+                row["verdict"] = "broken"
+                prefix = row["explanation"] + " · " if row.get("explanation") else ""
+                row["explanation"] = (
+                    f"{prefix}tied weights {finding['pair']}: merging writes ΔW into the shared storage"
+                )
+                add_note(row, f"{UNTIE} (clone {finding['module']}.weight into its own parameter)")
+        if role == "delta":
+            source = info.get("delta_sources", {}).get(name)
+            if source:
+                add_note(row, f"target ΔW via {source}")
+        if role == "merged" and target.dtype != "float64" and row["verdict"] == "drift":
+            add_note(row, f"merged in {target.dtype}: compare max_ulp with 1 (rounding) and more (a bug)")
+
+    def _output_rows(
+        self,
+        spec: ProbeSpec,
+        capture: Capture,
+        key: TensorKey,
+        tensor: torch.Tensor,
+        reference: Reference,
+        kind: str,
+        info: dict,
+        dtype: torch.dtype,
+    ) -> list[dict[str, Any]]:
+        role, stage, name = parse_name(key.name)
+        out = []
+        comparisons: list[tuple[str, torch.Tensor | None, str]] = []
+        if stage not in ("unmerged", "subset unmerged"):
+            unmerged_stage = "subset unmerged" if stage.startswith("subset") else "unmerged"
+            unmerged = capture.get(
+                TensorKey(self.name, key.adapter, key_name("output", unmerged_stage, name))
+            )
+            comparisons.append((f"unmerged ({capture.target})", unmerged, ""))
+        if stage == "reload":
+            pre = capture.get(TensorKey(self.name, key.adapter, key_name("output", "merge_and_unload", name)))
+            comparisons.append(("merged before save", pre, "must be identical: same weights, same target"))
+        comparisons.append((str(REFERENCE_TARGET), reference.tensors.get(key.encode()), ""))
+        for label, ref, note in comparisons:
+            if ref is None and label == str(REFERENCE_TARGET) and capture.target == str(REFERENCE_TARGET):
+                continue
+            row = self._row(
+                spec, capture, key, tensor, ref, label, note or reference.notes.get(key.encode(), ""), dtype
+            )
+            row["against"] = label
+            if ref is not None:
+                peft_tol = merging.peft_tolerance(kind, stage)
+                row["peft_tol"] = peft_tol
+                peft_stats = metrics.compare(tensor, ref, metrics.Tolerance(rtol=peft_tol, atol=peft_tol))
+                row["peft_verdict"] = metrics.verdict(peft_stats)
+            row.update(nonfinite_output(metrics.health(tensor)))
+            if label == "merged before save" and row["verdict"] != "identical":
+                row["verdict"] = "broken" if row["verdict"] == "drift" else row["verdict"]
+                add_note(row, "the reloaded merged model's outputs differ from the pre-save ones")
+            self._output_findings(row, stage, info)
+            out.append(row)
+        return out
+
+    def _output_findings(self, row: dict, stage: str, info: dict) -> None:
+        if (
+            stage in ("merge_adapter", "merge_and_unload", "reload")
+            and row["against"] != "merged before save"
+        ):
+            tied = info.get("tied", [])
+            if tied:
+                pairs = "; ".join(f["pair"] for f in tied)
+                row["verdict"] = "broken"
+                row["explanation"] = (
+                    f"tied weights {pairs} changed by the merge · {row.get('explanation', '')}"
+                )
+                add_note(row, UNTIE)
+            errors = info.get("safe_merge_errors", {})
+            if errors:
+                row["verdict"] = "broken"
+                add_note(
+                    row, f"safe_merge refused: {', '.join(errors)} (NaN/Inf); those modules stayed unmerged"
+                )
+        if stage == "merge_and_unload" and info.get("merge_and_unload_error"):
+            add_note(row, f"merge_and_unload(safe_merge=True) refused: {info['merge_and_unload_error']}")
+
+    # ------------------------------------------------------------------------------------------
+    # extra tables
+    # ------------------------------------------------------------------------------------------
+
+    def tables(self, spec: ProbeSpec, captures: list[Capture]) -> dict[str, pd.DataFrame]:
+        """`merge_save`: one row per (target, adapter, save path); `merge_findings`: tied/NaN/notes."""
+        return {"merge_save": save_table(captures), "merge_findings": findings_table(captures)}
+
+
+def _exact_stage(stage: str) -> str:
+    """The stage of the cpu/float64 capture an output is compared with: the exact model's unmerged one."""
+    return "subset unmerged" if stage.startswith("subset") else "unmerged"
+
+
+def _with_tied_aliases(spec: ProbeSpec, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Base weights plus the tied ones the checkpoint stores once (lm_head.weight → embeddings)."""
+    import json
+
+    try:
+        config = json.loads((Path(spec.base.path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return base
+    tie = config.get("tie_word_embeddings")
+    if tie is None:
+        text = config.get("text_config") or {}
+        tie = text.get("tie_word_embeddings", False)
+    if not tie or "lm_head.weight" in base:
+        return base
+    embed = next(
+        (k for k in base if k.endswith(("embed_tokens.weight", "wte.weight", "word_embeddings.weight"))), None
+    )
+    if embed is None:
+        return base
+    return {**base, "lm_head.weight": base[embed]}
+
+
+def save_table(captures: list[Capture]) -> pd.DataFrame:
+    """The save report: per target, adapter and save path, whether it worked, the error and the fix."""
+    rows = []
+    for c in captures:
+        for adapter, info in c.meta.get("merge", {}).get("adapters", {}).items():
+            save = info.get("save")
+            if not save:
+                continue
+            shared = "; ".join(" ↔ ".join(g) for g in save.get("shared", []))
+            for attempt in save.get("attempts", []):
+                rows.append(
+                    {
+                        "target": c.target,
+                        "adapter": adapter,
+                        "method": attempt["method"],
+                        "ok": bool(attempt["ok"]),
+                        "error": attempt.get("error", ""),
+                        "shared_tensors": shared,
+                        "folder": attempt.get("folder", ""),
+                        "files": ", ".join(attempt.get("files") or []),
+                        "reload_error": save.get("reload_error", "")
+                        if attempt["method"] == "save_pretrained"
+                        else "",
+                        "fix": save.get("fix", "") if not attempt["ok"] else "",
+                    }
+                )
+    return pd.DataFrame(
+        rows,
+        columns=[
+            "target",
+            "adapter",
+            "method",
+            "ok",
+            "error",
+            "shared_tensors",
+            "folder",
+            "files",
+            "reload_error",
+            "fix",
+        ],
+    )
+
+
+def findings_table(captures: list[Capture]) -> pd.DataFrame:
+    """Tied adapted modules, safe-merge refusals and stages that could not apply, per target and adapter."""
+    rows = []
+    for c in captures:
+        merge_meta = c.meta.get("merge", {})
+        for adapter, info in merge_meta.get("adapters", {}).items():
+            for f in info.get("tied", []):
+                rows.append(
+                    {
+                        "target": c.target,
+                        "adapter": adapter,
+                        "finding": "tied",
+                        "module": f["module"],
+                        "detail": f"{f['pair']}: merging changes {', '.join(f['tied_to'])} too; {UNTIE}",
+                    }
+                )
+            for module, error in info.get("safe_merge_errors", {}).items():
+                rows.append(
+                    {
+                        "target": c.target,
+                        "adapter": adapter,
+                        "finding": "safe_merge",
+                        "module": module,
+                        "detail": error,
+                    }
+                )
+            if info.get("merge_and_unload_error"):
+                rows.append(
+                    {
+                        "target": c.target,
+                        "adapter": adapter,
+                        "finding": "merge_and_unload",
+                        "module": "",
+                        "detail": info["merge_and_unload_error"],
+                    }
+                )
+        for field in ("subset_note", "subset_together_error"):
+            if merge_meta.get(field):
+                rows.append(
+                    {
+                        "target": c.target,
+                        "adapter": _subset_label(merge_meta.get("subset", [])),
+                        "finding": "subset",
+                        "module": "",
+                        "detail": merge_meta[field],
+                    }
+                )
+    return pd.DataFrame(rows, columns=["target", "adapter", "finding", "module", "detail"])

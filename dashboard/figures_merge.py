@@ -1,0 +1,170 @@
+"""Figures and display tables for the Merge residuals page, built from the `merge` check's rows.
+
+Pure functions (no Streamlit): DataFrames in, Plotly figures or DataFrames out. The weight residual
+heatmap is the Drift page's `drift_heatmap` on the `merged` rows; this module adds the output
+residual bars per stage and the tables the page lays out.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from core.checks.merge import OUTPUT_STAGES, SUBSET_STAGES
+from dashboard.figures import VERDICT_COLORS, VERDICT_SYMBOLS, _empty_figure, drift_heatmap
+
+STAGE_ORDER = (*OUTPUT_STAGES, *SUBSET_STAGES)
+# One colour per comparison; the verdict is the symbol above each bar.
+AGAINST_COLORS = {"unmerged": "#4c78a8", "cpu/float64": "#9c755f", "merged before save": "#59a14f"}
+
+
+def _against_kind(label: str) -> str:
+    return "unmerged" if str(label).startswith("unmerged") else str(label)
+
+
+def weight_rows(table: pd.DataFrame, adapter: str | None = None, role: str = "merged") -> pd.DataFrame:
+    """The merge check's weight rows of one role (merged, tied, delta, roundtrip), for one adapter if given."""
+    rows = table[(table["check"] == "merge") & (table["role"] == role)]
+    if adapter is not None:
+        rows = rows[rows["adapter"] == adapter]
+    return rows
+
+
+def weight_heatmap(table: pd.DataFrame, metric: str, *, title: str | None = None) -> go.Figure:
+    """Layer × module heatmap of log₁₀ ``metric`` of the weight residual, one panel per target."""
+    return drift_heatmap(table, metric, title=title)
+
+
+def output_rows(table: pd.DataFrame, adapter: str | None = None) -> pd.DataFrame:
+    """The merge check's output rows (one per stage and comparison), for one adapter if given."""
+    rows = table[(table["check"] == "merge") & (table["role"] == "output")]
+    if adapter is not None:
+        rows = rows[rows["adapter"] == adapter]
+    return rows
+
+
+def stage_bars(table: pd.DataFrame, *, title: str | None = None) -> go.Figure:
+    """Output residual max |Δ| per stage on a log axis, one panel per target, a bar per comparison.
+
+    Bars are grouped by what the stage is compared with (the unmerged output on the same target,
+    the cpu/float64 model, the merged model before saving); the symbol above a bar is the verdict at
+    the dtype default and, after a slash, at PEFT's own test tolerance. Exactly 0 is drawn as a stub.
+    """
+    if not len(table):
+        return _empty_figure("no output rows", title=title)
+    data = table.assign(
+        _against=[_against_kind(a) for a in table.get("against", table["reference"])],
+        _value=pd.to_numeric(table["max_abs"], errors="coerce").to_numpy(dtype=float),
+    )
+    targets = [t for t in pd.unique(data["target"].astype(object)) if isinstance(t, str)]
+    stages = [s for s in STAGE_ORDER if s in set(data["stage"])]
+    positive = data["_value"][np.isfinite(data["_value"]) & (data["_value"] > 0)]
+    floor = float(positive.min()) / 10 if len(positive) else 1e-12
+    fig = make_subplots(rows=1, cols=len(targets), shared_yaxes=True, subplot_titles=targets)
+    shown: set[str] = set()
+    for col, target in enumerate(targets, start=1):
+        part = data[data["target"] == target]
+        for against in dict.fromkeys(part["_against"]):
+            bars = part[part["_against"] == against].set_index("stage")
+            bars = bars[~bars.index.duplicated()]
+            xs = [s for s in stages if s in bars.index]
+            values = [bars.loc[s, "_value"] for s in xs]
+            heights = [v if np.isfinite(v) and v > 0 else floor for v in values]
+            symbols = [
+                VERDICT_SYMBOLS.get(str(bars.loc[s, "verdict"]), "?")
+                + (
+                    "/" + VERDICT_SYMBOLS.get(str(bars.loc[s, "peft_verdict"]), "?")
+                    if "peft_verdict" in bars and isinstance(bars.loc[s, "peft_verdict"], str)
+                    else ""
+                )
+                for s in xs
+            ]
+            hover = [
+                f"{target} · {s} vs {bars.loc[s, 'against'] if 'against' in bars else against}<br>"
+                f"max |Δ| {values[i]:.4g} · rel L2 {float(bars.loc[s, 'rel_l2']):.3g}<br>"
+                f"verdict {bars.loc[s, 'verdict']}"
+                + (
+                    f" · PEFT tol {float(bars.loc[s, 'peft_tol']):g}: {bars.loc[s, 'peft_verdict']}"
+                    if "peft_tol" in bars and pd.notna(bars.loc[s, "peft_tol"])
+                    else ""
+                )
+                for i, s in enumerate(xs)
+            ]
+            fig.add_trace(
+                go.Bar(
+                    x=xs,
+                    y=heights,
+                    name=against,
+                    legendgroup=against,
+                    showlegend=against not in shown,
+                    offsetgroup=against,
+                    marker={"color": AGAINST_COLORS.get(against, "#888888")},
+                    text=symbols,
+                    textposition="outside",
+                    hovertext=hover,
+                    hovertemplate="%{hovertext}<extra></extra>",
+                ),
+                row=1,
+                col=col,
+            )
+            shown.add(against)
+        fig.update_xaxes(type="category", categoryorder="array", categoryarray=stages, row=1, col=col)
+    fig.update_yaxes(type="log", exponentformat="power", title_text="max |Δ| of outputs (log)", row=1, col=1)
+    fig.update_layout(
+        barmode="group",
+        height=440,
+        title=title or "output residual per stage (symbols: dtype default / PEFT's test tolerance)",
+        legend={"orientation": "h", "y": -0.25},
+    )
+    return fig
+
+
+def verdict_legend() -> str:
+    """The symbol key used above the bars."""
+    return " ".join(f"{s} {v}" for v, s in VERDICT_SYMBOLS.items() if v in VERDICT_COLORS)
+
+
+def stage_table(table: pd.DataFrame) -> pd.DataFrame:
+    """Output rows as the page lists them: stage order, both verdicts side by side."""
+    cols = [
+        "target",
+        "adapter",
+        "stage",
+        "against",
+        "max_abs",
+        "rel_l2",
+        "max_ulp",
+        "verdict",
+        "peft_tol",
+        "peft_verdict",
+        "explanation",
+        "note",
+    ]
+    out = table[[c for c in cols if c in table.columns]].copy()
+    rank = {s: i for i, s in enumerate(STAGE_ORDER)}
+    out["_order"] = out["stage"].map(rank)
+    return out.sort_values(["target", "adapter", "_order"]).drop(columns="_order").reset_index(drop=True)
+
+
+def worst_modules(table: pd.DataFrame, metric: str, n: int = 10) -> pd.DataFrame:
+    """The ``n`` weight rows with the largest ``metric`` (broken first): which method and module is worst."""
+    if not len(table):
+        return table
+    sev = table["verdict"].map({"identical": 0, "within tolerance": 1, "drift": 2, "broken": 3}).fillna(0)
+    val = pd.to_numeric(table[metric], errors="coerce").fillna(-1.0)
+    ranked = table.assign(_sev=sev, _val=val).sort_values(["_sev", "_val"], ascending=False).head(n)
+    cols = [
+        "target",
+        "adapter",
+        "tensor",
+        "stage",
+        "dtype",
+        "max_abs",
+        "rel_l2",
+        "max_ulp",
+        "verdict",
+        "note",
+    ]
+    return ranked[[c for c in cols if c in ranked.columns]].reset_index(drop=True)

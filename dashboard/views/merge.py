@@ -1,0 +1,195 @@
+"""Merge residuals: merged weights against W + ΔW in float64, outputs per merge stage, save round trip."""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from core import report
+from dashboard.figures import METRIC_LABELS, METRICS, VERDICT_SYMBOLS, diff_heatmap, diff_histogram
+from dashboard.figures_merge import (
+    output_rows,
+    stage_bars,
+    stage_table,
+    weight_heatmap,
+    weight_rows,
+    worst_modules,
+)
+from dashboard.state import bound_select, metrics_table
+from dashboard.ui import (
+    METRIC_COLUMN_CONFIG,
+    csv_download,
+    downloads,
+    figure_download,
+    finished_run,
+    scenario_buttons,
+)
+
+st.title("Merge residuals")
+scenario_buttons("merge")
+record = finished_run()
+table = metrics_table(record)
+rows = table[table["check"] == "merge"] if len(table) else table
+if rows.empty:
+    st.info("This run did not run the `merge` check (CLI: `--check merge`).")
+    st.stop()
+
+
+def severity(part: pd.DataFrame) -> tuple[int, float]:
+    """Worst verdict, then largest relative error: the selection opened first."""
+    if part.empty:
+        return (-1, 0.0)
+    rel = pd.to_numeric(part["rel_l2"], errors="coerce").max()
+    return (int(part["verdict"].map(report.SEVERITY).max()), float(rel) if pd.notna(rel) else 0.0)
+
+
+# The run's own adapters (several merged together are shown in their own section below).
+names = [a.name for a in record.spec.adapters] if record.spec else []
+adapters = [a for a in dict.fromkeys(rows["adapter"].dropna()) if a in names]
+c1, c2 = st.columns([2, 3])
+adapter = bound_select(
+    "Adapter",
+    "adapter",
+    adapters,
+    default=max(adapters, key=lambda a: severity(rows[rows["adapter"] == a])),
+    container=c1,
+)
+metric = bound_select(
+    "Colour by", "metric", METRICS, default="max_ulp", container=c2, format_func=lambda m: METRIC_LABELS[m]
+)
+mine = rows[rows["adapter"] == adapter]
+
+# Findings first: what is broken and what to do.
+findings = record.table("merge_findings")
+findings = findings[findings["adapter"] == adapter] if len(findings) else findings
+for _, f in findings.iterrows():
+    if f["finding"] == "tied":
+        st.error(f"**Tied weights** on {f['target']}: {f['detail']}", icon=":material/link:")
+    elif f["finding"] in ("safe_merge", "merge_and_unload"):
+        where = f" in `{f['module']}`" if f["module"] else ""
+        st.error(
+            f"**{f['finding']}** refused{where} on {f['target']}: {f['detail']}", icon=":material/error:"
+        )
+    else:
+        st.info(f"{f['detail']} ({f['target']})")
+
+st.subheader("Weight residual: merged W against W + ΔW (float64, from the checkpoints)")
+merged = weight_rows(mine)
+tied = weight_rows(mine, role="tied")
+shown = pd.concat([merged, tied]) if len(tied) else merged
+st.caption(
+    f"{len(merged)} merged modules · colour: log₁₀ {METRIC_LABELS[metric]} in the target dtype "
+    "(≤ 1 ulp reads as rounding) · symbols: "
+    + " ".join(f"{VERDICT_SYMBOLS[v]} {v}" for v in report.VERDICT_ORDER)
+)
+fig = weight_heatmap(shown, metric, title=f"merge · {adapter} · {METRIC_LABELS[metric]}")
+st.plotly_chart(fig, key="merge.heatmap")
+downloads(fig, shown, f"{record.run_id}-merge-{adapter}-{metric}", key="merge.heatmap")
+
+with st.expander("Worst modules, PEFT ΔW against the float64 formula, unmerge round trip", expanded=False):
+    st.markdown("**Worst merged modules**")
+    st.dataframe(worst_modules(shown, metric), column_config=METRIC_COLUMN_CONFIG, hide_index=True)
+    for role, text in (
+        (
+            "delta",
+            "PEFT's ΔW (get_delta_weight) against the float64 formula: a mismatch is a PEFT-level finding",
+        ),
+        (
+            "roundtrip",
+            "W after merge_adapter() + unmerge_adapter() against W before: the round trip residual",
+        ),
+    ):
+        part = weight_rows(mine, role=role)
+        if len(part):
+            st.markdown(f"**{text}**")
+            st.dataframe(worst_modules(part, metric), column_config=METRIC_COLUMN_CONFIG, hide_index=True)
+
+st.subheader("Output residual per stage")
+outs = output_rows(mine)
+bars = stage_bars(outs, title=f"{adapter}: max |Δ| of outputs per stage (symbols: dtype default / PEFT tol)")
+st.plotly_chart(bars, key="merge.stages")
+listed = stage_table(outs)
+st.dataframe(listed, column_config=METRIC_COLUMN_CONFIG, hide_index=True)
+downloads(bars, listed, f"{record.run_id}-merge-{adapter}-stages", key="merge.stages")
+
+subset = rows[rows["stage"].astype(str).str.startswith("subset")]
+if len(subset):
+    st.subheader("Several adapters: one after another against all at once")
+    st.dataframe(stage_table(subset), column_config=METRIC_COLUMN_CONFIG, hide_index=True)
+    csv_download(stage_table(subset), f"{record.run_id}-merge-subset", key="merge.subset.csv")
+
+st.subheader("Save round trip")
+save = record.table("merge_save")
+save = save[save["adapter"] == adapter] if len(save) else save
+if save.empty:
+    st.info("No save round trip for this adapter (merge_and_unload was refused, or only cpu/float64 ran).")
+else:
+    for _, s in save.iterrows():
+        box = st.success if s["ok"] else st.warning
+        text = f"**{s['method']}** on {s['target']}: " + ("saved" if s["ok"] else f"failed — {s['error']}")
+        if s["ok"] and s.get("files"):
+            text += f" ({s['files']})"
+        if s.get("reload_error"):
+            text += f" · reload failed: {s['reload_error']}"
+        if s["shared_tensors"]:
+            text += f"\n\nShared tensors: `{s['shared_tensors']}`"
+        if s["fix"]:
+            text += f"\n\nFix: {s['fix']}"
+        box(text)
+    csv_download(save, f"{record.run_id}-merge-save", key="merge.save.csv")
+
+st.subheader("Inspect one module's residual")
+targets = list(dict.fromkeys(shown["target"]))
+if not targets:
+    st.stop()
+p1, p2 = st.columns([1, 3])
+target = bound_select("Target", "target", targets, container=p1)
+cands = shown[shown["target"] == target].assign(
+    _sev=lambda t: t["verdict"].map(report.SEVERITY), _val=lambda t: pd.to_numeric(t[metric], errors="coerce")
+)
+by_name = {
+    r["tensor"]: r for r in cands.sort_values(["_sev", "_val"], ascending=False).to_dict(orient="records")
+}
+tensor = bound_select("Module (worst first)", "tensor", list(by_name), container=p2)
+if tensor is None or tensor not in by_name:
+    st.stop()
+row = by_name[tensor]
+box = {"identical": st.success, "within tolerance": st.info, "drift": st.warning, "broken": st.error}[
+    row["verdict"]
+]
+box(
+    f"**{row['verdict']}** · `{tensor}` on **{target}** vs {row['reference']} · {row['dtype']} {row['shape']}\n\n"
+    f"{row['explanation']}" + (f"\n\nWhy: {row['note']}" if row.get("note") else "")
+)
+
+
+@st.cache_data(show_spinner="Reading the module and its float64 reference…", max_entries=8)
+def drill_figures(run_id: str, target: str, adapter: str, tensor: str):
+    """The element-wise residual map and histogram of one module (None when exact)."""
+    from core.diffmap import element_diff
+
+    diff = element_diff(record, "merge", target, adapter, tensor)
+    if not (diff.diff != 0).any():
+        return None
+    title = f"|W_merged − (W + ΔW)| · {tensor} · {target}"
+    return diff_heatmap(diff.diff, title=title, failing=diff.mismatch, shape=diff.shape), diff_histogram(
+        diff.diff
+    )
+
+
+try:
+    figures = drill_figures(record.run_id, target, adapter, tensor)
+except (KeyError, ValueError, OSError) as e:
+    st.error(f"Cannot show the element-wise residual: {e}")
+    st.stop()
+if figures is None:
+    st.success(f"`{tensor}` on {target} equals its float64 reference exactly.")
+    st.stop()
+heat, hist = figures
+h1, h2 = st.columns([3, 2])
+with h1:
+    st.plotly_chart(heat, key="merge.diff")
+    figure_download(heat, f"{record.run_id}-{target}-{tensor}-residual", key="merge.diff.html")
+with h2:
+    st.plotly_chart(hist, key="merge.hist")
+    figure_download(hist, f"{record.run_id}-{target}-{tensor}-hist", key="merge.hist.html")
