@@ -7,6 +7,8 @@ Safetensors first; `.bin` checkpoints only through `torch.load(weights_only=True
 from __future__ import annotations
 
 import json
+import re
+import warnings
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,6 +215,163 @@ class Strategy:
 
 
 STRATEGIES: dict[str, Strategy] = {"isolated": Strategy(load=load_isolated, stages=isolated_stages)}
+
+
+# --- strategies that load several adapters onto one base object (issue 6) ----------------------
+#
+# Users load adapters in a loop on the same base model; these strategies do exactly that, so the
+# `adapters` check can show where their predictions part from `isolated`. Each adapter is attached
+# with `torch_device=target.device` (as `isolated` does), so that the strategies differ only in how
+# adapters share the base, not in where PEFT puts them.
+
+
+def _peft_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    """PEFT's own warnings from one load, first sentence each: they name stacking and missing keys."""
+    notes = []
+    for w in caught:
+        if issubclass(w.category, (DeprecationWarning, FutureWarning)):
+            continue  # library deprecations say nothing about this load
+        message = str(w.message).strip()
+        keys = re.findall(r"'([^']+)'", message.partition("missing adapter keys")[2])
+        if keys:
+            # PEFT names the keys of every adapter the modules hold; usually an earlier, stacked one
+            note = f"PEFT warned of {len(keys)} missing adapter keys while loading (e.g. {keys[0]})"
+        else:
+            note = "PEFT warned: " + message.split(". ")[0].rstrip(".")[:300]
+        if note not in notes:
+            notes.append(note)
+    return notes
+
+
+def _load_onto(
+    attach: Callable[[], object], adapter: AdapterRef, model, target: Target
+) -> tuple[object, list[str]]:
+    """Run one `attach()` (a PEFT load call on `model`) and return (PeftModel, notes).
+
+    PEFT refuses to initialise PiSSA in float64 (it takes an SVD of W and rewrites it): on a float64
+    target the whole model is cast to float32 for that load and back. That round trip is exact for
+    weights that were float32 values to begin with (a float32 checkpoint upcast); the note says so.
+    """
+    notes: list[str] = []
+    downcast = _pissa_upcast(adapter, target)
+    if downcast:
+        model.to(torch.float32)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            peft_model = attach()
+    except LoadError:
+        raise
+    except Exception as e:
+        raise LoadError(f"adapter {adapter.name} ({adapter.path}) did not load: {_first_line(e)}") from e
+    finally:
+        if downcast:
+            model.to(torch.float64)
+    if downcast:
+        peft_model.to(torch.float64)
+        notes.append(
+            "PiSSA cannot be initialised in float64; the model was cast to float32 for this load and "
+            "back to float64 (exact for weights stored in float32)"
+        )
+    return peft_model, notes + _peft_warnings(caught)
+
+
+def load_from_pretrained_loop(
+    base: ModelRef,
+    adapters: tuple[AdapterRef, ...],
+    target: Target,
+    stage: Callable[[str], None] = lambda s: None,
+) -> Iterator[Loaded]:
+    """`from_pretrained_loop`: one base object; `PeftModel.from_pretrained(base, path, adapter_name=name)`
+    for each adapter in turn on that same object, as users write it.
+
+    Each call injects into the modules the previous calls already wrapped, so the adapters stack
+    (a module holds all of them, the last one active), and whatever an adapter does to the base
+    weights on load (PiSSA replaces W by its residual) stays for the adapters after it. Each Loaded
+    holds the PeftModel that call returned.
+    """
+    from peft import PeftModel
+
+    stage("load base")
+    model = load_base(base, target)
+    yield Loaded(adapter=None, model=model, notes=[])
+    for adapter in adapters:
+        stage(f"load adapter {adapter.name}")
+
+        def attach(adapter=adapter):
+            return PeftModel.from_pretrained(
+                model, adapter.path, adapter_name=adapter.name, torch_device=target.device, is_trainable=False
+            )
+
+        peft_model, notes = _load_onto(attach, adapter, model, target)
+        yield Loaded(adapter=adapter, model=peft_model, notes=notes)
+
+
+def _load_adapter_strategy(low_cpu_mem_usage: bool) -> Callable[..., Iterator[Loaded]]:
+    def load(
+        base: ModelRef,
+        adapters: tuple[AdapterRef, ...],
+        target: Target,
+        stage: Callable[[str], None] = lambda s: None,
+    ) -> Iterator[Loaded]:
+        from peft import PeftModel
+
+        stage("load base")
+        model = load_base(base, target)
+        yield Loaded(adapter=None, model=model, notes=[])
+        peft_model = None
+        for adapter in adapters:
+            stage(f"load adapter {adapter.name}")
+            if peft_model is None:
+
+                def attach(adapter=adapter):
+                    return PeftModel.from_pretrained(
+                        model,
+                        adapter.path,
+                        adapter_name=adapter.name,
+                        torch_device=target.device,
+                        is_trainable=False,
+                        low_cpu_mem_usage=low_cpu_mem_usage,
+                    )
+
+                peft_model, notes = _load_onto(attach, adapter, model, target)
+            else:
+
+                def attach(adapter=adapter, pm=peft_model):
+                    pm.load_adapter(
+                        adapter.path,
+                        adapter_name=adapter.name,
+                        torch_device=target.device,
+                        is_trainable=False,
+                        low_cpu_mem_usage=low_cpu_mem_usage,
+                    )
+                    pm.set_adapter(adapter.name)
+                    return pm
+
+                peft_model, notes = _load_onto(attach, adapter, peft_model, target)
+            yield Loaded(adapter=adapter, model=peft_model, notes=notes)
+
+    return load
+
+
+load_adapter_loop = _load_adapter_strategy(low_cpu_mem_usage=False)
+load_adapter_loop.__name__ = "load_adapter_loop"
+load_adapter_loop.__doc__ = """`load_adapter`: `PeftModel.from_pretrained` for the first adapter, then
+`load_adapter(path, adapter_name=name)` + `set_adapter(name)` for each later one, on that PeftModel."""
+load_adapter_low_mem = _load_adapter_strategy(low_cpu_mem_usage=True)
+load_adapter_low_mem.__name__ = "load_adapter_low_mem"
+load_adapter_low_mem.__doc__ = """`load_adapter_low_mem`: as `load_adapter`, every call with
+`low_cpu_mem_usage=True` (adapter weights created empty on the meta device, then filled from the file)."""
+
+
+def shared_base_stages(adapters: tuple[AdapterRef, ...], target: Target) -> int:
+    """Stages of the strategies that keep one base object: load base, then one per adapter."""
+    return 1 + len(adapters)
+
+
+STRATEGIES["from_pretrained_loop"] = Strategy(load=load_from_pretrained_loop, stages=shared_base_stages)
+STRATEGIES["load_adapter"] = Strategy(load=load_adapter_loop, stages=shared_base_stages)
+STRATEGIES["load_adapter_low_mem"] = Strategy(load=load_adapter_low_mem, stages=shared_base_stages)
 
 
 def probe_input_ids(probe: ProbeInputs, vocab_size: int, seed: int) -> torch.Tensor:
