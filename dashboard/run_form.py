@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import streamlit as st
 
 from core.checks import CHECKS
+from core.loading import STRATEGIES
 from core.spec import DEFAULT_CHECKS, AdapterRef, ModelRef, ProbeSpec, SpecError, Target, ToleranceOverride
 from core.targets import Device, check_targets_exist
 from core.validate import InputError, validate_adapter, validate_model
@@ -201,6 +202,16 @@ def run_form(manifest: dict | None) -> None:
             key="form.checks",
             help="\n".join(f"- **{name}**: {c.description}" for name, c in CHECKS.items()),
         )
+        strategies = ["isolated"]
+        if "adapters" in checks:
+            strategies = st.multiselect(
+                "Load strategies",
+                list(STRATEGIES),
+                default=["isolated", "from_pretrained_loop"],
+                key="form.strategies",
+                help="How the adapters check loads the adapters (in the order listed above), each strategy "
+                "in its own worker; `isolated` (a fresh base per adapter) always runs as the ground truth.",
+            )
         role = st.selectbox(
             "Tolerance applies to",
             ROLES,
@@ -240,9 +251,26 @@ def run_form(manifest: dict | None) -> None:
             checks=tuple(checks),
             tolerances={role: override} if override else {},
             seed=int(seed),
+            strategies=tuple(dict.fromkeys(["isolated", *strategies])),
         )
-        # The drift heatmap is what the user came for: show the job's progress there, then the result.
-        start_run(spec, "drift")
+        start_run(spec, result_page(spec.checks))
+
+
+# The page that shows each check's result, in the order a run's first result page is chosen.
+RESULT_PAGES = {
+    "weights": "drift",
+    "deltas": "drift",
+    "outputs": "outputs",
+    "merge": "merge",
+    "adapters": "adapters",
+    "memory": "memory",
+}
+
+
+def result_page(checks: tuple[str, ...] | list[str]) -> str:
+    """Where a run opens: the Drift heatmap when it has per-tensor checks, else its first check's page."""
+    pages = [RESULT_PAGES[c] for c in checks if c in RESULT_PAGES]
+    return min(pages, key=list(RESULT_PAGES.values()).index, default="overview")
 
 
 def _target_builder(devices: list[Device]) -> None:

@@ -19,7 +19,15 @@ from core.spec import AdapterRef, ModelRef, ProbeSpec, Target
 from core.store import Store
 
 APP = str(Path(__file__).resolve().parent.parent / "dashboard" / "app.py")
-PAGES = ("views/overview.py", "views/drift.py", "views/outputs.py", "views/runs.py")
+PAGES = (
+    "views/overview.py",
+    "views/drift.py",
+    "views/outputs.py",
+    "views/merge.py",
+    "views/memory.py",
+    "views/adapters.py",
+    "views/runs.py",
+)
 
 
 def make_app(home: Path, monkeypatch: pytest.MonkeyPatch, **params: str) -> AppTest:
