@@ -26,6 +26,7 @@ METRIC_LABELS: dict[str, str] = {
     "max_abs": "max |Δ|",
     "rel_l2": "relative L2",
     "max_ulp": "max ulp (target dtype)",
+    "scale_ulp": "ulps at the tensor's scale (target dtype)",
     "min_atol": "smallest passing atol",
     "mean_abs": "mean |Δ|",
     "rmse": "RMSE",

@@ -13,6 +13,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from core.checks.merge import OUTPUT_STAGES, SUBSET_STAGES
+from core.report import SEVERITY
 from dashboard.figures import VERDICT_COLORS, VERDICT_SYMBOLS, _empty_figure, drift_heatmap
 
 STAGE_ORDER = (*OUTPUT_STAGES, *SUBSET_STAGES)
@@ -152,7 +153,7 @@ def worst_modules(table: pd.DataFrame, metric: str, n: int = 10) -> pd.DataFrame
     """The ``n`` weight rows with the largest ``metric`` (broken first): which method and module is worst."""
     if not len(table):
         return table
-    sev = table["verdict"].map({"identical": 0, "within tolerance": 1, "drift": 2, "broken": 3}).fillna(0)
+    sev = table["verdict"].map(SEVERITY).fillna(0)
     val = pd.to_numeric(table[metric], errors="coerce").fillna(-1.0)
     ranked = table.assign(_sev=sev, _val=val).sort_values(["_sev", "_val"], ascending=False).head(n)
     cols = [
@@ -163,6 +164,7 @@ def worst_modules(table: pd.DataFrame, metric: str, n: int = 10) -> pd.DataFrame
         "dtype",
         "max_abs",
         "rel_l2",
+        "scale_ulp",
         "max_ulp",
         "verdict",
         "note",

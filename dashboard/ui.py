@@ -19,6 +19,7 @@ METRIC_COLUMN_CONFIG = {
     "max_abs": st.column_config.NumberColumn(format="%.4e"),
     "rel_l2": st.column_config.NumberColumn(format="%.4e"),
     "max_ulp": st.column_config.NumberColumn(format="%.4g"),
+    "scale_ulp": st.column_config.NumberColumn(format="%.3g"),
     "min_atol": st.column_config.NumberColumn(format="%.4e"),
 }
 

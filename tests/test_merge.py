@@ -5,6 +5,7 @@ pinned with margins, so a change in PEFT or the demo is noticed)."""
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from pathlib import Path
 
@@ -136,6 +137,11 @@ def test_bf16_merge_residual_exceeds_fp32(engine_run):
     bf16 = merged[merged.target == "cpu/bfloat16"].max_abs.max()
     assert fp32 < 1e-6 < bf16, (fp32, bf16)
     assert (merged[merged.target == "cpu/float32"].verdict == "within tolerance").all()
+    # at the tensor's scale both merges are rounding (measured: fp32 ≤ 1.9, bf16 ≤ 1.1 ulp), while
+    # max_ulp, in ulps of each exact element, runs to thousands where W + ΔW nearly cancels
+    for target in ("cpu/float32", "cpu/bfloat16"):
+        assert merged[merged.target == target].scale_ulp.max() < 3, target
+    assert merged.max_ulp.max() > 100
     # the unmerge round trip is reported, per module
     rt = t[(t.role == "roundtrip") & (t.adapter == "lora") & (t.target == "cpu/float32")]
     assert len(rt) == len(merged[merged.target == "cpu/float32"]) and rt.max_abs.max() < 1e-7
@@ -213,3 +219,16 @@ def test_save_pretrained_atomic_leaves_nothing_on_failure(tmp_path):
     attempt = merging.save_pretrained_atomic(Broken(), tmp_path / "out")
     assert not attempt.ok and "disk full" in attempt.error
     assert list(tmp_path.iterdir()) == []
+
+
+def test_scale_ulp_tells_rounding_from_an_error():
+    from core.checks.merge import scale_ulp
+
+    w = torch.tensor([1.0, -0.5, 2.0**-20], dtype=torch.float64)
+    exact = w + torch.tensor([0.25, 0.5, -(2.0**-20)], dtype=torch.float64)  # last element cancels to 0
+    one_ulp_at_scale = 2.0**-23  # ulp of 1.25 (the largest |W + ΔW|) in float32
+    merged = exact + torch.tensor([0.0, 0.0, one_ulp_at_scale])
+    assert scale_ulp(merged.to(torch.float32), exact, w.to(torch.float32), torch.float32) == 1.0
+    wrong = exact + torch.tensor([0.0, 1e-3, 0.0])  # e.g. a wrong scaling on one element
+    assert scale_ulp(wrong.to(torch.float32), exact, w.to(torch.float32), torch.float32) > 1e3
+    assert math.isnan(scale_ulp(torch.zeros(2), exact, None, torch.float32))

@@ -54,8 +54,19 @@ adapter = bound_select(
     default=max(adapters, key=lambda a: severity(rows[rows["adapter"] == a])),
     container=c1,
 )
+# ulps at the tensor's scale first: ≤ 1 reads as rounding, where max_ulp explodes on cancelling sums.
+MERGE_METRICS = ("scale_ulp", *METRICS)
 metric = bound_select(
-    "Colour by", "metric", METRICS, default="max_ulp", container=c2, format_func=lambda m: METRIC_LABELS[m]
+    "Colour by",
+    "metric",
+    MERGE_METRICS,
+    default="scale_ulp",
+    container=c2,
+    format_func=lambda m: METRIC_LABELS[m],
+    help="**ulps at the tensor's scale**: max |merged − exact| in ulps (target dtype) of the tensor's "
+    "largest magnitude max(|W|, |W + ΔW|); about 1 (a few where ΔW is a matmul) is rounding, tens "
+    "or more an error beyond rounding. "
+    "**max ulp** counts ulps of each exact element, huge wherever W + ΔW nearly cancels.",
 )
 mine = rows[rows["adapter"] == adapter]
 
@@ -79,7 +90,8 @@ tied = weight_rows(mine, role="tied")
 shown = pd.concat([merged, tied]) if len(tied) else merged
 st.caption(
     f"{len(merged)} merged modules · colour: log₁₀ {METRIC_LABELS[metric]} in the target dtype "
-    "(≤ 1 ulp reads as rounding) · symbols: "
+    "(ulps at the tensor's scale: up to a few is the rounding of the merge's own sums and products, "
+    "tens or more an error) · symbols: "
     + " ".join(f"{VERDICT_SYMBOLS[v]} {v}" for v in report.VERDICT_ORDER)
 )
 fig = weight_heatmap(shown, metric, title=f"merge · {adapter} · {METRIC_LABELS[metric]}")
