@@ -80,8 +80,123 @@ def last_cuda(devices: list[Device]) -> str | None:
 
 # --- issue 4: merge residuals ---------------------------------------------------------------------
 
+register(
+    Scenario(
+        name="bf16-merge-residual",
+        title="bfloat16 merge residual",
+        page="merge",
+        description="LoRA merged on cpu/bfloat16 against cpu/float32: merged weights against W + ΔW in "
+        "float64 (in ulps) and merged against unmerged outputs; bfloat16 leaves the larger residual.",
+        build=lambda m, d: demo_spec(m, ["lora"], ["cpu/float32", "cpu/bfloat16"], ["merge"]),
+    )
+)
+register(
+    Scenario(
+        name="boft-merge-cpu",
+        title="BOFT merge on CPU vs float64",
+        page="merge",
+        description="BOFT's rotation and scale merged on cpu/float32, against the float64 formula and "
+        "the float64 model's outputs, with PEFT's own 1e-2 rotation tolerance beside the dtype default.",
+        build=lambda m, d: demo_spec(m, ["boft"], ["cpu/float32"], ["merge"]),
+    )
+)
+register(
+    Scenario(
+        name="tied-merge-save",
+        title="merge with tied embeddings then save",
+        page="merge",
+        description="Merge a LoRA into the tied-embedding model and save it: which save paths work "
+        "(save_pretrained against safetensors save_file), shared tensors named, reload compared.",
+        build=lambda m, d: demo_spec(m, ["lora", "lora_embed"], ["cpu/float32"], ["merge"]),
+    )
+)
+register(
+    Scenario(
+        name="tied-lm-head",
+        title="LoRA on lm_head of a tied-embedding model",
+        page="merge",
+        description="LoRA on q_proj + lm_head, where lm_head is tied to embed_tokens: merging writes ΔW "
+        "into the shared storage and changes the embeddings too; the check names the tied pair.",
+        build=lambda m, d: demo_spec(m, ["lora_lm_head"], ["cpu/float32"], ["merge"]),
+    )
+)
+register(
+    Scenario(
+        name="nan-safe-merge",
+        title="NaN in an adapter with safe_merge",
+        page="merge",
+        description="A LoRA with one NaN in a lora_B tensor: safe_merge refuses that module, reported as "
+        "broken with the module named instead of a crash.",
+        build=lambda m, d: demo_spec(m, ["lora_nan"], ["cpu/float32"], ["merge"]),
+    )
+)
+
 
 # --- issue 5: memory placement --------------------------------------------------------------------
+register(
+    Scenario(
+        name="memory-placement",
+        title="Memory per device and load stage",
+        page="memory",
+        description=(
+            "LoRA and DoRA on tiny-llama, loaded with and without torch_device, each in a fresh process: "
+            "memory per device index at every stage and where every tensor lives (on the last GPU "
+            "where there is one, else RSS on the CPU)."
+        ),
+        build=lambda manifest, devices: demo_spec(
+            manifest, ["lora", "dora"], [f"{last_cuda(devices) or 'cpu'}/float32"], ["memory"]
+        ),
+    )
+)
 
 
 # --- issue 6: adapter consistency -----------------------------------------------------------------
+
+register(
+    Scenario(
+        name="loop-pissa-lora",
+        title="loop with from_pretrained over LoRA + PiSSA adapters",
+        page="adapters",
+        description="PiSSA then LoRA on one base object, by a from_pretrained loop and by load_adapter, "
+        "against isolated: PiSSA rewrites the base weights, so the LoRA after it predicts differently.",
+        build=lambda m, d: demo_spec(
+            m,
+            ["pissa", "lora"],
+            ["cpu/float32"],
+            ["adapters"],
+            strategies=("from_pretrained_loop", "load_adapter"),
+        ),
+    )
+)
+register(
+    Scenario(
+        name="pissa-converted",
+        title="PiSSA converted to LoRA",
+        page="adapters",
+        description="The PiSSA adapter converted to LoRA (rank doubles) on the original base against the "
+        "PiSSA model, and loaded first in a loop: it no longer changes the adapters after it.",
+        build=lambda m, d: demo_spec(
+            m,
+            ["pissa_lora", "lora", "pissa"],
+            ["cpu/float32"],
+            ["adapters"],
+            strategies=("from_pretrained_loop",),
+        ),
+    )
+)
+register(
+    Scenario(
+        name="adapter-not-applied",
+        title="adapter that is not applied",
+        page="adapters",
+        description="A LoRA whose B is zero (PEFT's default init) changes nothing: flagged as not "
+        "applied; two plain LoRAs in a loop stack but predict exactly as isolated.",
+        build=lambda m, d: demo_spec(
+            m,
+            ["lora", "lora_b", "lora_noop"],
+            ["cpu/float32"],
+            ["adapters"],
+            strategies=("from_pretrained_loop",),
+        ),
+    )
+)

@@ -35,7 +35,12 @@ PROCESS_SAMPLES: list[dict[str, Any]] = []
 def _sample_process(stage: str) -> None:
     import psutil
 
-    PROCESS_SAMPLES.append({"stage": stage, "time": time.time(), "rss": psutil.Process().memory_info().rss})
+    # `python -m core.worker` runs this file as `__main__`; checks read `core.worker.PROCESS_SAMPLES`,
+    # another module object, so the sample goes there.
+    from core import worker
+
+    sample = {"stage": stage, "time": time.time(), "rss": psutil.Process().memory_info().rss}
+    worker.PROCESS_SAMPLES.append(sample)
 
 
 class Cancelled(Exception):

@@ -30,6 +30,11 @@ PAGES = [
     ),
     st.Page(VIEWS / "drift.py", title="Drift", icon=":material/grid_on:", url_path="drift"),
     st.Page(VIEWS / "outputs.py", title="Outputs", icon=":material/output:", url_path="outputs"),
+    st.Page(VIEWS / "merge.py", title="Merge residuals", icon=":material/merge:", url_path="merge"),
+    st.Page(VIEWS / "memory.py", title="Memory placement", icon=":material/memory:", url_path="memory"),
+    st.Page(
+        VIEWS / "adapters.py", title="Adapter consistency", icon=":material/layers:", url_path="adapters"
+    ),
     st.Page(VIEWS / "runs.py", title="Runs", icon=":material/history:", url_path="runs"),
 ]
 

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+from core.checks.adapters import AdaptersCheck
 from core.checks.base import Check
 from core.checks.deltas import DeltasCheck
+from core.checks.memory import MemoryCheck
+from core.checks.merge import MergeCheck
 from core.checks.outputs import OutputsCheck
 from core.checks.weights import WeightsCheck
 from core.spec import SpecError
 
-CHECKS: dict[str, Check] = {c.name: c for c in (WeightsCheck(), DeltasCheck(), OutputsCheck())}
+CHECKS: dict[str, Check] = {
+    c.name: c
+    for c in (WeightsCheck(), DeltasCheck(), OutputsCheck(), MemoryCheck(), MergeCheck(), AdaptersCheck())
+}
 
 
 def get_checks(names: tuple[str, ...] | list[str]) -> list[Check]:

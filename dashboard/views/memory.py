@@ -1,0 +1,149 @@
+"""Memory placement: memory per device index at every load stage, stray devices, leaks, and where
+every parameter and buffer lives, one panel per load strategy."""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from core.checks.memory import VARIANTS
+from core.memory import PEFT_PREFIX, adapter_device_summary
+from dashboard.figures_memory import (
+    CUDA_METRICS,
+    flag_summary,
+    flags_table,
+    leak_table,
+    module_device_heatmap,
+    panels,
+    timeline_heatmap,
+)
+from dashboard.state import bound_select, metrics_table
+from dashboard.ui import csv_download, downloads, finished_run, scenario_buttons
+
+st.title("Memory placement")
+scenario_buttons("memory")
+record = finished_run()
+timeline = record.table("memory_timeline")
+placement = record.table("placement")
+table = metrics_table(record)
+rows = table[table["check"] == "memory"] if len(table) else table
+if timeline.empty and rows.empty:
+    st.info("This run did not run the `memory` check (add it in the sidebar's form, or use a demo scenario).")
+    st.stop()
+
+cuda = sorted({d for d in timeline["device"] if d != "cpu"}) if len(timeline) else []
+st.caption(
+    "Each load strategy ran in a fresh worker process, sampled at every stage: process start, after "
+    "`import torch`, after the imports, after the base load, after each adapter load, after the first "
+    "forward, after merging, and after unloading and cleaning up (`del`, `gc.collect()`, `empty_cache()`)."
+)
+if not cuda:
+    st.caption(
+        "No CUDA device was sampled (none on the machine that ran it): the timeline is the process's "
+        "resident memory (RSS) per stage and every tensor lives on the CPU."
+    )
+variants = list(dict.fromkeys(rows["variant"].fillna(""))) if "variant" in rows else []
+if variants:
+    st.caption(
+        "Load strategies: " + " · ".join(f"**{v or 'base only'}**: `{VARIANTS.get(v, v)}`" for v in variants)
+    )
+notes = [n for n in dict.fromkeys("; ".join(rows["note"].dropna()).split("; ")) if n] if len(rows) else []
+for note in notes:
+    if note not in VARIANTS.values():
+        st.caption(f"Note: {note}")
+
+flags = flags_table(table)
+if len(flags):
+    st.error(
+        f"{len(flags)} finding(s):\n" + "\n".join(f"- {line}" for line in flag_summary(flags)),
+        icon=":material/memory:",
+    )
+else:
+    st.success(
+        "Every tensor and every byte on the device asked for, no layer on two devices, no tensor memory "
+        "left after cleanup.",
+        icon=":material/check_circle:",
+    )
+
+st.subheader("Memory per load stage and device")
+metric = "driver_used"
+if cuda:
+    metric = bound_select(
+        "CUDA figure",
+        "metric",
+        list(CUDA_METRICS),
+        default="driver_used",
+        format_func=lambda m: CUDA_METRICS[m],
+        horizontal=True,
+        help="The driver's figure counts the CUDA context, which PyTorch's allocator does not see.",
+    )
+fig = timeline_heatmap(timeline, metric)
+st.plotly_chart(fig, key="memory.timeline")
+downloads(fig, timeline, f"{record.run_id}-memory-timeline", key="memory.timeline")
+
+st.subheader("Findings")
+if len(flags):
+    # columns that say nothing for these findings (no adapter, no single tensor) stay in the CSV only
+    shown = flags[[c for c in flags.columns if flags[c].notna().any()]]
+    st.dataframe(
+        shown,
+        hide_index=True,
+        key="memory.flags",
+        column_config={"explanation": st.column_config.TextColumn(width="large")},
+    )
+    csv_download(flags, f"{record.run_id}-memory-flags", key="memory.flags.csv")
+else:
+    st.caption("No stray device, no leak, no mixed placement.")
+leaks = leak_table(timeline)
+if len(leaks):
+    with st.expander("Memory still held after cleanup (bytes, against the sample before the base load)"):
+        st.caption(
+            "CUDA: tensor memory (`allocated`) should return to 0; the driver's figure keeps the context. "
+            "CPU: RSS does not return to its baseline even without a leak (the C allocator keeps freed "
+            "pages), so it is reported, never flagged."
+        )
+        st.dataframe(leaks, hide_index=True, key="memory.leaks")
+
+st.subheader("Where each parameter and buffer lives")
+by = st.segmented_control(
+    "Rows",
+    ["module", "kind"],
+    default="module",
+    key="memory.by",
+    format_func=lambda b: "every module" if b == "module" else "module kind (summed over layers)",
+)
+if "shared_with" in placement and placement["shared_with"].notna().any():
+    tied = placement[placement["shared_with"].notna()]
+    pairs = dict.fromkeys(
+        f"{r['module']} ↔ {r['shared_with'].removeprefix(PEFT_PREFIX).rsplit('.', 1)[0]}"
+        for _, r in tied.iterrows()
+    )
+    st.caption(
+        "Tied tensors are counted once, under the first name: " + ", ".join(pairs) + " (a blank row there)."
+    )
+fig2 = module_device_heatmap(placement, by or "module")
+st.plotly_chart(fig2, key="memory.placement")
+downloads(fig2, placement, f"{record.run_id}-placement", key="memory.placement")
+
+summaries = []
+for target, variant, label in panels(placement):
+    part = placement[(placement["target"] == target) & (placement["variant"].fillna("") == variant)]
+    asked = timeline[(timeline["target"] == target) & (timeline["variant"].fillna("") == variant)]
+    requested = sorted(set(asked[asked["requested"].astype(bool)]["device"])) if len(asked) else None
+    summary = adapter_device_summary(part, requested=requested)
+    if len(summary):
+        summaries.append(summary.assign(strategy=label))
+if summaries:
+    st.markdown("**Per adapter: what `get_layer_status()` shows, and where the tensors are**")
+    summary = pd.concat(summaries, ignore_index=True)
+    summary = summary[["strategy", *[c for c in summary.columns if c != "strategy"]]]
+    st.dataframe(
+        summary,
+        hide_index=True,
+        key="memory.adapters",
+        column_config={
+            "hidden": st.column_config.CheckboxColumn(
+                "index hidden", help="get_layer_status() shows device types only, so it cannot show this"
+            )
+        },
+    )

@@ -1,0 +1,138 @@
+"""The Memory placement page under AppTest: a real CPU run (RSS timeline, all on cpu), the same run
+with GPU-like tables showing a stray device and a mixed layer, a run without the check, and the
+demo scenario button."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from core import memory
+from core.demo import build_demo
+from core.engine import Engine, InProcessRunner
+from core.scenarios import demo_spec
+from core.store import Store
+
+APP = str(Path(__file__).resolve().parent.parent / "dashboard" / "app.py")
+
+
+@pytest.fixture(scope="module")
+def memory_home(tmp_path_factory):
+    home = tmp_path_factory.mktemp("memory-app")
+    manifest = build_demo(home)
+    job = Engine(home, runner=InProcessRunner()).submit(
+        demo_spec(manifest, ["lora", "dora"], ["cpu/float32"], ["memory"])
+    )
+    assert job.wait(300) and job.state == "succeeded", job.error
+    return home, job.run_id
+
+
+def _app(home, monkeypatch, **params):
+    monkeypatch.setenv("WEIGHTDRIFT_HOME", str(home))
+    monkeypatch.setenv("WEIGHTDRIFT_RUNNER", "in-process")
+    at = AppTest.from_file(APP, default_timeout=120)
+    for k, v in params.items():
+        at.query_params[k] = v
+    return at
+
+
+def _text(at) -> str:
+    kinds = ("error", "success", "warning", "info", "caption", "subheader", "markdown", "title")
+    return "\n".join(str(e.value) for kind in kinds for e in getattr(at, kind))
+
+
+def test_memory_page_renders_a_cpu_run(memory_home, monkeypatch):
+    home, run_id = memory_home
+    at = _app(home, monkeypatch, run=run_id)
+    at.switch_page("views/memory.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    text = _text(at)
+    assert "Memory placement" in text
+    assert "resident memory (RSS)" in text  # honest about a CPU-only timeline
+    assert "Every tensor and every byte on the device asked for" in text
+    assert "torch_device" in text and "not a fresh worker process" in text
+    charts = at.get("plotly_chart")
+    assert len(charts) == 2  # timeline heatmap, module × device heatmap
+    assert any(b.label == "Memory per device and load stage" for b in at.button)
+    assert len(at.dataframe) >= 1  # the get_layer_status() summary
+
+
+def test_memory_page_shows_flags_of_a_gpu_run(memory_home, monkeypatch, tmp_path):
+    home, run_id = memory_home
+    # A copy of the run whose tables read as on a two-GPU machine, target cuda:1, with a stray cuda:0.
+    store = Store(home)
+    record = store.open(run_id)
+    timeline = record.table("memory_timeline")
+    gpu = []
+    for (variant, order, stage), _ in timeline.groupby(["variant", "order", "stage"], sort=False):
+        for device, used in (
+            ("cuda:0", 300 * 2**20 if variant == "no_torch_device" and order >= 3 else 0),
+            ("cuda:1", 500 * 2**20),
+        ):
+            gpu.append(
+                {
+                    **memory.timeline_record(
+                        stage, order, device, allocated=0, reserved=0, driver_used=used, context=used > 0
+                    ),
+                    "variant": variant,
+                    "target": "cuda:1/float32",
+                    "requested": device == "cuda:1",
+                }
+            )
+    gpu_table = pd.concat([timeline.assign(target="cuda:1/float32"), pd.DataFrame(gpu)], ignore_index=True)
+    store.write_table(run_id, "memory_timeline", gpu_table)
+    metrics = record.metrics()
+    flag = {
+        **metrics.iloc[0].to_dict(),
+        "target": "cuda:1/float32",
+        "variant": "no_torch_device",
+        "verdict": "broken",
+        "rule": "stray device",
+        "stage": "adapter lora loaded",
+        "device": "cuda:0",
+        "module": None,
+        "explanation": "cuda:0 holds driver_used 300.0 MiB, a CUDA context",
+    }
+    store.write_metrics(run_id, pd.concat([metrics, pd.DataFrame([flag])], ignore_index=True))
+    try:
+        at = _app(home, monkeypatch, run=run_id)
+        at.switch_page("views/memory.py").run()
+        assert not at.exception, [e.value for e in at.exception]
+        text = _text(at)
+        assert "1 finding(s):" in text
+        assert "no_torch_device: stray device on cuda:0, from stage 'adapter lora loaded'" in text
+        assert at.segmented_control(key="widget.metric").value == "driver_used"
+        flags = next(d.value for d in at.dataframe if "rule" in d.value.columns)
+        assert list(flags["stage"]) == ["adapter lora loaded"]
+        fig = json.loads(at.get("plotly_chart")[0].proto.spec)
+        assert any(cell.startswith("✗") for trace in fig["data"] for row in trace["text"] for cell in row)
+    finally:
+        store.write_table(run_id, "memory_timeline", timeline)
+        store.write_metrics(run_id, metrics)
+
+
+def test_memory_page_without_the_check(tmp_path, monkeypatch):
+    at = _app(tmp_path, monkeypatch)
+    at.switch_page("views/memory.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+
+
+def test_scenario_button_runs_the_memory_scenario(memory_home, monkeypatch):
+    home, _ = memory_home
+    store = Store(home)
+    before = {r.run_id for r in store.list_runs()}
+    at = _app(home, monkeypatch)
+    at.switch_page("views/memory.py").run()
+    at.button(key="scenario.memory-placement").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    new = [r for r in store.list_runs() if r.run_id not in before]
+    assert len(new) == 1 and new[0].spec.checks == ("memory",)
+    deadline = time.time() + 120
+    while store.open(new[0].run_id).status in ("queued", "running") and time.time() < deadline:
+        time.sleep(0.3)
+    assert store.open(new[0].run_id).status == "succeeded"

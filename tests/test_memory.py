@@ -1,0 +1,465 @@
+"""core.memory: the placement map on tiny models, stage sampling, and the flag rules on
+constructed timeline and placement records."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+from core import memory
+from core.loading import attach_adapter, load_base
+from core.spec import AdapterRef, ModelRef, Target
+
+CPU = Target.parse("cpu/float32")
+
+
+@pytest.fixture(scope="module")
+def llama_lora(demo_workspace):
+    base = load_base(ModelRef(demo_workspace["models"]["tiny-llama"]), CPU)
+    lora = AdapterRef(demo_workspace["adapters"]["lora"]["path"], "lora")
+    dora = AdapterRef(demo_workspace["adapters"]["dora"]["path"], "dora")
+    model = attach_adapter(base, lora, CPU)
+    model = attach_adapter(model, dora, CPU)
+    return model
+
+
+def test_placement_map_is_exact_per_module(llama_lora):
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    records = memory.placement_map(llama_lora, ["lora", "dora"], memory.peft_layer_devices(llama_lora))
+    table = pd.DataFrame(records)
+    assert set(table[table["adapter"].notna()]["layer_status"]) == {"cpu"}
+    assert table[table["adapter"].isna()]["layer_status"].isna().all()
+    assert list(table.columns[: len(memory.PLACEMENT_COLUMNS)]) == list(memory.PLACEMENT_COLUMNS)
+    assert set(table["device"]) == {"cpu"}
+    per_module = table.groupby("module")["bytes"].sum()
+    layers = 0
+    for name, module in llama_lora.named_modules():
+        if not isinstance(module, BaseTunerLayer):
+            continue
+        layers += 1
+        expected = sum(p.numel() * p.element_size() for p in module.parameters())
+        expected += sum(b.numel() * b.element_size() for b in module.buffers())
+        assert per_module[name.removeprefix(memory.PEFT_PREFIX)] == expected, name
+    assert layers > 0
+    # every tensor the model holds, once: tied lm_head is an alias of embed_tokens
+    unique = {
+        t.data_ptr(): t.numel() * t.element_size() for t in [*llama_lora.parameters(), *llama_lora.buffers()]
+    }
+    assert table["bytes"].sum() == sum(unique.values())
+    lm_head = table[table["name"].str.endswith("lm_head.weight")].iloc[0]
+    assert lm_head["bytes"] == 0 and lm_head["shared_with"].endswith("embed_tokens.weight")
+
+
+def test_placement_labels_role_adapter_and_module(llama_lora):
+    table = pd.DataFrame(memory.placement_map(llama_lora, ["lora", "dora"]))
+    q0 = table[table["module"] == "model.layers.0.self_attn.q_proj"]
+    labels = set(zip(q0["role"], q0["adapter"].fillna("-"), strict=True))
+    assert {("base", "-"), ("lora_A", "lora"), ("lora_B", "lora"), ("lora_A", "dora")} <= labels
+    assert ("lora_magnitude_vector", "dora") in labels
+    assert set(table[table["kind"] == "buffer"]["role"]) == {"buffer"}
+    assert (table[table["adapter"].notna()]["layer"].notna()).all()
+    assert set(table["dtype"]) == {"float32"}
+
+
+def test_split_name_handles_peft_and_plain_names():
+    split = memory._split_name
+    adapters = {"default", "b"}
+    assert split("base_model.model.model.layers.1.mlp.up_proj.lora_B.b.weight", adapters) == (
+        "model.layers.1.mlp.up_proj",
+        "lora_B",
+        "b",
+    )
+    assert split("base_model.model.model.layers.1.mlp.up_proj.base_layer.weight", adapters) == (
+        "model.layers.1.mlp.up_proj",
+        "base",
+        None,
+    )
+    assert split("base_model.model.x.lora_embedding_A.default", adapters) == (
+        "x",
+        "lora_embedding_A",
+        "default",
+    )
+    assert split("model.norm.weight", adapters) == ("model.norm", "base", None)
+    assert split("base_model.model.score.modules_to_save.b.weight", adapters) == (
+        "score",
+        "modules_to_save",
+        "b",
+    )
+    assert split("base_model.model.score.original_module.weight", adapters) == ("score", "base", None)
+
+
+def test_peft_devices_reports_types_only(llama_lora):
+    assert memory.peft_devices(llama_lora) == {"dora": ["cpu"], "lora": ["cpu"]}
+    assert memory.peft_devices(torch.nn.Linear(2, 2)) is None
+
+
+class FakeProbe:
+    """Two CUDA indices; cuda:0 gains memory and a context at the second sample."""
+
+    indices = [0, 1]
+
+    def __init__(self):
+        self.calls = 0
+
+    def context(self, index):
+        return index == 0 and self.calls > 0
+
+    def allocated(self, index):
+        return 512 if index == 0 and self.calls > 0 else 0
+
+    def reserved(self, index):
+        self.calls += index == 1  # one tick per stage, after both devices were read
+        return 2048 if index == 0 and self.calls > 0 else 0
+
+    def driver_used(self, index, context=None):
+        return 500 * 2**20 if context else 0
+
+
+def test_stage_sampling_records_every_stage_in_order():
+    rss = iter(range(100, 10_000, 100))
+    sampler = memory.StageSampler(probe=FakeProbe(), rss=lambda: next(rss))
+    sampler.add_process_samples(
+        [{"stage": memory.PROCESS_START, "time": 0.0, "rss": 10}, {"stage": memory.IMPORT_TORCH, "rss": 20}]
+    )
+    later = memory.stage_names(["a", "b"])[2:]
+    for stage in later:
+        sampler.sample(stage)
+    table = pd.DataFrame(sampler.records)
+    assert list(table.columns) == list(memory.TIMELINE_COLUMNS)
+    assert sampler.stages == memory.stage_names(["a", "b"])
+    order = table.drop_duplicates("order").sort_values("order")
+    assert list(order["stage"]) == sampler.stages and list(order["order"]) == list(range(len(sampler.stages)))
+    # process samples: RSS only; sampled stages: cpu plus one row per CUDA index
+    assert list(table[table["order"] == 0]["device"]) == ["cpu"]
+    assert list(table[table["order"] == 3]["device"]) == ["cpu", "cuda:0", "cuda:1"]
+    cpu = table[table["device"] == "cpu"]
+    assert cpu["rss"].is_monotonic_increasing and cpu["allocated"].isna().all()
+
+
+def test_sampling_without_cuda_records_real_rss():
+    sampler = memory.StageSampler(probe=None)
+    sampler.sample("now")
+    assert sampler.records == [memory.timeline_record("now", 0, "cpu", rss=sampler.records[0]["rss"])]
+    assert sampler.records[0]["rss"] > 10 * 2**20
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only path")
+def test_cuda_probe_without_gpu_has_no_indices():
+    probe = memory.CudaProbe()
+    assert probe.indices == []
+
+
+def test_uuid_text_matches_nvml_spelling():
+    raw = bytes(range(16))
+    assert memory._uuid_text(raw) == "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f"
+
+
+def rec(stage, order, device, **kw):
+    return memory.timeline_record(stage, order, device, **kw)
+
+
+def test_memory_on_cuda0_while_target_is_cuda1_is_flagged():
+    timeline = [
+        rec("import torch", 1, "cpu", rss=100),
+        rec("base loaded", 3, "cuda:0", allocated=0, reserved=0, driver_used=0, context=False),
+        rec("base loaded", 3, "cuda:1", allocated=10, reserved=20, driver_used=30, context=True),
+        rec(
+            "adapter a loaded",
+            4,
+            "cuda:0",
+            allocated=0,
+            reserved=2 * 2**20,
+            driver_used=400 * 2**20,
+            context=True,
+        ),
+        rec("adapter a loaded", 4, "cuda:1", allocated=11, reserved=20, driver_used=30, context=True),
+        rec(
+            "first forward",
+            5,
+            "cuda:0",
+            allocated=0,
+            reserved=2 * 2**20,
+            driver_used=400 * 2**20,
+            context=True,
+        ),
+    ]
+    flags = memory.stray_devices(timeline, ["cuda:1"])
+    assert [(f.rule, f.device, f.stage) for f in flags] == [("stray device", "cuda:0", "adapter a loaded")]
+    assert "400.0 MiB" in flags[0].explanation and "a CUDA context" in flags[0].explanation
+    assert memory.stray_devices(timeline, ["cuda:0", "cuda:1"]) == []
+    # a bare "cuda" request means the current device, cuda:0
+    assert [f.device for f in memory.stray_devices(timeline, ["cuda"])] == ["cuda:1"]
+
+
+def test_a_context_alone_is_stray_and_a_cpu_target_flags_every_gpu():
+    timeline = [
+        rec("base loaded", 3, "cuda:0", allocated=0, reserved=0, driver_used=None, context=True),
+        rec("base loaded", 3, "cuda:1", allocated=0, reserved=0, driver_used=None, context=False),
+    ]
+    flags = memory.stray_devices(timeline, ["cpu"])
+    assert [(f.device, f.stage) for f in flags] == [("cuda:0", "base loaded")]
+
+
+def place(name, module, role, adapter, device, nbytes=16):
+    return {
+        "name": name,
+        "module": module,
+        "role": role,
+        "adapter": adapter,
+        "device": device,
+        "dtype": "float32",
+        "bytes": nbytes,
+    }
+
+
+PLACED = [
+    place("m.q.base_layer.weight", "m.q", "base", None, "cuda:1", 64),
+    place("m.q.lora_A.a.weight", "m.q", "lora_A", "a", "cuda:0", 8),
+    place("m.q.lora_B.a.weight", "m.q", "lora_B", "a", "cuda:1", 8),
+    place("m.v.base_layer.weight", "m.v", "base", None, "cuda:1", 64),
+    place("m.v.lora_A.a.weight", "m.v", "lora_A", "a", "cuda:1", 8),
+]
+
+
+def test_mixed_placement_inside_one_layer_is_flagged():
+    flags = memory.mixed_placement(PLACED, stage="adapter a loaded")
+    assert [(f.rule, f.module, f.device) for f in flags] == [("mixed placement", "m.q", "cuda:0, cuda:1")]
+    assert "lora_A[a] on cuda:0" in flags[0].explanation
+    assert "base, lora_B[a] on cuda:1" in flags[0].explanation
+
+
+def test_tensor_on_a_device_nobody_asked_for_is_flagged_per_module():
+    flags = memory.stray_placement(PLACED, ["cuda:1"], stage="adapter a loaded")
+    assert [(f.rule, f.module, f.device, f.adapter, f.tensor) for f in flags] == [
+        ("stray device", "m.q", "cuda:0", "a", "m.q.lora_A.a.weight")
+    ]
+    assert memory.stray_placement(PLACED, ["cuda:0", "cuda:1"], stage="x") == []
+
+
+def test_a_split_layer_is_one_finding_that_names_its_stray_part():
+    whole_on_0 = [place("m.o.base_layer.weight", "m.o", "base", None, "cuda:0")]
+    flags = memory.placement_flags(PLACED + whole_on_0, ["cuda:1"], stage="s")
+    assert sorted((f.rule, f.module) for f in flags) == [("mixed placement", "m.q"), ("stray device", "m.o")]
+    mixed = next(f for f in flags if f.rule == "mixed placement")
+    assert "lora_A[a] on cuda:0 (not asked for)" in mixed.explanation
+
+
+def test_adapter_summary_shows_what_get_layer_status_hides():
+    summary = memory.adapter_device_summary(pd.DataFrame(PLACED), {"a": ["cuda"]})
+    row = summary.iloc[0]
+    assert row["get_layer_status"] == "cuda"
+    assert row["devices"] == "cuda:0, cuda:1"
+    assert row["bytes_by_device"] == "cuda:0: 8, cuda:1: 16"
+    assert bool(row["hidden"]) and row["tensors"] == 3
+    # one device, but not the index asked for: PEFT's "cuda" hides it too
+    only0 = pd.DataFrame([place("m.q.lora_A.a.weight", "m.q", "lora_A", "a", "cuda:0")])
+    assert bool(memory.adapter_device_summary(only0, {"a": ["cuda"]}, requested=["cuda:1"])["hidden"].iloc[0])
+    assert not memory.adapter_device_summary(only0, {"a": ["cuda"]}, requested=["cuda:0"])["hidden"].iloc[0]
+    # PEFT's view read from the placement's own column
+    with_status = pd.DataFrame([{**p, "layer_status": "cuda"} for p in PLACED])
+    assert memory.adapter_device_summary(with_status)["get_layer_status"].iloc[0] == "cuda"
+
+
+def test_module_device_bytes():
+    grid = memory.module_device_bytes(pd.DataFrame(PLACED))
+    assert list(grid.index) == ["m.q", "m.v"] and list(grid.columns) == ["cuda:0", "cuda:1"]
+    assert (
+        grid.loc["m.q", "cuda:0"] == 8 and grid.loc["m.q", "cuda:1"] == 72 and grid.loc["m.v", "cuda:0"] == 0
+    )
+    kinds = memory.module_device_bytes(pd.DataFrame(PLACED), by="kind")
+    assert list(kinds.index) == ["q", "v"]
+
+
+def test_device_order_is_numeric():
+    assert sorted(["cuda:10", "cuda:2", "cpu", "cuda:0"], key=memory.device_sort_key) == [
+        "cpu",
+        "cuda:0",
+        "cuda:2",
+        "cuda:10",
+    ]
+
+
+def test_leak_figures_and_flags():
+    timeline = [
+        rec(memory.IMPORT_LIBS, 2, "cpu", rss=1000),
+        rec(memory.IMPORT_LIBS, 2, "cuda:0", allocated=0, reserved=0, driver_used=0, context=False),
+        rec(memory.BASE_LOADED, 3, "cpu", rss=5000),
+        rec(memory.BASE_LOADED, 3, "cuda:0", allocated=4096, reserved=8192, driver_used=9000, context=True),
+        rec(memory.CLEANED_UP, 6, "cpu", rss=1500),
+        rec(memory.CLEANED_UP, 6, "cuda:0", allocated=1024, reserved=2048, driver_used=3000, context=True),
+    ]
+    leaks = memory.leak_figures(timeline)
+    assert list(leaks["device"]) == ["cpu", "cuda:0"]
+    cpu, gpu = leaks.to_dict(orient="records")
+    assert cpu["rss"] == 500 and cpu["baseline_stage"] == memory.IMPORT_LIBS
+    assert (gpu["allocated"], gpu["reserved"], gpu["driver_used"]) == (1024, 2048, 3000)
+    flags = memory.leak_flags(leaks)
+    assert [(f.rule, f.device, f.stage) for f in flags] == [("leak", "cuda:0", memory.CLEANED_UP)]
+    # everything returned: no flag
+    timeline[-1] = rec(
+        memory.CLEANED_UP, 6, "cuda:0", allocated=0, reserved=0, driver_used=3000, context=True
+    )
+    assert memory.leak_flags(memory.leak_figures(timeline)) == []
+    assert memory.leak_figures([]).empty
+
+
+# ---------------------------------------------------------------------------------------------
+# The `memory` check: variants, stages, tables and metric rows
+
+
+def memory_spec(demo, adapters, target="cpu/float32"):
+    from core.spec import ProbeSpec
+
+    return ProbeSpec(
+        base=ModelRef(demo["models"]["tiny-llama"]),
+        adapters=tuple(AdapterRef(demo["adapters"][n]["path"], n) for n in adapters),
+        targets=(Target.parse(target),),
+        checks=("memory",),
+    )
+
+
+def run_memory(home, spec, runner):
+    from core.engine import Engine
+
+    engine = Engine(home, runner=runner)
+    job = engine.submit(spec)
+    assert job.wait(300)
+    snap = job.snapshot()
+    assert snap["state"] == "succeeded", snap["error"]
+    return engine.store.open(job.run_id), snap
+
+
+def test_variants_groups_and_stage_count(demo_workspace):
+    from core.checks.memory import MemoryCheck, adapter_groups
+
+    check = MemoryCheck()
+    assert check.variants(memory_spec(demo_workspace, []), CPU) == ("",)
+    spec = memory_spec(demo_workspace, ["lora", "dora", "boft", "lora_b"])
+    assert check.variants(spec, CPU)[:2] == ("torch_device", "no_torch_device")
+    groups = adapter_groups(spec.adapters)
+    assert [[a.name for a in g] for g in groups] == [["lora", "dora"], ["boft"], ["lora_b"]]
+    # three bases, four adapters, forward, merge, cleanup
+    assert check.run_stages(spec, CPU, "torch_device") == 3 + 4 + 3
+
+
+def test_memory_check_in_process_writes_its_tables_and_rows(tmp_path, demo_workspace):
+    from core.checks.memory import MemoryCheck
+    from core.engine import InProcessRunner
+
+    spec = memory_spec(demo_workspace, ["lora", "dora"])
+    record, snap = run_memory(tmp_path, spec, InProcessRunner())
+    assert {"cpu/float32 · memory:torch_device", "cpu/float32 · memory:no_torch_device"} <= set(snap["tasks"])
+    task = snap["tasks"]["cpu/float32 · memory:torch_device"]
+    assert task["step"] == task["of"] == 1 + MemoryCheck().run_stages(spec, CPU, "torch_device") + 1
+
+    timeline = record.table("memory_timeline")
+    assert list(timeline.columns[:8]) == list(memory.TIMELINE_COLUMNS)
+    for variant in ("torch_device", "no_torch_device"):
+        part = timeline[timeline["variant"] == variant].sort_values("order")
+        # in-process: no process-start samples, every later stage in order
+        assert list(part["stage"]) == memory.stage_names(["lora", "dora"])[2:]
+        assert set(part["device"]) == {"cpu"} and (part["rss"] > 0).all()
+
+    placement = record.table("placement")
+    assert list(placement.columns[:7]) == list(memory.PLACEMENT_COLUMNS)
+    assert set(placement["device"]) == {"cpu"}
+    one = placement[placement["variant"] == "torch_device"]
+    assert set(one["adapter"].dropna()) == {"lora", "dora"}
+    per_module = one.groupby("module")["bytes"].sum()
+    assert per_module["lm_head"] == 0  # tied to embed_tokens: its bytes are counted there
+    assert (per_module.drop("lm_head") > 0).all()
+
+    rows = record.metrics()
+    rows = rows[rows["check"] == "memory"]
+    assert len(rows) == 2 and set(rows["verdict"]) == {"identical"}
+    assert rows["note"].str.contains("not a fresh worker process").all()
+
+
+def test_a_misplaced_load_is_flagged_at_the_stage_it_appeared(tmp_path, demo_workspace, monkeypatch):
+    """As if the target were cuda:1: every tensor on the CPU is on a device nobody asked for."""
+    from core.checks import memory as memory_check
+    from core.engine import InProcessRunner
+
+    monkeypatch.setattr(memory_check, "requested_devices", lambda target, variant: ["cuda:1"])
+    spec = memory_spec(demo_workspace, ["lora"])
+    record, _ = run_memory(tmp_path, spec, InProcessRunner())
+    rows = record.metrics()
+    rows = rows[(rows["check"] == "memory") & (rows["variant"] == "torch_device")]
+    assert set(rows["verdict"]) == {"broken"} and set(rows["rule"]) == {"stray device"}
+    assert set(rows["device"]) == {"cpu"}
+    # base layers appeared with the base; none is reported again at the adapter's stage
+    q0 = rows[rows["module"] == "model.layers.0.self_attn.q_proj"]
+    assert list(q0["stage"]) == [memory.BASE_LOADED]
+    assert q0["layer"].tolist() == [0]
+
+
+def flagged_capture(target="cuda:1/float32"):
+    from core.capture import Capture
+
+    capture = Capture(target=target, check="memory", variant="no_torch_device")
+    capture.meta["memory"] = {
+        "variant": "no_torch_device",
+        "requested": ["cuda:1"],
+        "timeline": [
+            rec(memory.BASE_LOADED, 3, "cuda:0", allocated=0, reserved=0, driver_used=0, context=False),
+            rec(memory.BASE_LOADED, 3, "cuda:1", allocated=9, reserved=9, driver_used=9, context=True),
+            rec(memory.adapter_stage("a"), 4, "cuda:0", allocated=0, reserved=2, driver_used=3, context=True),
+            rec(memory.CLEANED_UP, 5, "cuda:0", allocated=0, reserved=0, driver_used=3, context=True),
+            rec(memory.CLEANED_UP, 5, "cuda:1", allocated=0, reserved=0, driver_used=9, context=True),
+        ],
+        "placement": PLACED,
+        "placement_flags": [
+            f.as_dict() for f in memory.placement_flags(PLACED, ["cuda:1"], "adapter a loaded")
+        ],
+        "notes": [],
+    }
+    return capture
+
+
+def test_flags_become_broken_metric_rows():
+    from core.checks.memory import MemoryCheck
+
+    rows = MemoryCheck().compare(None, [flagged_capture()], None, lambda s: None)
+    table = pd.DataFrame(rows)
+    assert set(table["verdict"]) == {"broken"} and set(table["check"]) == {"memory"}
+    got = set(zip(table["rule"], table["stage"], table["device"], table["module"].fillna("-"), strict=True))
+    assert got == {
+        ("stray device", "adapter a loaded", "cuda:0", "-"),  # from the timeline: a context on cuda:0
+        ("mixed placement", "adapter a loaded", "cuda:0, cuda:1", "m.q"),
+    }
+    assert (table["reference"] == "requested placement (cuda:1)").all()
+
+
+def test_tables_have_the_required_columns_first():
+    from core.checks.memory import MemoryCheck
+
+    tables = MemoryCheck().tables(None, [flagged_capture()])
+    timeline, placement = tables["memory_timeline"], tables["placement"]
+    assert list(timeline.columns) == [*memory.TIMELINE_COLUMNS, "variant", "target", "requested"]
+    assert list(placement.columns[:7]) == list(memory.PLACEMENT_COLUMNS)
+    assert list(timeline["requested"]) == [False, True, False, False, True]
+
+
+def test_rss_timeline_of_a_fresh_worker_process_is_real(tmp_path, demo_workspace):
+    """A real `python -m core.worker` process: process start and import torch come from the worker,
+    and after the base load RSS exceeds the process-start figure by at least the model's bytes."""
+    from core.engine import ProcessRunner
+
+    record, snap = run_memory(tmp_path, memory_spec(demo_workspace, []), ProcessRunner())
+    assert set(snap["tasks"]) == {"cpu/float32 · memory", "compare"}
+    timeline = record.table("memory_timeline").sort_values("order")
+    assert list(timeline["stage"]) == memory.stage_names([])
+    rss = dict(zip(timeline["stage"], timeline["rss"], strict=True))
+    model_bytes = int(record.table("placement")["bytes"].sum())
+    assert model_bytes > 500_000  # tiny-llama: ~640 KiB of float32 parameters (lm_head tied)
+    assert (
+        rss[memory.PROCESS_START]
+        < rss[memory.IMPORT_TORCH]
+        < rss[memory.IMPORT_LIBS]
+        < rss[memory.BASE_LOADED]
+    )
+    assert rss[memory.BASE_LOADED] - rss[memory.PROCESS_START] >= model_bytes
+    rows = record.metrics()
+    assert not rows["note"].str.contains("not a fresh").any()
