@@ -154,8 +154,9 @@ def run_label(record: RunRecord) -> str:
     return f"{record.run_id} · {record.status} · {targets} · {adapters}"
 
 
-def open_run(name: str = "run", *, container: Any = None) -> RunRecord | None:
-    """The run picker: the URL's run, else the newest run; None when the store has no runs."""
+def open_run(name: str = "run", *, container: Any = None, check: str | None = None) -> RunRecord | None:
+    """The run picker: the URL's run, else the newest finished run (that ran `check`, when given and
+    there is one); None when the store has no runs."""
     records = store().list_runs()
     if not records:
         return None
@@ -163,7 +164,9 @@ def open_run(name: str = "run", *, container: Any = None) -> RunRecord | None:
     wanted = view(name)
     if wanted is not None and wanted not in by_id:
         st.warning(f"Run `{wanted}` is not in {store().runs_dir} (deleted, or made with another home).")
-    newest_done = next((r.run_id for r in records if r.status == "succeeded"), records[0].run_id)
+    done = [r for r in records if r.status == "succeeded"]
+    with_check = [r for r in done if check is not None and r.spec is not None and check in r.spec.checks]
+    newest_done = (with_check or done or records)[0].run_id
     run_id = bound_select(
         "Run",
         name,

@@ -87,9 +87,10 @@ def run_header(record: RunRecord) -> bool:
     return True
 
 
-def finished_run() -> RunRecord:
-    """The run the URL selects, when it has results; otherwise say why and stop the page."""
-    record = open_run()
+def finished_run(check: str | None = None) -> RunRecord:
+    """The run the URL selects (else the newest that ran `check`), when it has results; otherwise say
+    why and stop the page."""
+    record = open_run(check=check)
     if record is None:
         st.info("No runs yet. The sidebar's **Run** button starts one on the demo workspace.")
         st.stop()

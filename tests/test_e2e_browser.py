@@ -498,3 +498,90 @@ def _scenario(browser, server: Server, timings: dict) -> None:
     _no_exception(page, "cancelled run")
     _shot(page, "09-cancelled.png")
     colleague.close()
+
+
+# --- the scenario pages (merge residuals, memory placement, adapter consistency) ------------------
+
+# (page url_path, scenario name, heading, text the result must show, screenshot): one click on the
+# scenario's button runs it in real worker processes and the page draws its result.
+SCENARIO_PAGES = (
+    ("merge", "bf16-merge-residual", "Merge residuals", "Output residual per stage", "10-merge.png"),
+    (
+        "memory",
+        "memory-placement",
+        "Memory placement",
+        "Where each parameter and buffer lives",
+        "11-memory.png",
+    ),
+    ("adapters", "loop-pissa-lora", "Adapter consistency", "base mutated by pissa", "12-adapters.png"),
+)
+
+
+def test_scenario_pages(server: Server, capsys: pytest.CaptureFixture) -> None:
+    if os.environ.get("WEIGHTDRIFT_SKIP_BROWSER") == "1":
+        pytest.skip("WEIGHTDRIFT_SKIP_BROWSER=1")
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"no Chromium at {CHROMIUM}: apt-get install chromium (README's test command does)")
+    import playwright.sync_api as playwright_sync
+
+    timings: dict[str, float] = {}
+    try:
+        with playwright_sync.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_context(viewport=VIEWPORT).new_page()
+                for path, scenario, heading, expect, shot in SCENARIO_PAGES:
+                    timings[scenario] = _run_scenario(page, server, path, scenario, heading, expect, shot)
+            except BaseException:
+                _failure_shots(browser)
+                raise
+            finally:
+                browser.close()
+    except BaseException:
+        print(f"\n--- server log ({server.log}), last lines ---\n{server.log_tail()}")
+        raise
+    with capsys.disabled():
+        print("\ne2e scenarios, click → result: " + " · ".join(f"{k} {v:.1f} s" for k, v in timings.items()))
+
+
+def _run_scenario(
+    page, server: Server, path: str, scenario: str, heading: str, expect: str, shot: str
+) -> float:
+    """Open the page, click the scenario's button, wait for its result; the click → result seconds."""
+    page.goto(f"{server.url}/{path}")
+    page.get_by_role("heading", name=heading, exact=True).wait_for(timeout=FORM_TIMEOUT_S * 1000)
+    _wait_idle(page)
+    button = page.locator(f"{MAIN} .st-key-scenario-{scenario} button").first
+    if not button.is_visible():
+        page.locator(MAIN).get_by_text("Demo scenarios").first.click()
+    button.wait_for(state="visible", timeout=STEP_TIMEOUT_S * 1000)
+    before = _query(page.url).get("run")
+    button.click()
+    t_click = time.monotonic()
+    _wait_for(
+        lambda: f"/{path}" in page.url and _query(page.url).get("run") not in (None, before),
+        STEP_TIMEOUT_S,
+        f"the {scenario} button to open /{path} on a new run",
+        page,
+    )
+    run_id = _query(page.url)["run"]
+    run_json = server.home / "runs" / run_id / "run.json"
+    _wait_for(
+        lambda: json.loads(run_json.read_text()).get("status") not in ("queued", "running"),
+        RUN_TIMEOUT_S,
+        f"run {run_id} ({scenario}) to end",
+        page,
+    )
+    status = json.loads(run_json.read_text())
+    assert status.get("status") == "succeeded", f"{scenario}: {status.get('error')}"
+    page.locator(f"{MAIN} {CHART}").first.wait_for(state="visible", timeout=STEP_TIMEOUT_S * 1000)
+    elapsed = time.monotonic() - t_click
+    _settle_url(page)
+    _wait_idle(page)
+    _no_exception(page, f"/{path} after {scenario}")
+    assert _query(page.url).get("run") == run_id, page.url
+    assert expect in _main_text(page), f"/{path} after {scenario} should show {expect!r}"
+    page.mouse.move(5, 5)  # no button tooltip over the result
+    page.locator(f"{MAIN} {CHART}").first.scroll_into_view_if_needed()
+    _shot(page, shot)
+    return elapsed

@@ -19,7 +19,7 @@ from dashboard.ui import METRIC_COLUMN_CONFIG, csv_download, downloads, finished
 
 st.title("Adapter consistency")
 scenario_buttons("adapters")
-record = finished_run()
+record = finished_run("adapters")
 table = metrics_table(record)
 rows = table[table["check"] == "adapters"] if len(table) else table
 if rows.empty:

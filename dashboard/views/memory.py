@@ -22,7 +22,7 @@ from dashboard.ui import csv_download, downloads, finished_run, scenario_buttons
 
 st.title("Memory placement")
 scenario_buttons("memory")
-record = finished_run()
+record = finished_run("memory")
 timeline = record.table("memory_timeline")
 placement = record.table("placement")
 table = metrics_table(record)

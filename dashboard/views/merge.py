@@ -27,7 +27,7 @@ from dashboard.ui import (
 
 st.title("Merge residuals")
 scenario_buttons("merge")
-record = finished_run()
+record = finished_run("merge")
 table = metrics_table(record)
 rows = table[table["check"] == "merge"] if len(table) else table
 if rows.empty:
@@ -91,8 +91,7 @@ shown = pd.concat([merged, tied]) if len(tied) else merged
 st.caption(
     f"{len(merged)} merged modules · colour: log₁₀ {METRIC_LABELS[metric]} in the target dtype "
     "(ulps at the tensor's scale: up to a few is the rounding of the merge's own sums and products, "
-    "tens or more an error) · symbols: "
-    + " ".join(f"{VERDICT_SYMBOLS[v]} {v}" for v in report.VERDICT_ORDER)
+    "tens or more an error) · symbols: " + " ".join(f"{VERDICT_SYMBOLS[v]} {v}" for v in report.VERDICT_ORDER)
 )
 fig = weight_heatmap(shown, metric, title=f"merge · {adapter} · {METRIC_LABELS[metric]}")
 st.plotly_chart(fig, key="merge.heatmap")

@@ -17,7 +17,7 @@ HEALTH = {
 }
 
 st.title("Outputs")
-record = finished_run()
+record = finished_run("outputs")
 table = metrics_table(record)
 rows = table[table["check"] == "outputs"] if len(table) else table
 if rows.empty:
