@@ -170,3 +170,64 @@ def worst_modules(table: pd.DataFrame, metric: str, n: int = 10) -> pd.DataFrame
         "note",
     ]
     return ranked[[c for c in cols if c in ranked.columns]].reset_index(drop=True)
+
+
+def method_summary(table: pd.DataFrame, save: pd.DataFrame) -> pd.DataFrame:
+    """One row per adapter and target: the figures a user compares across methods, worst first.
+
+    From the merge rows: the worst merged weight (ulps at the tensor's scale and max |Δ|), the
+    merged-vs-unmerged output residual (merge_and_unload), the merged output against cpu/float64, the
+    unmerge round trip on W, whether the reloaded model is identical, which save paths worked, and
+    the worst verdict with its PEFT-tolerance counterpart.
+    """
+    columns = [
+        "adapter",
+        "target",
+        "verdict",
+        "weights_scale_ulp",
+        "weights_max_abs",
+        "merged_vs_unmerged",
+        "merged_vs_fp64",
+        "peft_verdict",
+        "roundtrip_max_abs",
+        "reload_identical",
+        "saves_with",
+    ]
+    if not len(table):
+        return pd.DataFrame(columns=columns)
+
+    def worst(rows: pd.DataFrame, col: str) -> float:
+        values = pd.to_numeric(rows[col], errors="coerce") if col in rows else pd.Series(dtype=float)
+        return float(values.max()) if values.notna().any() else float("nan")
+
+    out = []
+    for (adapter, target), rows in table.groupby(["adapter", "target"], sort=False):
+        merged = rows[rows["role"] == "merged"]
+        outputs = rows[rows["role"] == "output"]
+        final = outputs[outputs["stage"] == "merge_and_unload"]
+        reload = outputs[(outputs["stage"] == "reload") & (outputs["against"] == "merged before save")]
+        saved = save[(save["adapter"] == adapter) & (save["target"] == target)] if len(save) else save
+        peft = final["peft_verdict"].dropna() if "peft_verdict" in final else pd.Series(dtype=str)
+        out.append(
+            {
+                "adapter": adapter,
+                "target": target,
+                "verdict": max(rows["verdict"], key=lambda v: SEVERITY.get(v, -1)),
+                "weights_scale_ulp": worst(merged, "scale_ulp"),
+                "weights_max_abs": worst(merged, "max_abs"),
+                "merged_vs_unmerged": worst(final[final["against"].str.startswith("unmerged")], "max_abs"),
+                "merged_vs_fp64": worst(final[final["against"] == "cpu/float64"], "max_abs"),
+                "peft_verdict": max(peft, key=lambda v: SEVERITY.get(v, -1)) if len(peft) else None,
+                "roundtrip_max_abs": worst(rows[rows["role"] == "roundtrip"], "max_abs"),
+                "reload_identical": bool((reload["verdict"] == "identical").all()) if len(reload) else None,
+                "saves_with": ", ".join(saved.loc[saved["ok"].astype(bool), "method"]) if len(saved) else "",
+            }
+        )
+    summary = pd.DataFrame(out, columns=columns)
+    rank = summary["verdict"].map(SEVERITY).fillna(-1)
+    return (
+        summary.assign(_rank=rank, _ulp=summary["weights_scale_ulp"].fillna(-1))
+        .sort_values(["_rank", "_ulp"], ascending=False)
+        .drop(columns=["_rank", "_ulp"])
+        .reset_index(drop=True)
+    )

@@ -71,3 +71,64 @@ def test_stage_table_and_worst_modules():
 
 def test_empty_tables():
     assert stage_bars(_rows().iloc[0:0]).layout.annotations
+
+
+def test_method_summary_one_row_per_adapter_and_target_worst_first():
+    from dashboard.figures_merge import method_summary
+
+    def row(adapter, target, role, stage="merge_adapter", against=None, **kw):
+        return {"adapter": adapter, "target": target, "role": role, "stage": stage, "against": against, **kw}
+
+    table = pd.DataFrame(
+        [
+            row("lora", "cpu/float32", "merged", max_abs=4e-8, scale_ulp=1.9, verdict="within tolerance"),
+            row("lora", "cpu/float32", "merged", max_abs=1e-8, scale_ulp=0.5, verdict="identical"),
+            row("lora", "cpu/float32", "roundtrip", stage="unmerge_adapter", max_abs=3e-9, verdict="drift"),
+            row(
+                "lora",
+                "cpu/float32",
+                "output",
+                stage="merge_and_unload",
+                against="unmerged (cpu/float32)",
+                max_abs=3e-7,
+                verdict="within tolerance",
+                peft_verdict="within tolerance",
+            ),
+            row(
+                "lora",
+                "cpu/float32",
+                "output",
+                stage="merge_and_unload",
+                against="cpu/float64",
+                max_abs=2e-7,
+                verdict="within tolerance",
+                peft_verdict="drift",
+            ),
+            row(
+                "lora",
+                "cpu/float32",
+                "output",
+                stage="reload",
+                against="merged before save",
+                max_abs=0.0,
+                verdict="identical",
+            ),
+            row("tied", "cpu/float32", "merged", max_abs=0.3, scale_ulp=9.0, verdict="broken"),
+        ]
+    )
+    save = pd.DataFrame(
+        [
+            {"target": "cpu/float32", "adapter": "lora", "method": "save_pretrained", "ok": True},
+            {"target": "cpu/float32", "adapter": "lora", "method": "safetensors.save_file", "ok": False},
+        ]
+    )
+    summary = method_summary(table, save)
+    assert list(summary["adapter"]) == ["tied", "lora"]  # broken first
+    lora = summary.iloc[1]
+    assert lora["verdict"] == "drift"  # the round trip's verdict is the worst of the adapter's rows
+    assert (lora["weights_scale_ulp"], lora["weights_max_abs"]) == (1.9, 4e-8)
+    assert (lora["merged_vs_unmerged"], lora["merged_vs_fp64"]) == (3e-7, 2e-7)
+    assert lora["peft_verdict"] == "drift" and lora["roundtrip_max_abs"] == 3e-9
+    assert bool(lora["reload_identical"])
+    assert lora["saves_with"] == "save_pretrained"
+    assert pd.isna(summary.iloc[0]["reload_identical"]) and summary.iloc[0]["saves_with"] == ""

@@ -422,6 +422,13 @@ class MergeCheck(Check):
             source = info.get("delta_sources", {}).get(name)
             if source:
                 add_note(row, f"target ΔW via {source}")
+        if role == "merged" and info.get("kind") == "pissa":
+            add_note(
+                row,
+                "W here is PiSSA's residual W − U·S·Vᵀ (rank r), which PEFT takes with an SVD in float32 "
+                "when it loads the adapter and the reference takes in float64: that SVD difference, not "
+                "the merge, sets this residual",
+            )
         if role == "merged" and target.dtype != "float64" and row["verdict"] == "drift":
             add_note(row, f"merged in {target.dtype}: compare max_ulp with 1 (rounding) and more (a bug)")
 

@@ -8,6 +8,7 @@ import streamlit as st
 from core import report
 from dashboard.figures import METRIC_LABELS, METRICS, VERDICT_SYMBOLS, diff_heatmap, diff_histogram
 from dashboard.figures_merge import (
+    method_summary,
     output_rows,
     stage_bars,
     stage_table,
@@ -42,6 +43,31 @@ def severity(part: pd.DataFrame) -> tuple[int, float]:
     rel = pd.to_numeric(part["rel_l2"], errors="coerce").max()
     return (int(part["verdict"].map(report.SEVERITY).max()), float(rel) if pd.notna(rel) else 0.0)
 
+
+st.subheader("Every adapter and target at a glance")
+summary = method_summary(
+    rows[rows["adapter"].isin([a.name for a in record.spec.adapters])], record.table("merge_save")
+)
+st.caption(
+    "Worst first. **weights**: the worst merged module against W + ΔW in float64 (ulps at the tensor's "
+    "scale, and max |Δ|) · **merged vs unmerged / vs fp64**: max |Δ| of merge_and_unload's outputs · "
+    "**roundtrip**: what unmerge_adapter() left on W · **reload identical**: the model saved and loaded "
+    "again gives bitwise the same outputs."
+)
+st.dataframe(
+    summary,
+    hide_index=True,
+    column_config={
+        "weights_scale_ulp": st.column_config.NumberColumn("weights (ulps at scale)", format="%.3g"),
+        "weights_max_abs": st.column_config.NumberColumn("weights max |Δ|", format="%.3e"),
+        "merged_vs_unmerged": st.column_config.NumberColumn("merged vs unmerged", format="%.3e"),
+        "merged_vs_fp64": st.column_config.NumberColumn("merged vs fp64", format="%.3e"),
+        "peft_verdict": st.column_config.TextColumn("at PEFT's tolerance"),
+        "roundtrip_max_abs": st.column_config.NumberColumn("roundtrip max |Δ|", format="%.3e"),
+        "reload_identical": st.column_config.CheckboxColumn("reload identical"),
+    },
+)
+csv_download(summary, f"{record.run_id}-merge-summary", key="merge.summary.csv")
 
 # The run's own adapters (several merged together are shown in their own section below).
 names = [a.name for a in record.spec.adapters] if record.spec else []
