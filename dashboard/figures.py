@@ -111,7 +111,8 @@ def _verdicts_in_order(present: Any) -> list[str]:
     return [v for v in VERDICT_ORDER if v in present] + [v for v in present if v not in VERDICT_ORDER]
 
 
-def _empty_figure(message: str = "no rows", *, title: str | None = None) -> go.Figure:
+def empty_figure(message: str = "no rows", *, title: str | None = None) -> go.Figure:
+    """A blank figure that says why it is blank (no rows for this selection)."""
     fig = go.Figure()
     fig.add_annotation(text=message, showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5)
     fig.update_layout(title=title, height=320, xaxis={"visible": False}, yaxis={"visible": False})
@@ -136,7 +137,8 @@ def _legend_below_title(height: int) -> dict[str, Any]:
     }
 
 
-def _title_top(text: str | None, height: int) -> dict[str, Any]:
+def title_top(text: str | None, height: int) -> dict[str, Any]:
+    """A figure title pinned to the top edge, whatever the figure's height."""
     return {"text": text, "yref": "container", "y": 1 - 12 / height, "yanchor": "top"}
 
 
@@ -172,7 +174,7 @@ MODULE_ORDER = (
 )
 
 
-def _category_axis(labels: list[str]) -> dict[str, Any]:
+def category_axis(labels: list[str]) -> dict[str, Any]:
     """A categorical axis in the given order that shows every label.
 
     An explicit tick list keeps every label; plotly otherwise thins crowded category axes.
@@ -312,7 +314,7 @@ def drift_heatmap(table: pd.DataFrame, metric: str, *, title: str | None = None)
     ``customdata`` is ``[target, adapter or "", tensor, check]`` so a selection identifies the tensor.
     """
     if not len(table):
-        return _empty_figure("no rows", title=title)
+        return empty_figure("no rows", title=title)
     label = _label(metric)
     targets = [t for t in pd.unique(table["target"].astype(object)) if isinstance(t, str)]
     rows, cols = _axis_order(table)
@@ -384,10 +386,10 @@ def drift_heatmap(table: pd.DataFrame, metric: str, *, title: str | None = None)
                 row=1,
                 col=i,
             )
-        fig.update_xaxes(**_category_axis(cols), tickangle=-60, row=1, col=i)
+        fig.update_xaxes(**category_axis(cols), tickangle=-60, row=1, col=i)
         # Layer 0 on top; only the first panel labels the layers (shared axis).
         fig.update_yaxes(
-            **_category_axis(rows), autorange="reversed", showticklabels=i == 1, ticks="", row=1, col=i
+            **category_axis(rows), autorange="reversed", showticklabels=i == 1, ticks="", row=1, col=i
         )
     for verdict in _verdicts_in_order(table["verdict"]):
         fig.add_trace(
@@ -436,7 +438,7 @@ def drift_heatmap(table: pd.DataFrame, metric: str, *, title: str | None = None)
     longest = max((len(c) for c in cols), default=0)
     height = max(320, 140 + 38 * len(rows) + int(5.5 * longest))
     fig.update_layout(
-        title=_title_top(title, height),
+        title=title_top(title, height),
         coloraxis={
             **coloraxis,
             "colorscale": COLORSCALE,
@@ -514,7 +516,7 @@ def outputs_figure(table: pd.DataFrame) -> go.Figure:
     verdict symbol; the hover always shows the exact values.
     """
     if not len(table):
-        return _empty_figure("no output rows")
+        return empty_figure("no output rows")
     adapters = [_text(a) or "base" for a in table["adapter"]] if "adapter" in table else ["base"] * len(table)
     data = table.assign(_adapter=adapters, _value=_numeric(table["max_abs"]))
     order = list(dict.fromkeys(data["_adapter"]))
@@ -578,7 +580,7 @@ def outputs_figure(table: pd.DataFrame) -> go.Figure:
         )
     fig.update_layout(
         barmode="group",
-        title=_title_top("outputs — max |Δ| of logits vs reference", 440),
+        title=title_top("outputs — max |Δ| of logits vs reference", 440),
         xaxis={"type": "category", "categoryorder": "array", "categoryarray": order, "title": "adapter"},
         yaxis={"type": "log", "title": "max |Δ| (log)", "exponentformat": "power"},
         height=440,
@@ -657,7 +659,7 @@ def diff_heatmap(
     """
     arr, folded = _as_2d(diff, shape)
     if arr.size == 0:
-        return _empty_figure("empty tensor", title=title or None)
+        return empty_figure("empty tensor", title=title or None)
     pooled, row_starts, col_starts = block_max_pool(arr, max_side=max_side)
     row_ends = _block_ends(row_starts, arr.shape[0])
     col_ends = _block_ends(col_starts, arr.shape[1])
@@ -740,7 +742,7 @@ def diff_heatmap(
     aspect = pooled.shape[0] / max(1, pooled.shape[1])
     height = int(min(800, max(320, 160 + 520 * aspect)))
     fig.update_layout(
-        title=_title_top(" · ".join(parts), height),
+        title=title_top(" · ".join(parts), height),
         xaxis={"title": "column index", "showgrid": False, "zeroline": False},
         yaxis={"title": "row index", "autorange": "reversed", "showgrid": False, "zeroline": False},
         height=height,
@@ -764,7 +766,7 @@ def diff_histogram(diff: np.ndarray, *, bins: int = 60) -> go.Figure:
     mags = np.abs(arr[finite & (arr != 0)])
     title = f"{mags.size:,} differing · {n_zero:,} exactly equal · {n_nonfinite:,} NaN/Inf (of {arr.size:,})"
     if not mags.size:
-        return _empty_figure("no nonzero finite differences", title=title)
+        return empty_figure("no nonzero finite differences", title=title)
     counts, edges = np.histogram(np.log10(mags), bins=bins)
     centres = (edges[:-1] + edges[1:]) / 2
     fig = go.Figure(

@@ -15,7 +15,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from core.memory import device_sort_key, leak_figures, module_device_bytes
-from dashboard.figures import COLORSCALE, _category_axis, _empty_figure, _title_top
+from dashboard.figures import COLORSCALE, category_axis, empty_figure, title_top
 
 MIB = 2**20
 # What a CUDA cell shows: the driver's figure counts the context PyTorch's allocator cannot see.
@@ -127,7 +127,7 @@ def timeline_heatmap(
     Every panel shares the stages, devices and colour scale.
     """
     if timeline.empty:
-        return _empty_figure("no memory timeline in this run", title=title)
+        return empty_figure("no memory timeline in this run", title=title)
     parts = panels(timeline)
     stages = list(timeline.sort_values("order").drop_duplicates("stage")["stage"])
     devices = sorted(timeline["device"].unique(), key=device_sort_key)
@@ -176,14 +176,14 @@ def timeline_heatmap(
             row=1,
             col=i,
         )
-        fig.update_xaxes(**_category_axis(cols), side="top", row=1, col=i)
+        fig.update_xaxes(**category_axis(cols), side="top", row=1, col=i)
         fig.update_yaxes(
-            **_category_axis(stages), autorange="reversed", showticklabels=i == 1, ticks="", row=1, col=i
+            **category_axis(stages), autorange="reversed", showticklabels=i == 1, ticks="", row=1, col=i
         )
     height = max(320, 150 + 30 * len(stages))
     what = "RSS (cpu), " + CUDA_METRICS.get(metric, metric) + " (cuda)" if len(devices) > 1 else "RSS"
     fig.update_layout(
-        title=_title_top(title or f"Memory per load stage and device, MiB — {what}", height),
+        title=title_top(title or f"Memory per load stage and device, MiB — {what}", height),
         coloraxis={
             "colorscale": COLORSCALE,
             "cmin": 0,
@@ -222,7 +222,7 @@ def module_device_heatmap(
     of a module are summed (the placement table has them one by one).
     """
     if placement.empty:
-        return _empty_figure("no placement map in this run", title=title)
+        return empty_figure("no placement map in this run", title=title)
     parts = panels(placement)
     grids = [module_grid(placement, t, v, by) for t, v, _ in parts]
     modules = list(dict.fromkeys(m for g in grids for m in g.index))
@@ -255,13 +255,13 @@ def module_device_heatmap(
             row=1,
             col=i,
         )
-        fig.update_xaxes(**_category_axis(devices), side="top", row=1, col=i)
+        fig.update_xaxes(**category_axis(devices), side="top", row=1, col=i)
         fig.update_yaxes(
-            **_category_axis(modules), autorange="reversed", showticklabels=i == 1, ticks="", row=1, col=i
+            **category_axis(modules), autorange="reversed", showticklabels=i == 1, ticks="", row=1, col=i
         )
     height = max(320, 150 + 22 * len(modules))
     fig.update_layout(
-        title=_title_top(title or "Bytes per module and device (parameters and buffers)", height),
+        title=title_top(title or "Bytes per module and device (parameters and buffers)", height),
         coloraxis={"colorscale": COLORSCALE, "colorbar": {"title": {"text": "log₁₀ bytes", "side": "right"}}},
         height=height,
         margin={"t": 110},

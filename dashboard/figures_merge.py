@@ -14,7 +14,7 @@ from plotly.subplots import make_subplots
 
 from core.checks.merge import OUTPUT_STAGES, SUBSET_STAGES
 from core.report import SEVERITY
-from dashboard.figures import VERDICT_COLORS, VERDICT_SYMBOLS, _empty_figure, drift_heatmap
+from dashboard.figures import VERDICT_COLORS, VERDICT_SYMBOLS, drift_heatmap, empty_figure
 
 STAGE_ORDER = (*OUTPUT_STAGES, *SUBSET_STAGES)
 # One colour per comparison; the verdict is the symbol above each bar.
@@ -54,7 +54,7 @@ def stage_bars(table: pd.DataFrame, *, title: str | None = None) -> go.Figure:
     the dtype default and, after a slash, at PEFT's own test tolerance. Exactly 0 is drawn as a stub.
     """
     if not len(table):
-        return _empty_figure("no output rows", title=title)
+        return empty_figure("no output rows", title=title)
     data = table.assign(
         _against=[_against_kind(a) for a in table.get("against", table["reference"])],
         _value=pd.to_numeric(table["max_abs"], errors="coerce").to_numpy(dtype=float),
