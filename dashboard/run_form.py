@@ -23,7 +23,7 @@ from core.workspace import (
     recent_adapters,
     recent_bases,
 )
-from dashboard.state import engine, start_run, store
+from dashboard.state import engine, result_page, start_run, store
 
 DTYPES = ("float32", "bfloat16", "float16")
 ROLES = ("*", "base", "lora_A", "lora_B", "delta", "output")
@@ -254,23 +254,6 @@ def run_form(manifest: dict | None) -> None:
             strategies=tuple(dict.fromkeys(["isolated", *strategies])),
         )
         start_run(spec, result_page(spec.checks))
-
-
-# The page that shows each check's result, in the order a run's first result page is chosen.
-RESULT_PAGES = {
-    "weights": "drift",
-    "deltas": "drift",
-    "outputs": "outputs",
-    "merge": "merge",
-    "adapters": "adapters",
-    "memory": "memory",
-}
-
-
-def result_page(checks: tuple[str, ...] | list[str]) -> str:
-    """Where a run opens: the Drift heatmap when it has per-tensor checks, else its first check's page."""
-    pages = [RESULT_PAGES[c] for c in checks if c in RESULT_PAGES]
-    return min(pages, key=list(RESULT_PAGES.values()).index, default="overview")
 
 
 def _target_builder(devices: list[Device]) -> None:

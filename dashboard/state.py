@@ -179,6 +179,31 @@ def open_run(name: str = "run", *, container: Any = None, check: str | None = No
     return store().open(run_id)
 
 
+# The page that shows each check's result (url_path, title, icon), in the order a run's first result
+# page is chosen.
+RESULT_PAGES: dict[str, tuple[str, str, str]] = {
+    "weights": ("drift", "Drift heatmap", ":material/grid_on:"),
+    "deltas": ("drift", "Drift heatmap", ":material/grid_on:"),
+    "outputs": ("outputs", "Outputs", ":material/output:"),
+    "merge": ("merge", "Merge residuals", ":material/merge:"),
+    "adapters": ("adapters", "Adapter consistency", ":material/layers:"),
+    "memory": ("memory", "Memory placement", ":material/memory:"),
+}
+
+
+def result_pages(checks: Sequence[str]) -> list[tuple[str, str, str]]:
+    """The pages that show these checks' results, once each, in RESULT_PAGES order."""
+    order = list(RESULT_PAGES)
+    ranked = sorted((c for c in checks if c in RESULT_PAGES), key=order.index)
+    return list(dict.fromkeys(RESULT_PAGES[c] for c in ranked))
+
+
+def result_page(checks: Sequence[str]) -> str:
+    """Where a run opens: the Drift heatmap when it has per-tensor checks, else its first check's page."""
+    pages = result_pages(checks)
+    return pages[0][0] if pages else "overview"
+
+
 def start_run(spec: ProbeSpec, page: str) -> None:
     """Submit `spec` and open `views/<page>.py` on the new run (its progress, then its result).
 

@@ -6,7 +6,7 @@ import streamlit as st
 
 from core import report
 from dashboard.figures import environment_table, highlight_differences, verdict_counts_figure
-from dashboard.state import metrics_table, view_query
+from dashboard.state import metrics_table, result_pages, view_query
 from dashboard.ui import METRIC_COLUMN_CONFIG, csv_download, downloads, finished_run
 
 st.title("Overview")
@@ -21,7 +21,7 @@ bad = counts["drift"] + counts["broken"]
 if bad:
     st.error(
         f"**{bad} of {len(table)} rows are beyond tolerance** ({counts['drift']} drift, "
-        f"{counts['broken']} broken). The worst are explained below; the Drift page shows where.",
+        f"{counts['broken']} broken). The worst are explained below; the result pages show where.",
         icon=":material/warning:",
     )
 else:
@@ -30,9 +30,9 @@ cols = st.columns(4)
 for col, verdict in zip(cols, report.VERDICT_ORDER, strict=True):
     col.metric(verdict.capitalize(), counts[verdict])
 
-st.page_link(
-    "views/drift.py", label="Open the drift heatmap", icon=":material/grid_on:", query_params=view_query()
-)
+pages = result_pages(list(dict.fromkeys(table["check"])))
+for col, (path, title, icon) in zip(st.columns(max(len(pages), 1)), pages, strict=False):
+    col.page_link(f"views/{path}.py", label=f"Open {title}", icon=icon, query_params=view_query())
 
 st.subheader("Verdicts per check and target")
 by = report.verdicts_by_check_target(table)
