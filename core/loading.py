@@ -243,7 +243,7 @@ def _peft_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
     return notes
 
 
-def _load_onto(
+def load_onto(
     attach: Callable[[], object], adapter: AdapterRef, model, target: Target
 ) -> tuple[object, list[str]]:
     """Run one `attach()` (a PEFT load call on `model`) and return (PeftModel, notes).
@@ -303,7 +303,7 @@ def load_from_pretrained_loop(
                 model, adapter.path, adapter_name=adapter.name, torch_device=target.device, is_trainable=False
             )
 
-        peft_model, notes = _load_onto(attach, adapter, model, target)
+        peft_model, notes = load_onto(attach, adapter, model, target)
         yield Loaded(adapter=adapter, model=peft_model, notes=notes)
 
 
@@ -334,7 +334,7 @@ def _load_adapter_strategy(low_cpu_mem_usage: bool) -> Callable[..., Iterator[Lo
                         low_cpu_mem_usage=low_cpu_mem_usage,
                     )
 
-                peft_model, notes = _load_onto(attach, adapter, model, target)
+                peft_model, notes = load_onto(attach, adapter, model, target)
             else:
 
                 def attach(adapter=adapter, pm=peft_model):
@@ -348,7 +348,7 @@ def _load_adapter_strategy(low_cpu_mem_usage: bool) -> Callable[..., Iterator[Lo
                     pm.set_adapter(adapter.name)
                     return pm
 
-                peft_model, notes = _load_onto(attach, adapter, peft_model, target)
+                peft_model, notes = load_onto(attach, adapter, peft_model, target)
             yield Loaded(adapter=adapter, model=peft_model, notes=notes)
 
     return load

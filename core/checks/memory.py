@@ -121,7 +121,10 @@ class MemoryCheck(Check):
             )
             for adapter in group:
                 stage(f"load adapter {adapter.name}")
-                model = self._attach(model, adapter, target, variant)
+                model, load_notes = self._attach(model, adapter, target, variant)
+                notes.extend(
+                    f"{adapter.name}: {n}" for n in load_notes if f"{adapter.name}: {n}" not in notes
+                )
                 when = memory.adapter_stage(adapter.name)
                 sampler.sample(when)
                 names.append(adapter.name)
@@ -192,24 +195,26 @@ class MemoryCheck(Check):
             return load_base(spec.base, target)
         return _load_base_auto(spec, target)
 
-    def _attach(self, model, adapter: AdapterRef, target: Target, variant: str):
-        from core.loading import LoadError, _first_line, attach_adapter
-
-        if variant in (TORCH_DEVICE, ""):
-            return attach_adapter(model, adapter, target)
+    def _attach(self, model, adapter: AdapterRef, target: Target, variant: str) -> tuple[Any, list[str]]:
+        """The model with `adapter` loaded the variant's way, and how the load went (notes)."""
         from peft import PeftModel
 
-        try:
+        from core.loading import attach_adapter, load_onto
+
+        def attach():
+            if variant in (TORCH_DEVICE, ""):
+                return attach_adapter(model, adapter, target)
             if isinstance(model, PeftModel):
                 model.load_adapter(adapter.path, adapter_name=adapter.name)
                 model.set_adapter(adapter.name)
-            else:
-                model = PeftModel.from_pretrained(model, adapter.path, adapter_name=adapter.name)
-        except Exception as e:
-            raise LoadError(f"adapter {adapter.name} ({adapter.path}) did not load: {_first_line(e)}") from e
+                return model
+            return PeftModel.from_pretrained(model, adapter.path, adapter_name=adapter.name)
+
+        # load_onto: PiSSA on a float64 target goes through float32 (PEFT refuses float64), as elsewhere
+        loaded, notes = load_onto(attach, adapter, model, target)
         if variant == NO_TORCH_DEVICE:
-            model = model.to(target.device)  # what users add, believing it puts everything there
-        return model
+            loaded = loaded.to(target.device)  # what users add, believing it puts everything there
+        return loaded, notes
 
     def reference(
         self, spec: ProbeSpec, keys: list[TensorKey], reference_capture: Capture | None
