@@ -377,6 +377,17 @@ def test_memory_check_in_process_writes_its_tables_and_rows(tmp_path, demo_works
     assert rows["note"].str.contains("not a fresh worker process").all()
 
 
+def test_pissa_on_a_float64_target_loads_through_float32_with_a_note(tmp_path, demo_workspace):
+    from core.engine import InProcessRunner
+
+    # PEFT refuses to initialise PiSSA in float64: the load goes through float32, as in every strategy
+    spec = memory_spec(demo_workspace, ["pissa"], target="cpu/float64")
+    record, _ = run_memory(tmp_path, spec, InProcessRunner())
+    placement = record.table("placement")
+    assert set(placement.loc[placement["adapter"] == "pissa", "dtype"]) == {"float64"}
+    assert any("pissa: PiSSA cannot be initialised in float64" in n for n in record.notes())
+
+
 def test_a_misplaced_load_is_flagged_at_the_stage_it_appeared(tmp_path, demo_workspace, monkeypatch):
     """As if the target were cuda:1: every tensor on the CPU is on a device nobody asked for."""
     from core.checks import memory as memory_check
