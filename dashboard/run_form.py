@@ -6,6 +6,7 @@ another base is explained under its own field before anything is submitted.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import streamlit as st
@@ -212,6 +213,19 @@ def run_form(manifest: dict | None) -> None:
                 help="How the adapters check loads the adapters (in the order listed above), each strategy "
                 "in its own worker; `isolated` (a fresh base per adapter) always runs as the ground truth.",
             )
+        merge_subset: list[str] = []
+        if "merge" in checks:
+            names = []
+            for text in adapters:
+                with contextlib.suppress(SpecError):  # reported under the Adapters field
+                    names.append(AdapterRef.parse(text).name)
+            merge_subset = st.multiselect(
+                "Merge together (adapter_names=)",
+                names,
+                key="form.merge_subset",
+                help="Adapters the merge check also merges into one model, one after another and all at "
+                "once. Empty: the run's first two plain LoRA adapters.",
+            )
         role = st.selectbox(
             "Tolerance applies to",
             ROLES,
@@ -252,6 +266,7 @@ def run_form(manifest: dict | None) -> None:
             tolerances={role: override} if override else {},
             seed=int(seed),
             strategies=tuple(dict.fromkeys(["isolated", *strategies])),
+            merge_subset=tuple(merge_subset),
         )
         start_run(spec, result_page(spec.checks))
 

@@ -236,3 +236,32 @@ def test_a_run_owned_by_another_process_shows_its_stored_progress(run_home, monk
     assert "is running in another process" in texts(at)
     assert any("capture lora · step 7 of 21" in str(p.proto.text) for p in at.get("progress"))
     store.delete(record.run_id)
+
+
+def test_the_form_sends_strategies_and_merge_subset_and_opens_the_first_checks_page(run_home, monkeypatch):
+    home, _ = run_home
+    manifest = load_manifest(home)
+    store = Store(home)
+    before = {r.run_id for r in store.list_runs()}
+    at = make_app(home, monkeypatch)
+    at.run()
+    at.session_state["form.adapters"] = [manifest["adapters"][n]["path"] for n in ("lora", "lora_b")]
+    at.session_state["form.targets"] = ["cpu/float32"]
+    at.session_state["form.checks"] = ["merge", "adapters"]
+    at.run()  # the strategy and merge pickers appear for these checks
+    at.session_state["form.strategies"] = ["load_adapter"]
+    at.session_state["form.merge_subset"] = ["lora_b", "lora"]
+    at.run()
+    at.sidebar.button(key="form.run").click().run()
+    no_exceptions(at)
+    new = [r for r in store.list_runs() if r.run_id not in before]
+    assert len(new) == 1
+    spec = new[0].spec
+    assert spec.checks == ("merge", "adapters")
+    assert spec.strategies == ("isolated", "load_adapter")  # the ground truth is always added
+    assert spec.merge_subset == ("lora_b", "lora")
+    assert at.query_params["run"] == new[0].run_id
+    deadline = time.time() + 240
+    while store.open(new[0].run_id).status in ("queued", "running") and time.time() < deadline:
+        time.sleep(0.5)
+    assert store.open(new[0].run_id).status == "succeeded", store.open(new[0].run_id).error
