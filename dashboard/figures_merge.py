@@ -112,7 +112,9 @@ def stage_bars(table: pd.DataFrame, *, title: str | None = None) -> go.Figure:
             )
             shown.add(against)
         fig.update_xaxes(type="category", categoryorder="array", categoryarray=stages, row=1, col=col)
-    fig.update_yaxes(type="log", exponentformat="power", title_text="max |Δ| of outputs (log)", row=1, col=1)
+    # Every panel on the same log axis, so targets compare by bar height (bfloat16 sits decades above).
+    fig.update_yaxes(type="log", exponentformat="power")
+    fig.update_yaxes(title_text="max |Δ| of outputs (log)", row=1, col=1)
     fig.update_layout(
         barmode="group",
         height=440,

@@ -502,8 +502,9 @@ def _scenario(browser, server: Server, timings: dict) -> None:
 
 # --- the scenario pages (merge residuals, memory placement, adapter consistency) ------------------
 
-# (page url_path, scenario name, heading, text the result must show, screenshot): one click on the
-# scenario's button runs it in real worker processes and the page draws its result.
+# (page url_path, scenario name, heading, text the result must show and the screenshot starts at,
+# screenshot): one click on the scenario's button runs it in real worker processes and the page draws
+# its result.
 SCENARIO_PAGES = (
     ("merge", "bf16-merge-residual", "Merge residuals", "Output residual per stage", "10-merge.png"),
     (
@@ -582,6 +583,11 @@ def _run_scenario(
     assert _query(page.url).get("run") == run_id, page.url
     assert expect in _main_text(page), f"/{path} after {scenario} should show {expect!r}"
     page.mouse.move(5, 5)  # no button tooltip over the result
-    page.locator(f"{MAIN} {CHART}").first.scroll_into_view_if_needed()
+    # Fold the scenario buttons away so the screenshot opens on the result.
+    if button.is_visible():
+        page.locator(MAIN).get_by_text("Demo scenarios").first.click()
+        button.wait_for(state="hidden", timeout=STEP_TIMEOUT_S * 1000)
+    page.wait_for_timeout(1000)
+    _wait_idle(page)
     _shot(page, shot)
     return elapsed

@@ -58,6 +58,9 @@ def test_stage_bars_one_panel_per_target_in_stage_order():
     assert [a.text for a in fig.layout.annotations] == ["cpu/float32", "cpu/bfloat16"]
     assert list(fig.data[0].x) == ["unmerged", "merge_adapter", "reload"]
     assert fig.data[0].text[0] == "▲/✓"
+    # one log axis for all panels, so 1e-3 (bfloat16) stands four decades above 1e-7 (float32)
+    axes = [fig.layout.yaxis, fig.layout.yaxis2]
+    assert [a.type for a in axes] == ["log", "log"] and axes[1].matches == "y"
 
 
 def test_stage_table_and_worst_modules():
