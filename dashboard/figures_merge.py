@@ -14,7 +14,7 @@ from plotly.subplots import make_subplots
 
 from core.checks.merge import OUTPUT_STAGES, SUBSET_STAGES
 from core.report import SEVERITY
-from dashboard.figures import VERDICT_COLORS, VERDICT_SYMBOLS, drift_heatmap, empty_figure
+from dashboard.figures import VERDICT_COLORS, VERDICT_SYMBOLS, empty_figure
 
 STAGE_ORDER = (*OUTPUT_STAGES, *SUBSET_STAGES)
 # One colour per comparison; the verdict is the symbol above each bar.
@@ -31,11 +31,6 @@ def weight_rows(table: pd.DataFrame, adapter: str | None = None, role: str = "me
     if adapter is not None:
         rows = rows[rows["adapter"] == adapter]
     return rows
-
-
-def weight_heatmap(table: pd.DataFrame, metric: str, *, title: str | None = None) -> go.Figure:
-    """Layer × module heatmap of log₁₀ ``metric`` of the weight residual, one panel per target."""
-    return drift_heatmap(table, metric, title=title)
 
 
 def output_rows(table: pd.DataFrame, adapter: str | None = None) -> pd.DataFrame:

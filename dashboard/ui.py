@@ -10,9 +10,9 @@ import streamlit as st
 
 from core.spec import SpecError
 from core.store import RunRecord
-from dashboard.figures import figure_html
+from dashboard.figures import diff_heatmap, diff_histogram, figure_html
 from dashboard.jobs import job_panel
-from dashboard.state import engine, home, open_run, start_run
+from dashboard.state import engine, home, open_run, start_run, store
 
 # How the metric columns read in every table: exponent form, so 1e-7 and 1e-3 are told apart.
 METRIC_COLUMN_CONFIG = {
@@ -130,3 +130,53 @@ def scenario_buttons(page: str, *, expanded: bool = False) -> None:
                         st.error(str(e))
                         continue
                     start_run(spec, page)
+
+
+@st.cache_data(show_spinner="Reading the tensor and its reference…", max_entries=8)
+def _diff_figures(run_id: str, check: str, target: str, adapter: str | None, tensor: str, title: str):
+    """The element-wise map and histogram of one tensor (None when it equals its reference).
+
+    Only the figures are cached (at most 256×256 cells): the full-size difference arrays of a
+    large tensor are dropped as soon as they are drawn.
+    """
+    from core.diffmap import element_diff
+
+    diff = element_diff(store().open(run_id), check, target, adapter, tensor)
+    if not (diff.diff != 0).any():
+        return None
+    heat = diff_heatmap(diff.diff, title=title, failing=diff.mismatch, shape=diff.shape)
+    return heat, diff_histogram(diff.diff)
+
+
+def element_diff_view(
+    record: RunRecord,
+    check: str,
+    target: str,
+    adapter: str | None,
+    tensor: str,
+    *,
+    title: str,
+    exact: str,
+    key: str,
+) -> None:
+    """One tensor's element-wise difference from its reference: map and histogram with downloads.
+
+    `exact` is what is said when every element equals the reference; a tensor that cannot be read
+    is explained, not raised.
+    """
+    try:
+        figures = _diff_figures(record.run_id, check, target, adapter, tensor, title)
+    except (KeyError, ValueError, OSError) as e:
+        st.error(f"Cannot show the element-wise difference: {e}")
+        return
+    if figures is None:
+        st.success(exact)
+        return
+    heat, hist = figures
+    left, right = st.columns([3, 2])
+    with left:
+        st.plotly_chart(heat, key=f"{key}.diff")
+        figure_download(heat, f"{record.run_id}-{target}-{tensor}-diff", key=f"{key}.diff.html")
+    with right:
+        st.plotly_chart(hist, key=f"{key}.hist")
+        figure_download(hist, f"{record.run_id}-{target}-{tensor}-hist", key=f"{key}.hist.html")

@@ -2,7 +2,8 @@
 
 import pandas as pd
 
-from dashboard.figures_merge import stage_bars, stage_table, weight_heatmap, worst_modules
+from dashboard.figures import drift_heatmap
+from dashboard.figures_merge import stage_bars, stage_table, worst_modules
 
 
 def _rows():
@@ -68,7 +69,7 @@ def test_stage_table_and_worst_modules():
     assert list(stage_table(t[t.role == "output"]).stage[:3]) == ["unmerged", "merge_adapter", "reload"]
     worst = worst_modules(t[t.role == "merged"], "max_ulp")
     assert worst.iloc[0].verdict == "broken"
-    fig = weight_heatmap(t[t.role == "merged"], "max_ulp")
+    fig = drift_heatmap(t[t.role == "merged"], "max_ulp")
     assert len(fig.data) > 0
 
 

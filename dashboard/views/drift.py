@@ -10,12 +10,10 @@ from dashboard.figures import (
     METRIC_LABELS,
     METRICS,
     VERDICT_SYMBOLS,
-    diff_heatmap,
-    diff_histogram,
     drift_heatmap,
 )
 from dashboard.state import bound_select, metrics_table, set_view, view
-from dashboard.ui import downloads, figure_download, finished_run
+from dashboard.ui import downloads, element_diff_view, finished_run
 
 BASE = "base model"
 # The checks whose rows are one tensor each, drawn here; merge, memory and adapters have their pages.
@@ -138,38 +136,14 @@ m[3].metric(
 m[4].metric("mismatched", f"{int(row['n_mismatch'] or 0)} / {int(row['numel'])}")
 
 
-@st.cache_data(show_spinner="Reading the tensor and its reference…", max_entries=8)
-def drill_figures(run_id: str, check: str, target: str, adapter: str | None, tensor: str):
-    """The element-wise map and histogram of one tensor (None when it equals its reference).
-
-    Only the figures are cached (at most 256×256 cells): the full-size difference arrays of a
-    large tensor are dropped as soon as they are drawn.
-    """
-    from core.diffmap import element_diff
-
-    diff = element_diff(record, check, target, adapter, tensor)
-    if not (diff.diff != 0).any():
-        return None
-    heat = diff_heatmap(
-        diff.diff, title=f"|Δ| element-wise · {tensor} · {target}", failing=diff.mismatch, shape=diff.shape
-    )
-    return heat, diff_histogram(diff.diff)
-
-
 adapter_of_row = row["adapter"] if isinstance(row["adapter"], str) else None
-try:
-    figures = drill_figures(record.run_id, check, target, adapter_of_row, tensor)
-except (KeyError, ValueError, OSError) as e:
-    st.error(f"Cannot show the element-wise difference: {e}")
-    st.stop()
-if figures is None:
-    st.success(f"Every element of `{tensor}` on {target} equals its reference exactly: nothing to map.")
-    st.stop()
-heat, hist = figures
-h1, h2 = st.columns([3, 2])
-with h1:
-    st.plotly_chart(heat, key="drift.diff")
-    figure_download(heat, f"{record.run_id}-{target}-{tensor}-diff", key="drift.diff.html")
-with h2:
-    st.plotly_chart(hist, key="drift.hist")
-    figure_download(hist, f"{record.run_id}-{target}-{tensor}-hist", key="drift.hist.html")
+element_diff_view(
+    record,
+    check,
+    target,
+    adapter_of_row,
+    tensor,
+    title=f"|Δ| element-wise · {tensor} · {target}",
+    exact=f"Every element of `{tensor}` on {target} equals its reference exactly: nothing to map.",
+    key="drift",
+)

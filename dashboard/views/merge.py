@@ -6,13 +6,12 @@ import pandas as pd
 import streamlit as st
 
 from core import report
-from dashboard.figures import METRIC_LABELS, METRICS, VERDICT_SYMBOLS, diff_heatmap, diff_histogram
+from dashboard.figures import METRIC_LABELS, METRICS, VERDICT_SYMBOLS, drift_heatmap
 from dashboard.figures_merge import (
     method_summary,
     output_rows,
     stage_bars,
     stage_table,
-    weight_heatmap,
     weight_rows,
     worst_modules,
 )
@@ -21,7 +20,7 @@ from dashboard.ui import (
     METRIC_COLUMN_CONFIG,
     csv_download,
     downloads,
-    figure_download,
+    element_diff_view,
     finished_run,
     scenario_buttons,
 )
@@ -119,7 +118,7 @@ st.caption(
     "(ulps at the tensor's scale: up to a few is the rounding of the merge's own sums and products, "
     "tens or more an error) · symbols: " + " ".join(f"{VERDICT_SYMBOLS[v]} {v}" for v in report.VERDICT_ORDER)
 )
-fig = weight_heatmap(shown, metric, title=f"merge · {adapter} · {METRIC_LABELS[metric]}")
+fig = drift_heatmap(shown, metric, title=f"merge · {adapter} · {METRIC_LABELS[metric]}")
 st.plotly_chart(fig, key="merge.heatmap")
 downloads(fig, shown, f"{record.run_id}-merge-{adapter}-{metric}", key="merge.heatmap")
 
@@ -200,33 +199,13 @@ box(
 )
 
 
-@st.cache_data(show_spinner="Reading the module and its float64 reference…", max_entries=8)
-def drill_figures(run_id: str, target: str, adapter: str, tensor: str):
-    """The element-wise residual map and histogram of one module (None when exact)."""
-    from core.diffmap import element_diff
-
-    diff = element_diff(record, "merge", target, adapter, tensor)
-    if not (diff.diff != 0).any():
-        return None
-    title = f"|W_merged − (W + ΔW)| · {tensor} · {target}"
-    return diff_heatmap(diff.diff, title=title, failing=diff.mismatch, shape=diff.shape), diff_histogram(
-        diff.diff
-    )
-
-
-try:
-    figures = drill_figures(record.run_id, target, adapter, tensor)
-except (KeyError, ValueError, OSError) as e:
-    st.error(f"Cannot show the element-wise residual: {e}")
-    st.stop()
-if figures is None:
-    st.success(f"`{tensor}` on {target} equals its float64 reference exactly.")
-    st.stop()
-heat, hist = figures
-h1, h2 = st.columns([3, 2])
-with h1:
-    st.plotly_chart(heat, key="merge.diff")
-    figure_download(heat, f"{record.run_id}-{target}-{tensor}-residual", key="merge.diff.html")
-with h2:
-    st.plotly_chart(hist, key="merge.hist")
-    figure_download(hist, f"{record.run_id}-{target}-{tensor}-hist", key="merge.hist.html")
+element_diff_view(
+    record,
+    "merge",
+    target,
+    adapter,
+    tensor,
+    title=f"|W_merged − (W + ΔW)| · {tensor} · {target}",
+    exact=f"`{tensor}` on {target} equals its float64 reference exactly.",
+    key="merge",
+)
