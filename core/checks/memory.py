@@ -221,21 +221,8 @@ class MemoryCheck(Check):
     ) -> Reference:
         return Reference(label="requested placement", tensors={}, notes={})
 
-    def compare_steps(self, captures: list[Capture]) -> int:
-        return len(captures)
-
-    def compare(
-        self,
-        spec: ProbeSpec,
-        captures: list[Capture],
-        reference_capture: Capture | None,
-        progress: Callable[[str], None],
-    ) -> list[dict[str, Any]]:
-        rows: list[dict[str, Any]] = []
-        for capture in captures:
-            progress(f"compare {self.name} on {capture.label}")
-            rows.extend(self.flag_rows(capture))
-        return rows
+    def rows(self, spec: ProbeSpec, capture: Capture, reference: Reference) -> list[dict[str, Any]]:
+        return self.flag_rows(capture)
 
     def flags(self, capture: Capture) -> list[memory.Flag]:
         """Every finding of one capture, from its stored timeline and placement map."""
