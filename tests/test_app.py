@@ -11,14 +11,13 @@ import time
 from pathlib import Path
 
 import pytest
-from streamlit.testing.v1 import AppTest
+from apptest import make_app, no_exceptions, texts
 
 from core.demo import build_demo, load_manifest
 from core.engine import Engine, InProcessRunner
 from core.spec import AdapterRef, ModelRef, ProbeSpec, Target
 from core.store import Store
 
-APP = str(Path(__file__).resolve().parent.parent / "dashboard" / "app.py")
 PAGES = (
     "views/overview.py",
     "views/drift.py",
@@ -28,28 +27,6 @@ PAGES = (
     "views/adapters.py",
     "views/runs.py",
 )
-
-
-def make_app(home: Path, monkeypatch: pytest.MonkeyPatch, **params: str) -> AppTest:
-    monkeypatch.setenv("WEIGHTDRIFT_HOME", str(home))
-    monkeypatch.setenv("WEIGHTDRIFT_RUNNER", "in-process")
-    at = AppTest.from_file(APP, default_timeout=120)
-    for k, v in params.items():
-        at.query_params[k] = v
-    return at
-
-
-def texts(at: AppTest) -> str:
-    """Every message, markdown, caption and metric label on the page, as one string."""
-    parts = []
-    for kind in ("error", "warning", "info", "success", "markdown", "caption", "title", "subheader"):
-        parts += [str(e.value) for e in getattr(at, kind)]
-    parts += [str(e.label) for e in at.metric]
-    return "\n".join(parts)
-
-
-def no_exceptions(at: AppTest) -> None:
-    assert not at.exception, [e.value for e in at.exception]
 
 
 @pytest.fixture(scope="module")

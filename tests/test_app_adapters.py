@@ -6,39 +6,19 @@ import time
 from pathlib import Path
 
 import pytest
+from apptest import make_app, no_exceptions, texts
 from streamlit.testing.v1 import AppTest
 
 from core.demo import build_demo
 from core.engine import Engine, InProcessRunner
 from core.scenarios import scenario_spec
 
-APP = str(Path(__file__).resolve().parent.parent / "dashboard" / "app.py")
 PAGE = "views/adapters.py"
-
-
-def make_app(home: Path, monkeypatch: pytest.MonkeyPatch, **params: str) -> AppTest:
-    monkeypatch.setenv("WEIGHTDRIFT_HOME", str(home))
-    monkeypatch.setenv("WEIGHTDRIFT_RUNNER", "in-process")
-    at = AppTest.from_file(APP, default_timeout=120)
-    for k, v in params.items():
-        at.query_params[k] = v
-    return at
-
-
-def texts(at: AppTest) -> str:
-    parts = []
-    for kind in ("error", "warning", "info", "success", "markdown", "caption", "title", "subheader"):
-        parts += [str(e.value) for e in getattr(at, kind)]
-    return "\n".join(parts)
 
 
 def frame_with(at: AppTest, column: str):
     """The first dataframe on the page that has `column` (AppTest does not keep dataframe keys)."""
     return next(d.value for d in at.dataframe if column in d.value.columns)
-
-
-def no_exceptions(at: AppTest) -> None:
-    assert not at.exception, [e.value for e in at.exception]
 
 
 @pytest.fixture(scope="module")

@@ -6,19 +6,16 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import pandas as pd
 import pytest
-from streamlit.testing.v1 import AppTest
+from apptest import make_app, texts
 
 from core import memory
 from core.demo import build_demo
 from core.engine import Engine, InProcessRunner
 from core.scenarios import demo_spec
 from core.store import Store
-
-APP = str(Path(__file__).resolve().parent.parent / "dashboard" / "app.py")
 
 
 @pytest.fixture(scope="module")
@@ -32,26 +29,12 @@ def memory_home(tmp_path_factory):
     return home, job.run_id
 
 
-def _app(home, monkeypatch, **params):
-    monkeypatch.setenv("WEIGHTDRIFT_HOME", str(home))
-    monkeypatch.setenv("WEIGHTDRIFT_RUNNER", "in-process")
-    at = AppTest.from_file(APP, default_timeout=120)
-    for k, v in params.items():
-        at.query_params[k] = v
-    return at
-
-
-def _text(at) -> str:
-    kinds = ("error", "success", "warning", "info", "caption", "subheader", "markdown", "title")
-    return "\n".join(str(e.value) for kind in kinds for e in getattr(at, kind))
-
-
 def test_memory_page_renders_a_cpu_run(memory_home, monkeypatch):
     home, run_id = memory_home
-    at = _app(home, monkeypatch, run=run_id)
+    at = make_app(home, monkeypatch, run=run_id)
     at.switch_page("views/memory.py").run()
     assert not at.exception, [e.value for e in at.exception]
-    text = _text(at)
+    text = texts(at)
     assert "Memory placement" in text
     assert "resident memory (RSS)" in text  # honest about a CPU-only timeline
     assert "Every tensor and every byte on the device asked for" in text
@@ -100,10 +83,10 @@ def test_memory_page_shows_flags_of_a_gpu_run(memory_home, monkeypatch, tmp_path
     }
     store.write_metrics(run_id, pd.concat([metrics, pd.DataFrame([flag])], ignore_index=True))
     try:
-        at = _app(home, monkeypatch, run=run_id)
+        at = make_app(home, monkeypatch, run=run_id)
         at.switch_page("views/memory.py").run()
         assert not at.exception, [e.value for e in at.exception]
-        text = _text(at)
+        text = texts(at)
         assert "1 finding(s):" in text
         assert "no_torch_device: stray device on cuda:0, from stage 'adapter lora loaded'" in text
         assert at.segmented_control(key="widget.metric").value == "driver_used"
@@ -117,7 +100,7 @@ def test_memory_page_shows_flags_of_a_gpu_run(memory_home, monkeypatch, tmp_path
 
 
 def test_memory_page_without_the_check(tmp_path, monkeypatch):
-    at = _app(tmp_path, monkeypatch)
+    at = make_app(tmp_path, monkeypatch)
     at.switch_page("views/memory.py").run()
     assert not at.exception, [e.value for e in at.exception]
 
@@ -126,7 +109,7 @@ def test_scenario_button_runs_the_memory_scenario(memory_home, monkeypatch):
     home, _ = memory_home
     store = Store(home)
     before = {r.run_id for r in store.list_runs()}
-    at = _app(home, monkeypatch)
+    at = make_app(home, monkeypatch)
     at.switch_page("views/memory.py").run()
     at.button(key="scenario.memory-placement").click().run()
     assert not at.exception, [e.value for e in at.exception]

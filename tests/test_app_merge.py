@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-from streamlit.testing.v1 import AppTest
+from apptest import make_app
 
 from core.demo import build_demo
 from core.engine import Engine, InProcessRunner
 from core.scenarios import demo_spec
-
-APP = str(Path(__file__).resolve().parent.parent / "dashboard" / "app.py")
 
 
 @pytest.fixture(scope="module")
@@ -24,19 +20,10 @@ def merge_home(tmp_path_factory):
     return home, job.run_id
 
 
-def _app(home, monkeypatch, **params):
-    monkeypatch.setenv("WEIGHTDRIFT_HOME", str(home))
-    monkeypatch.setenv("WEIGHTDRIFT_RUNNER", "in-process")
-    at = AppTest.from_file(APP, default_timeout=120)
-    for k, v in params.items():
-        at.query_params[k] = v
-    return at
-
-
 @pytest.mark.parametrize("adapter", ["lora_embed", "lora_nan", "lora"])
 def test_merge_page_renders(merge_home, monkeypatch, adapter):
     home, run_id = merge_home
-    at = _app(home, monkeypatch, run=run_id, adapter=adapter)
+    at = make_app(home, monkeypatch, run=run_id, adapter=adapter)
     at.switch_page("views/merge.py").run()
     assert not at.exception, [e.value for e in at.exception]
     text = "\n".join(
@@ -52,6 +39,6 @@ def test_merge_page_renders(merge_home, monkeypatch, adapter):
 
 
 def test_merge_page_without_merge_rows(tmp_path, monkeypatch):
-    at = _app(tmp_path, monkeypatch)
+    at = make_app(tmp_path, monkeypatch)
     at.switch_page("views/merge.py").run()
     assert not at.exception

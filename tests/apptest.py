@@ -1,0 +1,34 @@
+"""Helpers shared by the dashboard's AppTest tests: the app on a given home, and what a page says."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+APP = str(Path(__file__).resolve().parent.parent / "dashboard" / "app.py")
+
+
+def make_app(home: Path, monkeypatch: pytest.MonkeyPatch, **params: str) -> AppTest:
+    """The app on WeightDrift home `home`, jobs run in-process, with `params` in the URL."""
+    monkeypatch.setenv("WEIGHTDRIFT_HOME", str(home))
+    monkeypatch.setenv("WEIGHTDRIFT_RUNNER", "in-process")
+    at = AppTest.from_file(APP, default_timeout=120)
+    for k, v in params.items():
+        at.query_params[k] = v
+    return at
+
+
+def texts(at: AppTest) -> str:
+    """Every message, markdown, caption and metric label on the page, as one string."""
+    parts = []
+    for kind in ("error", "warning", "info", "success", "markdown", "caption", "title", "subheader"):
+        parts += [str(e.value) for e in getattr(at, kind)]
+    parts += [str(e.label) for e in at.metric]
+    return "\n".join(parts)
+
+
+def no_exceptions(at: AppTest) -> None:
+    """Fail with the page's exceptions, if it shows any."""
+    assert not at.exception, [e.value for e in at.exception]
