@@ -265,7 +265,9 @@ def _failure_shots(browser) -> None:
 # --- the test -----------------------------------------------------------------------------------
 
 
-def test_first_launch_run_drilldown_and_shared_link(server: Server, capsys: pytest.CaptureFixture) -> None:
+@contextlib.contextmanager
+def _browser(server: Server) -> Iterator:
+    """Headless Chromium through Playwright; a failure inside leaves screenshots and the server log tail."""
     # CI installs both (README's test command): their absence is a failure, not a silent skip,
     # unless a developer opts out explicitly.
     if os.environ.get("WEIGHTDRIFT_SKIP_BROWSER") == "1":
@@ -274,12 +276,11 @@ def test_first_launch_run_drilldown_and_shared_link(server: Server, capsys: pyte
         pytest.fail(f"no Chromium at {CHROMIUM}: apt-get install chromium (README's test command does)")
     import playwright.sync_api as playwright_sync
 
-    timings: dict[str, float | str] = {}
     try:
         with playwright_sync.sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             try:
-                _scenario(browser, server, timings)
+                yield browser
             except BaseException:
                 _failure_shots(browser)
                 raise
@@ -288,6 +289,13 @@ def test_first_launch_run_drilldown_and_shared_link(server: Server, capsys: pyte
     except BaseException:
         print(f"\n--- server log ({server.log}), last lines ---\n{server.log_tail()}")
         raise
+
+
+def test_first_launch_run_drilldown_and_shared_link(server: Server, capsys: pytest.CaptureFixture) -> None:
+    timings: dict[str, float | str] = {}
+    try:
+        with _browser(server) as browser:
+            _scenario(browser, server, timings)
     finally:
         if timings:
             (ARTIFACTS / "timings.json").write_text(json.dumps(timings, indent=2) + "\n")
@@ -519,28 +527,11 @@ SCENARIO_PAGES = (
 
 
 def test_scenario_pages(server: Server, capsys: pytest.CaptureFixture) -> None:
-    if os.environ.get("WEIGHTDRIFT_SKIP_BROWSER") == "1":
-        pytest.skip("WEIGHTDRIFT_SKIP_BROWSER=1")
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"no Chromium at {CHROMIUM}: apt-get install chromium (README's test command does)")
-    import playwright.sync_api as playwright_sync
-
     timings: dict[str, float] = {}
-    try:
-        with playwright_sync.sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-            try:
-                page = browser.new_context(viewport=VIEWPORT).new_page()
-                for path, scenario, heading, expect, shot in SCENARIO_PAGES:
-                    timings[scenario] = _run_scenario(page, server, path, scenario, heading, expect, shot)
-            except BaseException:
-                _failure_shots(browser)
-                raise
-            finally:
-                browser.close()
-    except BaseException:
-        print(f"\n--- server log ({server.log}), last lines ---\n{server.log_tail()}")
-        raise
+    with _browser(server) as browser:
+        page = browser.new_context(viewport=VIEWPORT).new_page()
+        for path, scenario, heading, expect, shot in SCENARIO_PAGES:
+            timings[scenario] = _run_scenario(page, server, path, scenario, heading, expect, shot)
     with capsys.disabled():
         print("\ne2e scenarios, click → result: " + " · ".join(f"{k} {v:.1f} s" for k, v in timings.items()))
 
