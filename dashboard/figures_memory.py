@@ -176,27 +176,35 @@ def timeline_heatmap(
             row=1,
             col=i,
         )
-        fig.update_xaxes(**category_axis(cols), side="top", row=1, col=i)
-        fig.update_yaxes(
-            **category_axis(stages), autorange="reversed", showticklabels=i == 1, ticks="", row=1, col=i
-        )
-    height = max(320, 150 + 30 * len(stages))
+        _panel_axes(fig, i, cols, stages)
     what = "RSS (cpu), " + CUDA_METRICS.get(metric, metric) + " (cuda)" if len(devices) > 1 else "RSS"
-    fig.update_layout(
-        title=title_top(title or f"Memory per load stage and device, MiB — {what}", height),
-        coloraxis={
-            "colorscale": COLORSCALE,
-            "cmin": 0,
-            "cmax": zmax or 1,
-            "colorbar": {"title": {"text": "MiB", "side": "right"}},
-        },
-        height=height,
-        margin={"t": 110},
+    coloraxis = {
+        "colorscale": COLORSCALE,
+        "cmin": 0,
+        "cmax": zmax or 1,
+        "colorbar": {"title": {"text": "MiB", "side": "right"}},
+    }
+    _finish_panels(
+        fig, title or f"Memory per load stage and device, MiB — {what}", 150 + 30 * len(stages), coloraxis
     )
+    return fig
+
+
+def _panel_axes(fig: go.Figure, col: int, devices: list[str], rows: list[str]) -> None:
+    """Panel `col`: every device on top, every row label in order, row labels on the first panel only."""
+    fig.update_xaxes(**category_axis(devices), side="top", row=1, col=col)
+    fig.update_yaxes(
+        **category_axis(rows), autorange="reversed", showticklabels=col == 1, ticks="", row=1, col=col
+    )
+
+
+def _finish_panels(fig: go.Figure, title: str, height: int, coloraxis: dict) -> None:
+    """Title, shared colour axis and height (at least 320 px) of a figure of side-by-side panels."""
+    height = max(320, height)
+    fig.update_layout(title=title_top(title, height), coloraxis=coloraxis, height=height, margin={"t": 110})
     # Subplot titles sit above the top-side device labels.
     for annotation in fig.layout.annotations:
         annotation.update(yshift=30)
-    return fig
 
 
 def _human_bytes(n: float) -> str:
@@ -255,19 +263,13 @@ def module_device_heatmap(
             row=1,
             col=i,
         )
-        fig.update_xaxes(**category_axis(devices), side="top", row=1, col=i)
-        fig.update_yaxes(
-            **category_axis(modules), autorange="reversed", showticklabels=i == 1, ticks="", row=1, col=i
-        )
-    height = max(320, 150 + 22 * len(modules))
-    fig.update_layout(
-        title=title_top(title or "Bytes per module and device (parameters and buffers)", height),
-        coloraxis={"colorscale": COLORSCALE, "colorbar": {"title": {"text": "log₁₀ bytes", "side": "right"}}},
-        height=height,
-        margin={"t": 110},
+        _panel_axes(fig, i, devices, modules)
+    _finish_panels(
+        fig,
+        title or "Bytes per module and device (parameters and buffers)",
+        150 + 22 * len(modules),
+        {"colorscale": COLORSCALE, "colorbar": {"title": {"text": "log₁₀ bytes", "side": "right"}}},
     )
-    for annotation in fig.layout.annotations:
-        annotation.update(yshift=30)
     return fig
 
 
