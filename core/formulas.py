@@ -481,13 +481,16 @@ def merged_weights(
     adapter_config: Mapping[str, Any],
     adapter_tensors: Mapping[str, torch.Tensor],
     base_weights: Mapping[str, torch.Tensor],
+    deltas: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per adapted module, the merged weight ``W + ΔW`` in float64 (keys as :func:`reference_deltas`).
 
     For PiSSA, ``W`` is the residual :func:`pissa_residual` of the given base weight (what PEFT puts
     in the base layer when it loads a PiSSA adapter), so the result is what ``merge_and_unload`` gives.
+    ``deltas``: :func:`reference_deltas` of the same inputs, where the caller has already computed them.
     """
-    deltas = reference_deltas(adapter_config, adapter_tensors, base_weights)
+    if deltas is None:
+        deltas = reference_deltas(adapter_config, adapter_tensors, base_weights)
     kind = adapter_type(adapter_config)
     fifo = bool(adapter_config.get("fan_in_fan_out"))
     modules = adapter_module_keys(adapter_tensors)

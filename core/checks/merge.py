@@ -306,10 +306,11 @@ class MergeCheck(Check):
                             merged_cache[key.adapter + "/delta"] = {}
                         else:
                             config, tensors_ = adapter_files(key.adapter)
-                            merged_cache[key.adapter] = formulas.merged_weights(config, tensors_, base)
-                            merged_cache[key.adapter + "/delta"] = formulas.reference_deltas(
-                                config, tensors_, base
+                            deltas = formulas.reference_deltas(config, tensors_, base)
+                            merged_cache[key.adapter] = formulas.merged_weights(
+                                config, tensors_, base, deltas=deltas
                             )
+                            merged_cache[key.adapter + "/delta"] = deltas
                     source = merged_cache[key.adapter + ("/delta" if role == "delta" else "")]
                     if name in source:
                         tensors[key.encode()] = source[name]
