@@ -96,28 +96,44 @@ def model_class(config) -> type:
     return transformers.AutoModel
 
 
-def load_base(model: ModelRef, target: Target, dtype: torch.dtype | None = None):
-    """Load the base model in the target's dtype directly onto the target's device, in eval mode."""
+def load_config(model: ModelRef):
+    """The model's transformers config; LoadError when the folder or hub id gives none."""
     import transformers
 
     _quiet_transformers()
     try:
-        config = transformers.AutoConfig.from_pretrained(
+        return transformers.AutoConfig.from_pretrained(
             model.path, revision=model.revision, trust_remote_code=model.trust_remote_code
         )
     except Exception as e:
         raise LoadError(f"{model.path}: not a model folder or reachable hub id ({_first_line(e)})") from e
+
+
+def vocab_size(config) -> int:
+    """The vocabulary size of a config (of its text part, for multimodal configs)."""
+    return int(getattr(config, "vocab_size", None) or config.get_text_config().vocab_size)
+
+
+def load_base(
+    model: ModelRef, target: Target, dtype: torch.dtype | None = None, device_map: str | None = None
+):
+    """Load the base model in the target's dtype directly onto the target's device, in eval mode.
+
+    `device_map` replaces the target's device (e.g. "auto": accelerate spreads it over every GPU).
+    """
+    config = load_config(model)
     cls = model_class(config)
     try:
         m = cls.from_pretrained(
             model.path,
             revision=model.revision,
             dtype=dtype or torch_dtype(target.dtype),
-            device_map=target.device,
+            device_map=device_map or target.device,
             trust_remote_code=model.trust_remote_code,
         )
     except Exception as e:
-        raise LoadError(f"{model.path}: the model did not load ({_first_line(e)})") from e
+        how = f" with device_map={device_map!r}" if device_map else ""
+        raise LoadError(f"{model.path}: the model did not load{how} ({_first_line(e)})") from e
     m.eval()
     return m
 

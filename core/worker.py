@@ -109,7 +109,7 @@ def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
     from core.capture import Capture, capture_folder_name
     from core.checks import get_checks
     from core.checks.base import CaptureContext
-    from core.loading import STRATEGIES, probe_input_ids
+    from core.loading import STRATEGIES, load_config, probe_input_ids, vocab_size
     from core.spec import ProbeSpec, Target
     from core.targets import apply_flags, environment
 
@@ -117,75 +117,45 @@ def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
     target = Target.parse(task.target or "")
     checks = get_checks(task.checks)
     run_dir = Path(task.run_dir)
-    folder = run_dir / "captures" / capture_folder_name(target.slug, task.own_check or "", task.variant or "")
-    if task.own_check is not None:
-        check = checks[0]
-        variant = task.variant or ""
-        total = 1 + check.run_stages(spec, target, variant) + 1
-        progress = Progress(emit, should_cancel, total=total, target=task.label)
-        progress("apply flags")
-        apply_flags(target)
-        capture = Capture(
-            target=str(target), environment=environment(target.device), check=check.name, variant=variant
-        )
-        started = time.time()
-        vocab = _config_vocab_size(spec.base)
-        input_ids = probe_input_ids(spec.probe, vocab, spec.seed)
-        ctx = CaptureContext(spec=spec, target=target, input_ids=input_ids, run_dir=run_dir)
-        check.run(ctx, variant, progress, capture)
-        capture.meta["timings"] = {"load_and_capture_s": round(time.time() - started, 3)}
-        capture.meta["input_ids"] = input_ids.tolist()
-        progress("write capture")
-        capture.save(folder)
-        return
-
-    # Checks that change the loaded model (merging) see it after the others have taken theirs.
-    checks = sorted(checks, key=lambda c: c.mutates_model)
+    own = checks[0] if task.own_check is not None else None
+    variant = task.variant or ""
     strategy = STRATEGIES["isolated"]
-    # apply flags, the strategy's load stages, one capture per loaded model, write
-    total = 1 + strategy.stages(spec.adapters, target) + (1 + len(spec.adapters)) + 1
-    progress = Progress(emit, should_cancel, total=total, target=str(target))
+    if own is not None:
+        # apply flags, the check's own stages, write
+        total = 1 + own.run_stages(spec, target, variant) + 1
+    else:
+        # apply flags, the strategy's load stages, one capture per loaded model, write
+        total = 1 + strategy.stages(spec.adapters, target) + (1 + len(spec.adapters)) + 1
+    progress = Progress(emit, should_cancel, total=total, target=task.label)
 
     progress("apply flags")
     apply_flags(target)
-    capture = Capture(target=str(target), environment=environment(target.device))
+    capture = Capture(
+        target=str(target),
+        environment=environment(target.device),
+        check=own.name if own is not None else "",
+        variant=variant,
+    )
     started = time.time()
-    input_ids = None
-    for loaded in strategy.load(spec.base, spec.adapters, target, stage=progress):
-        if input_ids is None:
-            input_ids = probe_input_ids(spec.probe, _vocab_size(loaded.model), spec.seed)
-        ctx = CaptureContext(spec=spec, target=target, input_ids=input_ids, run_dir=run_dir)
-        progress("capture " + ("base" if loaded.adapter is None else loaded.adapter.name))
-        for check in checks:
-            check.capture(ctx, loaded, capture)
-        if loaded.notes:
-            # per adapter for the rows that need them, and as text for the run's notes
-            capture.meta.setdefault("load_notes", {})[loaded.adapter.name] = loaded.notes
-            capture.notes.extend(f"{loaded.adapter.name}: {note}" for note in loaded.notes)
+    input_ids = probe_input_ids(spec.probe, vocab_size(load_config(spec.base)), spec.seed)
+    ctx = CaptureContext(spec=spec, target=target, input_ids=input_ids, run_dir=run_dir)
+    if own is not None:
+        own.run(ctx, variant, progress, capture)
+    else:
+        # Checks that change the loaded model (merging) see it after the others have taken theirs.
+        checks = sorted(checks, key=lambda c: c.mutates_model)
+        for loaded in strategy.load(spec.base, spec.adapters, target, stage=progress):
+            progress("capture " + ("base" if loaded.adapter is None else loaded.adapter.name))
+            for check in checks:
+                check.capture(ctx, loaded, capture)
+            if loaded.notes:
+                # per adapter for the rows that need them, and as text for the run's notes
+                capture.meta.setdefault("load_notes", {})[loaded.adapter.name] = loaded.notes
+                capture.notes.extend(f"{loaded.adapter.name}: {note}" for note in loaded.notes)
     capture.meta["timings"] = {"load_and_capture_s": round(time.time() - started, 3)}
-    capture.meta["input_ids"] = input_ids.tolist() if input_ids is not None else None
+    capture.meta["input_ids"] = input_ids.tolist()
     progress("write capture")
-    capture.save(folder)
-
-
-def _config_vocab_size(base) -> int:
-    """The base's vocabulary size from its config alone (an own-worker check loads the model itself)."""
-    import transformers
-
-    from core.loading import LoadError, _first_line
-
-    try:
-        config = transformers.AutoConfig.from_pretrained(
-            base.path, revision=base.revision, trust_remote_code=base.trust_remote_code
-        )
-    except Exception as e:
-        raise LoadError(f"{base.path}: not a model folder or reachable hub id ({_first_line(e)})") from e
-    return int(getattr(config, "vocab_size", None) or config.get_text_config().vocab_size)
-
-
-def _vocab_size(model) -> int:
-    config = model.config
-    return int(getattr(config, "vocab_size", None) or config.get_text_config().vocab_size)
+    capture.save(run_dir / "captures" / capture_folder_name(target.slug, own.name if own else "", variant))
 
 
 def run_compare(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> None:

@@ -191,9 +191,8 @@ class MemoryCheck(Check):
     def _load_base(self, spec: ProbeSpec, target: Target, variant: str):
         from core.loading import load_base
 
-        if variant != DEVICE_MAP_AUTO:
-            return load_base(spec.base, target)
-        return _load_base_auto(spec, target)
+        # device_map="auto": accelerate spreads the base over every GPU, in the target's dtype
+        return load_base(spec.base, target, device_map="auto" if variant == DEVICE_MAP_AUTO else None)
 
     def _attach(self, model, adapter: AdapterRef, target: Target, variant: str) -> tuple[Any, list[str]]:
         """The model with `adapter` loaded the variant's way, and how the load went (notes)."""
@@ -344,33 +343,6 @@ def adapter_groups(adapters: tuple[AdapterRef, ...]) -> list[list[AdapterRef]]:
         groups[-1].append(adapter)
         last = kind
     return groups or [[]]
-
-
-def _load_base_auto(spec: ProbeSpec, target: Target):
-    """The base spread over every GPU by accelerate (`device_map="auto"`), in the target's dtype."""
-    import transformers
-
-    from core.loading import LoadError, _first_line, _quiet_transformers, model_class, torch_dtype
-
-    _quiet_transformers()
-    base = spec.base
-    try:
-        config = transformers.AutoConfig.from_pretrained(
-            base.path, revision=base.revision, trust_remote_code=base.trust_remote_code
-        )
-        model = model_class(config).from_pretrained(
-            base.path,
-            revision=base.revision,
-            dtype=torch_dtype(target.dtype),
-            device_map="auto",
-            trust_remote_code=base.trust_remote_code,
-        )
-    except Exception as e:
-        raise LoadError(
-            f"{base.path}: the model did not load with device_map='auto' ({_first_line(e)})"
-        ) from e
-    model.eval()
-    return model
 
 
 def _one_line(e: BaseException) -> str:
