@@ -189,7 +189,8 @@ class SaveAttempt:
     seconds: float = 0.0
 
 
-def _first_line(e: BaseException) -> str:
+def error_text(e: BaseException) -> str:
+    """The exception's type and its whole message on one line (a save error names every shared tensor)."""
     text = " ".join(ln.strip() for ln in str(e).strip().splitlines() if ln.strip())
     return f"{type(e).__name__}: {text[:500]}"
 
@@ -207,7 +208,7 @@ def try_save_file(model: nn.Module) -> SaveAttempt:
         return SaveAttempt("safetensors.save_file(state_dict)", True, seconds=time.perf_counter() - started)
     except Exception as e:  # the library's own refusal is the finding
         return SaveAttempt(
-            "safetensors.save_file(state_dict)", False, _first_line(e), seconds=time.perf_counter() - started
+            "safetensors.save_file(state_dict)", False, error_text(e), seconds=time.perf_counter() - started
         )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -232,7 +233,7 @@ def save_pretrained_atomic(model: nn.Module, folder: Path) -> SaveAttempt:
         os.replace(tmp, folder)
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        return SaveAttempt("save_pretrained", False, _first_line(e), seconds=time.perf_counter() - started)
+        return SaveAttempt("save_pretrained", False, error_text(e), seconds=time.perf_counter() - started)
     files = sorted(p.name for p in folder.iterdir())
     return SaveAttempt(
         "save_pretrained", True, folder=str(folder), files=files, seconds=time.perf_counter() - started

@@ -169,7 +169,7 @@ class MergeCheck(Check):
                     )
                     self._add(out, adapter, "output", "reload", "logits", t)
                 except Exception as e:  # a reload failure is a finding of the save report
-                    reload_error = merging._first_line(e)
+                    reload_error = merging.error_text(e)
         finally:
             if scratch is not None:
                 import shutil
@@ -244,7 +244,7 @@ class MergeCheck(Check):
                 out, label, "output", "subset together", "logits", forward_output(model, ctx.input_ids)[1]
             )
         except (ValueError, TypeError, RuntimeError) as e:
-            meta["subset_together_error"] = merging._first_line(e)
+            meta["subset_together_error"] = merging.error_text(e)
         meta["subset_errors"] = errors
         del model
 
