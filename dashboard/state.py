@@ -45,17 +45,23 @@ def store() -> Store:
     return engine().store
 
 
-@st.cache_data(show_spinner=False, max_entries=16)
-def _metrics(run_dir: str, mtime: float) -> pd.DataFrame:
-    return pd.read_parquet(Path(run_dir) / "metrics.parquet")
+@st.cache_data(show_spinner=False, max_entries=32)
+def _table(path: str, mtime: float) -> pd.DataFrame:
+    return pd.read_parquet(path)
+
+
+def run_table(record: RunRecord, name: str) -> pd.DataFrame:
+    """A table of a finished run (`metrics`, or a check's own such as `memory_timeline`), cached
+    while its file is unchanged; empty when the run has none."""
+    path = record.run_dir / f"{name}.parquet"
+    if record.status != "succeeded" or not path.exists():
+        return pd.DataFrame()
+    return _table(str(path), path.stat().st_mtime)
 
 
 def metrics_table(record: RunRecord) -> pd.DataFrame:
-    """The run's metrics table, cached while the file is unchanged (empty when it has none)."""
-    path = record.run_dir / "metrics.parquet"
-    if record.status != "succeeded" or not path.exists():
-        return pd.DataFrame()
-    return _metrics(str(record.run_dir), path.stat().st_mtime)
+    """The run's metrics table (see `run_table`)."""
+    return run_table(record, "metrics")
 
 
 # --- view state ---------------------------------------------------------------------------------

@@ -149,10 +149,9 @@ class MergeCheck(Check):
     def _save_round_trip(self, ctx: CaptureContext, merged, adapter: str, out: Capture, forward) -> dict:
         groups = merging.shared_groups(merged.state_dict())
         attempts = [merging.try_save_file(merged)]
-        run_dir = getattr(ctx, "run_dir", None)
         scratch = None
-        if run_dir is not None:
-            folder = Path(run_dir) / "merged" / ctx.target.slug / adapter
+        if ctx.run_dir is not None:
+            folder = Path(ctx.run_dir) / "merged" / ctx.target.slug / adapter
         else:  # no run folder (a direct call): save into a scratch folder removed afterwards
             import tempfile
 

@@ -14,7 +14,7 @@ from dashboard.figures_adapters import (
     mutation_table,
     stacking_summary,
 )
-from dashboard.state import bound_select, metrics_table
+from dashboard.state import bound_select, metrics_table, run_table
 from dashboard.ui import METRIC_COLUMN_CONFIG, csv_download, downloads, finished_run, scenario_buttons
 
 st.title("Adapter consistency")
@@ -143,7 +143,7 @@ st.caption(
     "After each load step, from PEFT's `get_layer_status()`: what the adapted modules hold and which "
     'adapter is active. "holds a, b; active b" is stacking.'
 )
-structure = record.table("adapters_structure")
+structure = run_table(record, "adapters_structure")
 if len(structure):
     structure = structure[structure["target"] == target].drop(columns=["target"])
     columns = st.columns(min(len(strategies), 3))

@@ -17,14 +17,14 @@ from dashboard.figures_memory import (
     panels,
     timeline_heatmap,
 )
-from dashboard.state import bound_select, metrics_table
+from dashboard.state import bound_select, metrics_table, run_table
 from dashboard.ui import csv_download, downloads, finished_run, scenario_buttons
 
 st.title("Memory placement")
 scenario_buttons("memory")
 record = finished_run("memory")
-timeline = record.table("memory_timeline")
-placement = record.table("placement")
+timeline = run_table(record, "memory_timeline")
+placement = run_table(record, "placement")
 table = metrics_table(record)
 rows = table[table["check"] == "memory"] if len(table) else table
 if timeline.empty and rows.empty:

@@ -15,7 +15,7 @@ from dashboard.figures_merge import (
     weight_rows,
     worst_modules,
 )
-from dashboard.state import bound_select, metrics_table
+from dashboard.state import bound_select, metrics_table, run_table
 from dashboard.ui import (
     METRIC_COLUMN_CONFIG,
     csv_download,
@@ -44,9 +44,8 @@ def severity(part: pd.DataFrame) -> tuple[int, float]:
 
 
 st.subheader("Every adapter and target at a glance")
-summary = method_summary(
-    rows[rows["adapter"].isin([a.name for a in record.spec.adapters])], record.table("merge_save")
-)
+save = run_table(record, "merge_save")
+summary = method_summary(rows[rows["adapter"].isin([a.name for a in record.spec.adapters])], save)
 st.caption(
     "Worst first. **weights**: the worst merged module against W + ΔW in float64 (ulps at the tensor's "
     "scale, and max |Δ|) · **merged vs unmerged / vs fp64**: max |Δ| of merge_and_unload's outputs · "
@@ -96,7 +95,7 @@ metric = bound_select(
 mine = rows[rows["adapter"] == adapter]
 
 # Findings first: what is broken and what to do.
-findings = record.table("merge_findings")
+findings = run_table(record, "merge_findings")
 findings = findings[findings["adapter"] == adapter] if len(findings) else findings
 for _, f in findings.iterrows():
     if f["finding"] == "tied":
@@ -155,12 +154,11 @@ if len(subset):
     csv_download(stage_table(subset), f"{record.run_id}-merge-subset", key="merge.subset.csv")
 
 st.subheader("Save round trip")
-save = record.table("merge_save")
-save = save[save["adapter"] == adapter] if len(save) else save
-if save.empty:
+mine_saved = save[save["adapter"] == adapter] if len(save) else save
+if mine_saved.empty:
     st.info("No save round trip for this adapter (merge_and_unload was refused, or only cpu/float64 ran).")
 else:
-    for _, s in save.iterrows():
+    for _, s in mine_saved.iterrows():
         box = st.success if s["ok"] else st.warning
         text = f"**{s['method']}** on {s['target']}: " + ("saved" if s["ok"] else f"failed — {s['error']}")
         if s["ok"] and s.get("files"):
@@ -172,7 +170,7 @@ else:
         if s["fix"]:
             text += f"\n\nFix: {s['fix']}"
         box(text)
-    csv_download(save, f"{record.run_id}-merge-save", key="merge.save.csv")
+    csv_download(mine_saved, f"{record.run_id}-merge-save", key="merge.save.csv")
 
 st.subheader("Inspect one module's residual")
 targets = list(dict.fromkeys(shown["target"]))
