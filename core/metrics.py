@@ -176,11 +176,6 @@ def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(finite, spacing, math.nan)
 
 
-def _check_floating(t: torch.Tensor, what: str) -> None:
-    if not t.is_floating_point():
-        raise TypeError(f"{what} must have a floating dtype, not {t.dtype}")
-
-
 def _cpu_f64(t: torch.Tensor) -> torch.Tensor:
     # Two steps: some devices (MPS) cannot hold float64, so convert only once on the CPU.
     return t.to("cpu").to(torch.float64)
@@ -371,12 +366,18 @@ def compare(
     `tolerance` defaults to `default_tolerance(target.dtype)`. The tensors may live on any
     devices (chunks are moved to the CPU as float64), and memory stays bounded by `chunk_elems`
     (plus a flattening copy for non-contiguous inputs). Different shapes do not raise: the
-    result has ``shape_mismatch=True`` and NaN metrics. Raises TypeError for non-floating dtypes.
+    result has ``shape_mismatch=True`` and NaN metrics. Integer and bool tensors are compared
+    exactly (tolerance 0); an integer tensor against a floating one is compared as floating.
     """
-    _check_floating(target, "target")
-    _check_floating(reference, "reference")
     if chunk_elems < 1:
         raise ValueError(f"chunk_elems must be positive, not {chunk_elems}")
+    if not (target.is_floating_point() or reference.is_floating_point()):
+        # Integer and bool tensors (position ids, masks) are compared exactly, as assert_close does.
+        return _compare_exact(target.detach(), reference.detach(), chunk_elems)
+    if not target.is_floating_point():
+        target = target.to(reference.dtype)
+    elif not reference.is_floating_point():
+        reference = reference.to(torch.float64)
     tol = tolerance if tolerance is not None else default_tolerance(target.dtype)
     target, reference = target.detach(), reference.detach()
     t_flat, r_flat = target.reshape(-1), reference.reshape(-1)
@@ -483,6 +484,70 @@ def compare(
         ref_inf=acc.ref_inf,
         n_nonfinite_new=acc.n_nonfinite_new,
         all_zero=numel > 0 and acc.t_nonzero == 0 and acc.r_nonzero > 0,
+    )
+
+
+def _compare_exact(target: torch.Tensor, reference: torch.Tensor, chunk_elems: int) -> DiffStats:
+    """Integer/bool tensors: equal or not, element by element (tolerance 0, as assert_close's default)."""
+    fields = _fields(target, reference, Tolerance(rtol=0.0, atol=0.0))
+    numel = target.numel()
+    nan = math.nan
+    if target.shape != reference.shape:
+        return DiffStats(
+            **fields, bitwise_equal=False, shape_mismatch=True, n_diff=numel, n_mismatch=numel,
+            max_abs=nan, mean_abs=nan, rmse=nan, rel_l2=nan, cos_sim=nan, max_ulp=nan, min_atol=nan,
+            worst_index=None, worst_target=None, worst_reference=None, n_nan=0, n_inf=0, ref_nan=0,
+            ref_inf=0, n_nonfinite_new=0, all_zero=False,
+        )  # fmt: skip
+    t_flat, r_flat = target.reshape(-1), reference.reshape(-1)
+    n_diff = 0
+    max_abs = sum_abs = sum_sq = sum_r2 = sum_t2 = sum_tr = 0.0
+    worst: int | None = None
+    worst_t = worst_r = None
+    for start, stop in _chunks(numel, chunk_elems):
+        # int64 differences are exact for every integer dtype but uint64 beyond 2^63 (not a torch weight).
+        t = t_flat[start:stop].to("cpu").to(torch.int64)
+        r = r_flat[start:stop].to("cpu").to(torch.int64)
+        d = (t - r).abs()
+        n_diff += int((d != 0).sum())
+        tf, rf, df = t.to(torch.float64), r.to(torch.float64), d.to(torch.float64)
+        sum_abs += float(df.sum())
+        sum_sq += float((df * df).sum())
+        sum_r2 += float((rf * rf).sum())
+        sum_t2 += float((tf * tf).sum())
+        sum_tr += float((tf * rf).sum())
+        if d.numel():
+            i = int(d.argmax())
+            if float(d[i]) > max_abs:
+                max_abs, worst, worst_t, worst_r = float(d[i]), start + i, float(t[i]), float(r[i])
+    if n_diff == 0:
+        cos = 1.0
+    elif sum_t2 == 0 or sum_r2 == 0:
+        cos = nan
+    else:
+        cos = max(-1.0, min(1.0, sum_tr / (math.sqrt(sum_t2) * math.sqrt(sum_r2))))
+    return DiffStats(
+        **fields,
+        bitwise_equal=n_diff == 0 and target.dtype == reference.dtype,
+        shape_mismatch=False,
+        n_diff=n_diff,
+        n_mismatch=n_diff,
+        max_abs=max_abs,
+        mean_abs=sum_abs / numel if numel else 0.0,
+        rmse=math.sqrt(sum_sq / numel) if numel else 0.0,
+        rel_l2=(math.sqrt(sum_sq) / math.sqrt(sum_r2)) if sum_r2 else (0.0 if n_diff == 0 else math.inf),
+        cos_sim=cos,
+        max_ulp=max_abs,  # integers are spaced 1 apart
+        min_atol=max_abs,
+        worst_index=None if worst is None else _unravel(worst, tuple(target.shape)),
+        worst_target=worst_t,
+        worst_reference=worst_r,
+        n_nan=0,
+        n_inf=0,
+        ref_nan=0,
+        ref_inf=0,
+        n_nonfinite_new=0,
+        all_zero=False,  # zeros where the file has values is a mismatch of values here, not a dead output
     )
 
 

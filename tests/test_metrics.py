@@ -485,11 +485,23 @@ def test_all_zero_target_is_broken():
     assert not compare(torch.zeros(3), torch.zeros(3, dtype=F64)).all_zero
 
 
-def test_non_floating_inputs_raise():
-    with pytest.raises(TypeError):
-        compare(torch.ones(3, dtype=torch.int32), torch.ones(3))
-    with pytest.raises(TypeError):
-        compare(torch.ones(3), torch.ones(3, dtype=torch.int64))
+def test_integer_and_bool_tensors_compare_exactly():
+    ids = torch.arange(512, dtype=torch.int64).reshape(1, 512)
+    same = compare(ids, ids.clone())
+    assert same.bitwise_equal and verdict(same) == "identical" and same.n_mismatch == 0
+    other = ids.clone()
+    other[0, 7] = 9
+    other[0, 300] = 0
+    s = compare(other, ids, Tolerance(rtol=0.5, atol=3.0))  # a float tolerance does not loosen ints
+    assert (s.n_mismatch, s.max_abs, s.worst_index) == (2, 300.0, (0, 300))
+    assert (s.rtol, s.atol) == (0.0, 0.0) and verdict(s) == "drift"
+    mask = torch.tensor([True, False, True])
+    assert verdict(compare(mask, mask.clone())) == "identical"
+    assert compare(mask, torch.tensor([True, True, True])).n_mismatch == 1
+    assert compare(torch.ones(3, dtype=torch.int32), torch.ones(3, dtype=torch.int64)).n_mismatch == 0
+    # An integer against a floating tensor is compared as floating, never a TypeError.
+    assert compare(torch.ones(3, dtype=torch.int32), torch.ones(3)).n_mismatch == 0
+    assert compare(torch.ones(3), torch.ones(3, dtype=torch.int64)).n_mismatch == 0
 
 
 # ---------------------------------------------------------------- verdicts and text
