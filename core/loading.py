@@ -43,41 +43,20 @@ def _quiet_transformers() -> None:
 def read_checkpoint(
     folder: str | Path, prefix: str = "", names: Collection[str] | None = None
 ) -> dict[str, torch.Tensor]:
-    """Every tensor of a model or adapter folder, as stored (dtype and values untouched).
+    """Every tensor of a model or adapter folder (or only `names`), as stored (dtype and values untouched).
 
-    Reads `*.safetensors` (single file or sharded with an index); falls back to `*.bin`
-    with `weights_only=True`. Raises LoadError naming the file when it is truncated or corrupt.
-    With `names`, safetensors files give only those tensors (read lazily: a single tensor of a
-    large checkpoint costs its own bytes only); `.bin` files are read whole, then filtered.
+    Through `core.checkpoint.Checkpoint`: safetensors (one file or shards) read tensor by tensor,
+    so asking for a few names costs their bytes only; `.bin` only with `weights_only=True`.
+    Raises LoadError naming the file when it is missing, truncated or corrupt.
     """
-    folder = Path(folder)
-    files = sorted(folder.glob(f"{prefix}*.safetensors"))
-    if files:
-        from safetensors import safe_open
-        from safetensors.torch import load_file
+    from core.checkpoint import Checkpoint, CheckpointError
 
-        tensors: dict[str, torch.Tensor] = {}
-        for f in files:
-            try:
-                if names is None:
-                    tensors.update(load_file(str(f)))
-                    continue
-                with safe_open(str(f), framework="pt") as handle:
-                    present = handle.keys()  # a safe_open handle has keys() but is not iterable
-                    tensors.update({k: handle.get_tensor(k) for k in present if k in names})
-            except Exception as e:
-                raise LoadError(f"{f}: not a readable safetensors file ({e})") from e
-        return tensors
-    bins = sorted(folder.glob(f"{prefix}*.bin"))
-    if bins:
-        tensors = {}
-        for f in bins:
-            try:
-                tensors.update(torch.load(str(f), map_location="cpu", weights_only=True))
-            except Exception as e:
-                raise LoadError(f"{f}: not a loadable weights-only checkpoint ({e})") from e
-        return tensors if names is None else {k: v for k, v in tensors.items() if k in names}
-    raise LoadError(f"{folder}: no *.safetensors or *.bin weights found")
+    try:
+        checkpoint = Checkpoint.open(folder, prefix=prefix)
+        wanted = checkpoint.names() if names is None else [n for n in checkpoint.names() if n in names]
+        return {name: checkpoint.read(name) for name in wanted}
+    except CheckpointError as e:
+        raise LoadError(str(e)) from e
 
 
 def model_class(config) -> type:

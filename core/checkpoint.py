@@ -1,0 +1,264 @@
+"""Checkpoint files read lazily: an index of every tensor, and one tensor (or one slice) at a time.
+
+A real base model is 8–16 GB in a few safetensors shards. Comparing what a target loaded against
+the file must never hold the file in memory, so `Checkpoint` parses only the shards' headers and
+reads a tensor's bytes on demand with plain positioned reads into a fresh buffer (no mmap: pages
+of a mapped file count in the process's resident memory for as long as the map lives, and a
+worker that walks an 8 GB file through a map looks like it holds 8 GB). `read_flat` reads any
+contiguous run of elements, so a tensor larger than memory can be compared chunk by chunk.
+
+`.bin` checkpoints (pickles) are read with ``torch.load(weights_only=True, mmap=True)``; they are
+the exception, kept for older models.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["Checkpoint", "CheckpointError", "TensorInfo", "SAFETENSORS_DTYPES"]
+
+# safetensors dtype codes → torch dtypes (little-endian on disk, as on every host torch runs on)
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+    "BOOL": torch.bool,
+}
+
+# A header larger than this is not a safetensors header but a corrupt length field.
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be read, with a message naming the file and what is wrong."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives: its file, dtype, shape and byte range (absolute offsets)."""
+
+    name: str
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset of the first element in `file`
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def _parse_header(path: Path) -> dict[str, TensorInfo]:
+    """The tensors of one safetensors file, from its header alone (validated against the file size)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(
+                    f"{path}: not a safetensors file (shorter than its 8-byte header length)"
+                )
+            n = int.from_bytes(head, "little")
+            if n > _MAX_HEADER or 8 + n > size:
+                raise CheckpointError(
+                    f"{path}: not a safetensors file (header length {n} does not fit the file)"
+                )
+            raw = f.read(n)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})") from e
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not a safetensors file (its header is not JSON: {e})") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(
+            f"{path}: not a safetensors file (its header is a JSON {type(header).__name__})"
+        )
+    data_start = 8 + n
+    tensors: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = SAFETENSORS_DTYPES[entry["dtype"]]
+            shape = tuple(int(s) for s in entry["shape"])
+            begin, end = (int(o) for o in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has a malformed header entry ({entry!r:.200})"
+            ) from e
+        nbytes = math.prod(shape) * dtype.itemsize
+        if begin < 0 or end - begin != nbytes or any(s < 0 for s in shape):
+            raise CheckpointError(
+                f"{path}: tensor {name!r} claims {end - begin} bytes for shape {list(shape)} of "
+                f"{entry['dtype']} ({nbytes} bytes)"
+            )
+        if data_start + end > size:
+            raise CheckpointError(
+                f"{path}: truncated: tensor {name!r} ends at byte {data_start + end}, the file has {size}"
+            )
+        tensors[name] = TensorInfo(name, path, dtype, shape, data_start + begin, nbytes)
+    return tensors
+
+
+def _read_into(path: Path, offset: int, out: torch.Tensor) -> None:
+    """Fill the contiguous CPU tensor `out` with the bytes of `path` starting at `offset`."""
+    view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+    with open(path, "rb", buffering=0) as f:
+        f.seek(offset)
+        done = 0
+        while done < len(view):
+            got = f.readinto(view[done:])
+            if not got:
+                raise CheckpointError(f"{path}: truncated: ended {len(view) - done} bytes early")
+            done += got
+
+
+class Checkpoint:
+    """The tensors of a model or adapter folder, indexed from the file headers and read on demand.
+
+    `open` finds ``<prefix>*.safetensors`` (one file or shards; a ``*.safetensors.index.json``,
+    when present, names the shards and is checked against them), else ``<prefix>*.bin``.
+    """
+
+    def __init__(self, folder: Path, tensors: dict[str, TensorInfo], pickled: dict[str, torch.Tensor]):
+        self.folder = folder
+        self._tensors = tensors
+        self._pickled = pickled  # .bin checkpoints only: memory-mapped tensors by name
+
+    @classmethod
+    def open(cls, folder: str | Path, prefix: str = "") -> Checkpoint:
+        """Index `folder`'s weights. CheckpointError names the file when one is missing or corrupt."""
+        folder = Path(folder)
+        files = sorted(folder.glob(f"{prefix}*.safetensors"))
+        if files:
+            indexed = _index_shards(folder, prefix)
+            if indexed is not None:
+                missing = sorted(set(indexed.values()) - {f.name for f in files})
+                if missing:
+                    raise CheckpointError(
+                        f"{folder}: the shard index names {', '.join(missing)}, which the folder does not hold"
+                    )
+                files = [f for f in files if f.name in set(indexed.values())]
+            tensors: dict[str, TensorInfo] = {}
+            for f in files:
+                tensors.update(_parse_header(f))
+            return cls(folder, tensors, {})
+        bins = sorted(folder.glob(f"{prefix}*.bin"))
+        if bins:
+            pickled: dict[str, torch.Tensor] = {}
+            for f in bins:
+                try:
+                    state = torch.load(str(f), map_location="cpu", weights_only=True, mmap=True)
+                except Exception as e:
+                    raise CheckpointError(f"{f}: not a loadable weights-only checkpoint ({e})") from e
+                if not isinstance(state, dict):
+                    raise CheckpointError(f"{f}: holds a {type(state).__name__}, not a dict of tensors")
+                pickled.update({k: v for k, v in state.items() if isinstance(v, torch.Tensor)})
+            infos = {
+                k: TensorInfo(k, f, v.dtype, tuple(v.shape), 0, v.numel() * v.element_size())
+                for k, v in pickled.items()
+            }
+            return cls(folder, infos, pickled)
+        raise CheckpointError(f"{folder}: no {prefix}*.safetensors or {prefix}*.bin weights found")
+
+    def names(self) -> list[str]:
+        """Every tensor name, in file order."""
+        return list(self._tensors)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tensors
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def info(self, name: str) -> TensorInfo:
+        """Where `name` lives; KeyError naming the folder when the checkpoint has no such tensor."""
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise KeyError(f"{self.folder}: no tensor {name!r} in the checkpoint") from None
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of every tensor (what the checkpoint weighs without headers)."""
+        return sum(t.nbytes for t in self._tensors.values())
+
+    def read(self, name: str) -> torch.Tensor:
+        """The whole tensor `name`, as stored (dtype and values untouched), in a fresh CPU tensor."""
+        info = self.info(name)
+        if self._pickled:
+            return self._pickled[name].clone()
+        out = torch.empty(info.shape, dtype=info.dtype)
+        if info.nbytes:
+            _read_into(info.file, info.start, out)
+        return out
+
+    def read_flat(self, name: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Elements ``[start, stop)`` of the flattened tensor `name`, as stored.
+
+        `out`, when given, is a reusable 1-D buffer of the tensor's dtype with at least
+        ``stop - start`` elements; the result is a view of it.
+        """
+        info = self.info(name)
+        if not 0 <= start <= stop <= info.numel:
+            raise IndexError(f"{name}: elements [{start}, {stop}) outside 0..{info.numel}")
+        if self._pickled:
+            return self._pickled[name].reshape(-1)[start:stop]
+        n = stop - start
+        buf = torch.empty(n, dtype=info.dtype) if out is None else out[:n]
+        if n:
+            _read_into(info.file, info.start + start * info.dtype.itemsize, buf)
+        return buf
+
+    def iter_flat(self, name: str, chunk_elems: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """``(start, chunk)`` over the flattened tensor, `chunk_elems` at a time, one reused buffer."""
+        info = self.info(name)
+        buf = torch.empty(min(chunk_elems, info.numel), dtype=info.dtype)
+        for start in range(0, info.numel, chunk_elems):
+            yield start, self.read_flat(name, start, min(start + chunk_elems, info.numel), out=buf)
+
+    def files(self) -> list[Path]:
+        """The weight files behind this checkpoint."""
+        return sorted({t.file for t in self._tensors.values()})
+
+
+def _index_shards(folder: Path, prefix: str) -> dict[str, str] | None:
+    """tensor → shard file name from ``<prefix>*.safetensors.index.json``, or None when there is none."""
+    indexes = sorted(folder.glob(f"{prefix}*.safetensors.index.json"))
+    if not indexes:
+        return None
+    path = indexes[0]
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not a readable shard index ({e})") from e
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(
+            f"{path}: not a shard index (expected an object with a 'weight_map' of file names)"
+        )
+    # Only plain file names: an index must not point outside its folder.
+    bad = [v for v in weight_map.values() if os.path.basename(v) != v]
+    if bad:
+        raise CheckpointError(f"{path}: shard names must be plain file names, not {bad[0]!r}")
+    return weight_map
