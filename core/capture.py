@@ -1,9 +1,13 @@
 """Captures: what a worker took from one target, in the snapshot format.
 
-A capture is a folder with `tensors.safetensors` (every captured tensor, on the CPU, in the
-dtype it had on the target) and `capture.json` (target, environment provenance, notes,
-timings). A capture made by the CLI on another machine has the same format, so comparing
-devices, machines and days is one operation.
+A capture is a folder with `capture.json` (target, environment provenance, notes, timings, and
+the results of the comparisons the worker made itself), `tensors.safetensors` (the tensors
+kept whole, on the CPU, in the dtype they had on the target) and `sketches.safetensors` (the
+array parts of each compared tensor's `Sketch`). Tensors compared against the checkpoint are
+compared in the worker, where they are, and kept whole only for small models or when the user
+asks: a real model's capture is its metric rows and sketches, not a second copy of the model.
+A capture made by the CLI on another machine has the same format, so comparing devices,
+machines and days is one operation.
 """
 
 from __future__ import annotations
@@ -12,14 +16,21 @@ import json
 import os
 import secrets
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from core.sketch import Sketch
+
 SEP = "::"
+# separates a tensor's encoded key from the name of one of its sketch's arrays in sketches.safetensors
+SKETCH_SEP = "##"
+FORMAT = "weightdrift-capture/2"
 BASE = "-"  # the adapter slot of a tensor taken from the bare base model
 
 
@@ -60,6 +71,17 @@ class Capture:
     # variant it ran (a load strategy, …); empty for the shared load loop's capture.
     check: str = ""
     variant: str = ""
+    # encoded TensorKey -> what the worker measured itself: {"reference", "note", "dtype", "row",
+    # "sketch" (the sketch's JSON part, or None when the tensor equals its reference)}
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)
+    sketches: dict[str, Sketch] = field(default_factory=dict)
+    # Set by the worker: called by `add` for every tensor; it may compare the tensor where it is and
+    # store a result, and returns None (not compared: keep it), True (compared, keep it too) or
+    # False (compared, drop it).
+    comparator: Callable[[TensorKey, torch.Tensor, Capture], bool | None] | None = field(
+        default=None, repr=False, compare=False
+    )
+    folder: Path | None = field(default=None, repr=False, compare=False)  # where it was loaded from
 
     @property
     def label(self) -> str:
@@ -69,14 +91,45 @@ class Capture:
         return f"{self.target} · {self.check}" + (f":{self.variant}" if self.variant else "")
 
     def add(self, key: TensorKey, tensor: torch.Tensor) -> None:
+        """Hand `tensor` to the comparator, if any; keep a detached CPU copy unless it says not to."""
+        keep = None if self.comparator is None else self.comparator(key, tensor, self)
+        if keep is not False:
+            self.keep(key, tensor)
+
+    def keep(self, key: TensorKey, tensor: torch.Tensor) -> None:
         """Keep a detached CPU copy (same dtype) so the capture outlives the model."""
         self.tensors[key.encode()] = tensor.detach().to("cpu", copy=True).contiguous()
 
     def keys(self, check: str) -> list[TensorKey]:
-        return [k for k in map(TensorKey.decode, self.tensors) if k.check == check]
+        """Every tensor of `check`: kept ones first, then those only compared in the worker."""
+        encoded = list(self.tensors) + [k for k in self.results if k not in self.tensors]
+        return [k for k in map(TensorKey.decode, encoded) if k.check == check]
 
     def get(self, key: TensorKey) -> torch.Tensor | None:
+        """The kept tensor, or None (not captured, or compared in the worker and not kept)."""
         return self.tensors.get(key.encode())
+
+    def result(self, key: TensorKey) -> dict[str, Any] | None:
+        """What the worker measured for `key` itself, or None."""
+        return self.results.get(key.encode())
+
+    def sketch(self, key: TensorKey) -> Sketch | None:
+        """The sketch of a tensor compared in the worker (read from the folder on first use)."""
+        encoded = key.encode()
+        if encoded in self.sketches:
+            return self.sketches[encoded]
+        record = self.results.get(encoded)
+        if not record or not record.get("sketch") or self.folder is None:
+            return None
+        path = self.folder / "sketches.safetensors"
+        from safetensors import safe_open
+
+        prefix = encoded + SKETCH_SEP
+        with safe_open(str(path), framework="np") as f:
+            arrays = {part: f.get_tensor(prefix + part) for part in Sketch.ARRAY_PARTS}
+        sketch = Sketch.from_parts(record["sketch"], arrays)
+        self.sketches[encoded] = sketch
+        return sketch
 
     def save(self, folder: Path) -> Path:
         """Write into a temporary sibling folder, then rename it into place."""
@@ -85,14 +138,23 @@ class Capture:
         tmp = folder.with_name(f".{folder.name}.{secrets.token_hex(4)}.tmp")
         tmp.mkdir()
         save_file(self.tensors, str(tmp / "tensors.safetensors"))
+        arrays = {
+            f"{key}{SKETCH_SEP}{part}": np.ascontiguousarray(a)
+            for key, sketch in self.sketches.items()
+            for part, a in sketch.arrays().items()
+        }
+        from safetensors.numpy import save_file as save_arrays
+
+        save_arrays(arrays, str(tmp / "sketches.safetensors"))
         doc = {
-            "format": "weightdrift-capture/1",
+            "format": FORMAT,
             "target": self.target,
             "check": self.check,
             "variant": self.variant,
             "environment": self.environment,
             "notes": self.notes,
             "meta": self.meta,
+            "results": self.results,
         }
         (tmp / "capture.json").write_text(json.dumps(doc, indent=2, sort_keys=True, default=str))
         if folder.exists():
@@ -102,11 +164,13 @@ class Capture:
 
     @staticmethod
     def load(folder: Path) -> Capture:
-        """Read a capture (or snapshot) folder back."""
+        """Read a capture (or snapshot) folder back; sketches are read when asked for (`sketch`)."""
         folder = Path(folder)
         doc = json.loads((folder / "capture.json").read_text())
         tensors = load_file(str(folder / "tensors.safetensors"))
         return Capture(
+            results=doc.get("results", {}),
+            folder=folder,
             target=doc["target"],
             environment=doc.get("environment", {}),
             tensors=tensors,

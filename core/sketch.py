@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -86,6 +86,15 @@ def hist_edges_log10(bins: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 class Sketch:
     """What is kept of one compared tensor when the tensors are not: enough to draw its drill-down."""
 
+    ARRAY_PARTS: ClassVar[tuple[str, ...]] = (
+        "row_starts",
+        "col_starts",
+        "pooled",
+        "failing",
+        "hist_bins",
+        "hist_counts",
+    )
+
     shape: tuple[int, ...]
     rows: int  # the 2-D fold (`as_2d`)
     cols: int
@@ -105,14 +114,7 @@ class Sketch:
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The array parts, to be stored in a safetensors file."""
-        return {
-            "row_starts": self.row_starts,
-            "col_starts": self.col_starts,
-            "pooled": self.pooled,
-            "failing": self.failing,
-            "hist_bins": self.hist_bins,
-            "hist_counts": self.hist_counts,
-        }
+        return {part: getattr(self, part) for part in self.ARRAY_PARTS}
 
     def meta(self) -> dict[str, Any]:
         """The JSON parts."""

@@ -161,6 +161,11 @@ class Target:
 
 REFERENCE_TARGET = Target(device="cpu", dtype="float64")
 
+# Base checkpoints up to this size keep every compared tensor whole in the captures, so the
+# drill-down is element-wise (the demo's models are well under it); larger ones keep each tensor's
+# metric row and bounded sketch, unless the run asks for `keep_tensors`.
+KEEP_TENSORS_UP_TO = 256 * 1024 * 1024
+
 
 def normalise_device(device: str, context: str = "") -> str:
     """`cuda` → `cuda:0`, `gpu:1` is refused; the index is always explicit so placement is exact."""
@@ -209,6 +214,9 @@ class ProbeSpec:
     strategies: tuple[str, ...] = ("isolated",)
     # Adapters the `merge` check merges together (`adapter_names=`); empty: its own default.
     merge_subset: tuple[str, ...] = ()
+    # Keep every compared tensor whole in the captures (the element-wise drill-down), whatever the
+    # model's size; without it only models up to KEEP_TENSORS_UP_TO bytes keep theirs.
+    keep_tensors: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -237,6 +245,7 @@ class ProbeSpec:
             # runs stored before strategies became a list have a single `strategy`
             strategies=tuple(d.get("strategies") or [d.get("strategy", "isolated")]),
             merge_subset=tuple(d.get("merge_subset") or ()),
+            keep_tensors=bool(d.get("keep_tensors", False)),
         )
 
     @staticmethod

@@ -142,6 +142,7 @@ def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
     if own is not None:
         own.run(ctx, variant, progress, capture)
     else:
+        capture.comparator = _comparator(spec, target, checks)
         # Checks that change the loaded model (merging) see it after the others have taken theirs.
         checks = sorted(checks, key=lambda c: c.mutates_model)
         for loaded in strategy.load(spec.base, spec.adapters, target, stage=progress):
@@ -156,6 +157,37 @@ def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
     capture.meta["input_ids"] = input_ids.tolist()
     progress("write capture")
     capture.save(run_dir / "captures" / capture_folder_name(target.slug, own.name if own else "", variant))
+
+
+def keeps_tensors(spec) -> bool:
+    """Whether this run keeps compared tensors whole: asked for, or a base model up to KEEP_TENSORS_UP_TO."""
+    from core.checkpoint import Checkpoint, CheckpointError
+    from core.spec import KEEP_TENSORS_UP_TO
+
+    if spec.keep_tensors:
+        return True
+    try:
+        return Checkpoint.open(spec.base.path).nbytes <= KEEP_TENSORS_UP_TO
+    except CheckpointError:  # a hub id, or weights transformers finds elsewhere: assume it is large
+        return False
+
+
+def _comparator(spec, target, checks) -> Callable:
+    """`Capture.comparator` for the shared load loop: `compares_in_worker` checks measure each tensor now."""
+    by_name = {c.name: c for c in checks if c.compares_in_worker}
+    keep = keeps_tensors(spec)
+
+    def compare(key, tensor, capture) -> bool | None:
+        check = by_name.get(key.check)
+        if check is None:
+            return None
+        measured = check.measure(spec, target, key, tensor)
+        capture.results[key.encode()] = measured.as_dict()
+        if measured.sketch is not None:
+            capture.sketches[key.encode()] = measured.sketch
+        return keep
+
+    return compare
 
 
 def run_compare(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> None:

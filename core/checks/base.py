@@ -19,6 +19,7 @@ import torch
 from core import metrics
 from core.capture import BASE, Capture, TensorKey
 from core.loading import Loaded
+from core.sketch import Sketch, make_sketch
 from core.spec import ProbeSpec, Target
 
 if TYPE_CHECKING:
@@ -66,6 +67,27 @@ class CaptureContext:
 
 
 @dataclass
+class Measured:
+    """A tensor compared in the worker: its reference label and note, its row and its sketch."""
+
+    reference: str
+    note: str
+    dtype: str
+    row: dict[str, Any]  # `metrics.stats_to_row` (or a `missing_reference_row`)
+    sketch: Sketch | None  # None when the tensor equals its reference bit for bit (or cannot be drawn)
+
+    def as_dict(self) -> dict[str, Any]:
+        """What a capture stores (the sketch's arrays go apart, in sketches.safetensors)."""
+        return {
+            "reference": self.reference,
+            "note": self.note,
+            "dtype": self.dtype,
+            "row": self.row,
+            "sketch": None if self.sketch is None else self.sketch.meta(),
+        }
+
+
+@dataclass
 class Reference:
     """The tensors a target is compared against, and what they are."""
 
@@ -104,6 +126,10 @@ class Check(ABC):
     own_worker: ClassVar[bool] = False
     # A check whose capture changes the loaded model (merging) runs after the other checks on it.
     mutates_model: ClassVar[bool] = False
+    # A check whose reference the worker can read itself, one tensor at a time (the checkpoint, a
+    # formula of it): the worker compares each tensor where it is, while it is there (`measure`),
+    # and keeps its row and sketch rather than the tensor.
+    compares_in_worker: ClassVar[bool] = False
 
     @abstractmethod
     def capture(self, ctx: CaptureContext, loaded: Loaded, out: Capture) -> None:
@@ -138,8 +164,11 @@ class Check(ABC):
 
         Checks whose rows need several captures at once (a variant against another) override this.
         """
-        # One reference per check for all targets: it does not depend on the target.
-        keys = sorted({k for c in captures for k in c.keys(self.name)}, key=lambda k: k.encode())
+        # One reference per check for all targets: it does not depend on the target. Tensors the
+        # workers compared themselves need none here.
+        keys = sorted(
+            {k for c in captures for k in c.keys(self.name) if c.result(k) is None}, key=lambda k: k.encode()
+        )
         reference = self.reference(spec, keys, reference_capture)
         rows: list[dict[str, Any]] = []
         for capture in captures:
@@ -159,6 +188,26 @@ class Check(ABC):
         """The reference of one tensor (the drill-down); checks with a cheaper way override this."""
         return self.reference(spec, [key], reference_capture)
 
+    def measure(self, spec: ProbeSpec, target: Target, key: TensorKey, tensor: torch.Tensor) -> Measured:
+        """Compare one captured tensor with its reference where it is (`compares_in_worker` checks).
+
+        The reference is read lazily (`reference_for`: one tensor of the checkpoint, or one module's
+        formula), so a worker holds one tensor's reference at a time.
+        """
+        reference = self.reference_for(spec, key, None)
+        ref = reference.tensors.get(key.encode())
+        note = reference.notes.get(key.encode(), "")
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if ref is None:
+            return Measured(reference.label, note, dtype, missing_reference_row(tensor), None)
+        tol = tolerance(spec, self.describe(key)["role"], getattr(torch, target.dtype))
+        stats = metrics.compare(tensor, ref, tol)
+        row = metrics.stats_to_row(stats)
+        if stats.bitwise_equal or stats.shape_mismatch:
+            return Measured(reference.label, note, dtype, row, None)
+        sketch = make_sketch(tensor, ref, lambda t, r: metrics.mismatch_mask(t, r, tol))
+        return Measured(reference.label, note, dtype, row, sketch)
+
     def describe(self, key: TensorKey) -> dict[str, Any]:
         """Row labels for a tensor: layer, module, role (checks refine this)."""
         return {"layer": layer_of(key.name), "module": key.name.rsplit(".", 1)[-1], "role": key.check}
@@ -170,6 +219,10 @@ class Check(ABC):
         # target is judged by what the user asked for, bfloat16.
         target_dtype = getattr(torch, Target.parse(capture.target).dtype)
         for key in capture.keys(self.name):
+            measured = capture.result(key)
+            if measured is not None:  # compared in the worker: its row as measured there
+                rows.append(self.measured_row(key, capture.target, measured))
+                continue
             tensor = capture.get(key)
             ref = reference.tensors.get(key.encode())
             row = self.row_labels(key, capture.target, reference)
@@ -182,6 +235,14 @@ class Check(ABC):
             row.update(self.extra_columns(key, tensor, ref))
             rows.append(row)
         return rows
+
+    def measured_row(self, key: TensorKey, target: str, measured: dict[str, Any]) -> dict[str, Any]:
+        """The metrics row of a tensor the worker compared itself (`Measured.as_dict`)."""
+        reference = Reference(label=measured["reference"], tensors={}, notes={key.encode(): measured["note"]})
+        row = self.row_labels(key, target, reference)
+        row["dtype"] = measured["dtype"]
+        row.update(measured["row"])
+        return row
 
     def row_labels(self, key: TensorKey, target: str, reference: Reference) -> dict[str, Any]:
         """The columns that say what a row is about: check, target, reference, tensor, labels, note."""

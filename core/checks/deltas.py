@@ -21,6 +21,7 @@ MULTIPLICATIVE = ("dora", "boft", "oft", "ia3")
 class DeltasCheck(Check):
     name = "deltas"
     description = "per-module ΔW on the target against the float64 formula from the checkpoint"
+    compares_in_worker = True
 
     def capture(self, ctx: CaptureContext, loaded: Loaded, out: Capture) -> None:
         if loaded.adapter is None:
