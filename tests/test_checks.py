@@ -220,3 +220,137 @@ def test_method_without_a_delta_formula_is_noted_not_fatal(tmp_path, demo_worksp
     assert {"hada_w1_a", "hada_w1_b"} <= set(loha.role) and set(loha.module) == {"q_proj"}
     assert any("loha adapter; its ΔW is not covered" in n for n in record.notes())
     assert (table[(table.check == "outputs") & (table.adapter == "loha")].verdict == "within tolerance").all()
+
+
+class _Buffers(torch.nn.Module):
+    """A tiny model with every kind of tensor a checkpoint key can meet."""
+
+    _keys_to_ignore_on_load_unexpected = [r"^old\."]
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(4, 3)
+        self.head = torch.nn.Linear(3, 4, bias=False)
+        self.head.weight = self.embed.weight  # tied: one storage, stored once
+        self.register_buffer("mask", torch.tensor([True, False, True]))  # persistent, bool
+        self.register_buffer("ids", torch.arange(6).view(1, 6), persistent=False)
+        self.register_buffer("scratch", torch.zeros(2), persistent=False)  # not in the file
+
+
+def _weights_rows(tmp_path, model, file):
+    from safetensors.torch import save_file
+
+    from core.checks.base import CaptureContext
+    from core.loading import Loaded
+
+    save_file(file, str(tmp_path / "model.safetensors"))
+    spec = ProbeSpec(base=ModelRef(str(tmp_path)), adapters=(), targets=(Target.parse("cpu/float32"),))
+    check = CHECKS["weights"]
+    capture = Capture(target="cpu/float32")
+    ctx = CaptureContext(spec=spec, target=spec.targets[0], input_ids=torch.zeros(1, 1, dtype=torch.long))
+    check.capture(ctx, Loaded(adapter=None, model=model, notes=[]), capture)
+    reference = check.reference(spec, capture.keys("weights"), None)
+    return {r["tensor"]: r for r in check.rows(spec, capture, reference)}
+
+
+def test_weights_buffers_unused_keys_and_integer_tensors(tmp_path):
+    torch.manual_seed(2)
+    model = _Buffers()
+    ids = torch.arange(6).view(1, 6)
+    ids[0, 4] = 9  # the file's value; the model's buffer holds 4
+    mask = torch.tensor([True, True, True])  # element 1 differs from the model's False
+    file = {
+        "embed.weight": model.embed.weight.detach().clone(),
+        "mask": mask,
+        "ids": ids,
+        "old.rotary.inv_freq": torch.ones(2),
+        "cls.bias": torch.zeros(5),
+    }
+    rows = _weights_rows(tmp_path, model, file)
+    assert sorted(rows) == ["cls.bias", "embed.weight", "ids", "mask", "old.rotary.inv_freq"]
+    assert rows["embed.weight"]["verdict"] == "identical"
+    assert rows["embed.weight"]["note"] == "shares storage with head.weight (tied weights)"
+
+    # the non-persistent buffer is compared with the model's own values, exactly
+    buf = rows["ids"]
+    assert (buf["dtype"], buf["verdict"], buf["n_mismatch"], buf["numel"]) == ("int64", "drift", 1, 6)
+    assert (buf["max_abs"], buf["worst_index"], buf["worst_target"], buf["worst_reference"]) == (
+        5.0,
+        "(0, 4)",
+        4.0,
+        9.0,
+    )
+    assert (buf["rtol"], buf["atol"]) == (0.0, 0.0)
+    assert buf["note"] == "non-persistent buffer (not in the state dict): the model's own values"
+    assert "Mismatched elements: 1 / 6" in buf["explanation"]
+
+    # a bool tensor: equal or not, element by element
+    m = rows["mask"]
+    assert (m["dtype"], m["verdict"], m["n_mismatch"], m["worst_index"], m["max_abs"]) == (
+        "bool",
+        "drift",
+        1,
+        "(1)",
+        1.0,
+    )
+
+    # keys the model has no parameter or buffer for: noted, passing, not compared
+    for name, listed in (("cls.bias", False), ("old.rotary.inv_freq", True)):
+        row = rows[name]
+        assert (row["verdict"], row["bitwise_equal"], row["dtype"]) == ("within tolerance", False, None)
+        assert row["explanation"] == "not compared: the model does not use this checkpoint tensor"
+        note = "not used by _Buffers: it has no parameter or buffer of this name"
+        assert row["note"] == note + (" (its _keys_to_ignore_on_load_unexpected lists it)" if listed else "")
+    assert (rows["cls.bias"]["shape"], rows["cls.bias"]["numel"]) == ("5", 5)
+
+    # the same model against a file holding the model's own values: all identical
+    file.update(ids=torch.arange(6).view(1, 6), mask=model.mask.clone())
+    rows = _weights_rows(tmp_path, model, file)
+    assert [rows[n]["verdict"] for n in ("embed.weight", "ids", "mask")] == ["identical"] * 3
+    assert rows["mask"]["bitwise_equal"] and rows["ids"]["bitwise_equal"]
+
+
+def test_old_bert_checkpoint_with_position_ids_and_an_unused_head(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from transformers import BertConfig, BertModel
+
+    from core import report
+
+    torch.manual_seed(4)
+    config = BertConfig(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+    )
+    folder = tmp_path / "old-bert"
+    BertModel(config).save_pretrained(folder)
+    weights = folder / "model.safetensors"
+    tensors = load_file(str(weights))
+    assert "embeddings.position_ids" not in tensors  # transformers no longer saves it
+    position_ids = torch.arange(16).view(1, 16)
+    position_ids[0, 3] = 7  # a file value the model does not take: its buffer keeps 3
+    tensors["embeddings.position_ids"] = position_ids
+    tensors["cls.predictions.bias"] = torch.zeros(64)  # a pretraining head BertModel leaves out
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+
+    record = run_in_process(tmp_path / "home", str(folder), [], ["cpu/float32"], ["weights"])
+    table = record.metrics().set_index("tensor")
+    assert len(table) == len(tensors) == 25
+    pos = table.loc["embeddings.position_ids"]
+    assert tuple(pos[["verdict", "dtype", "n_mismatch", "max_abs", "worst_index"]]) == (
+        "drift",
+        "int64",
+        1,
+        4.0,
+        "(0, 3)",
+    )
+    head = table.loc["cls.predictions.bias"]
+    assert head.verdict == "within tolerance"
+    assert head.note == "not used by BertModel: it has no parameter or buffer of this name"
+    rest = table.drop(["embeddings.position_ids", "cls.predictions.bias"])
+    assert len(rest) == 23 and (rest.verdict == "identical").all()
+    assert report.exit_code(table.reset_index()) == 1  # the position ids differ; nothing is broken
+    assert report.exit_code(table.drop("embeddings.position_ids").reset_index()) == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -9,7 +10,7 @@ import torch
 from core.capture import BASE, Capture, TensorKey
 from core.checks.base import CaptureContext, Check, Reference, add_note, layer_of, missing_reference_row
 from core.formulas import split_adapter_key
-from core.loading import Loaded, read_checkpoint
+from core.loading import Loaded, checkpoint_names, read_checkpoint
 from core.spec import ProbeSpec
 
 
@@ -19,23 +20,50 @@ class WeightsCheck(Check):
 
     def capture(self, ctx: CaptureContext, loaded: Loaded, out: Capture) -> None:
         if loaded.adapter is None:
-            seen: dict[int, str] = {}
-            tied: dict[str, str] = {}
-            for name, tensor in loaded.model.state_dict().items():
-                ptr = tensor.data_ptr()
-                if ptr in seen and tensor.numel() > 0:
-                    # Tied weights (lm_head ↔ embed_tokens) are one storage, stored once in the file.
-                    tied[name] = seen[ptr]
-                    continue
-                seen[ptr] = name
-                out.add(TensorKey(self.name, BASE, name), tensor)
-            out.meta.setdefault(self.name, {})["tied"] = tied
+            self._capture_base(ctx.spec.base.path, loaded.model, out)
         else:
             from peft import get_peft_model_state_dict
 
             state = get_peft_model_state_dict(loaded.model, adapter_name=loaded.adapter.name)
             for name, tensor in state.items():
                 out.add(TensorKey(self.name, loaded.adapter.name, name), tensor)
+
+    def _capture_base(self, path: str, model: torch.nn.Module, out: Capture) -> None:
+        """The state dict (tied tensors once), plus the non-persistent buffers the checkpoint holds.
+
+        Meta says which tensors are tied, which are non-persistent buffers, and which checkpoint
+        tensors the model has no parameter or buffer for (it does not use them).
+        """
+        state = model.state_dict()
+        seen: dict[int, str] = {}
+        tied: dict[str, str] = {}
+        for name, tensor in state.items():
+            ptr = tensor.data_ptr()
+            if ptr in seen and tensor.numel() > 0:
+                # Tied weights (lm_head ↔ embed_tokens) are one storage, stored once in the file.
+                tied[name] = seen[ptr]
+                continue
+            seen[ptr] = name
+            out.add(TensorKey(self.name, BASE, name), tensor)
+        # A buffer registered with persistent=False is outside the state dict, yet a checkpoint saved
+        # before it became one (BERT's `position_ids`) still holds it: the model uses its own values,
+        # so those are what the file is compared with.
+        in_file = checkpoint_names(path)
+        buffers = dict(model.named_buffers())
+        non_persistent = sorted(n for n in buffers if n not in state and n in in_file)
+        for name in non_persistent:
+            out.add(TensorKey(self.name, BASE, name), buffers[name])
+        ignore = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()
+        unused = {
+            name: any(re.search(pattern, name) for pattern in ignore)
+            for name in sorted(in_file - state.keys() - buffers.keys())
+        }
+        out.meta.setdefault(self.name, {}).update(
+            tied=tied,
+            buffers=non_persistent,
+            unused=unused,  # name -> listed in the model's _keys_to_ignore_on_load_unexpected
+            model_class=type(model).__name__,
+        )
 
     def reference(
         self, spec: ProbeSpec, keys: list[TensorKey], reference_capture: Capture | None
@@ -60,12 +88,17 @@ class WeightsCheck(Check):
 
     def rows(self, spec: ProbeSpec, capture: Capture, reference: Reference) -> list[dict[str, Any]]:
         rows = super().rows(spec, capture, reference)
-        tied = capture.meta.get(self.name, {}).get("tied", {})
+        meta = capture.meta.get(self.name, {})
+        tied = meta.get("tied", {})
+        buffers = set(meta.get("buffers", []))
+        unused = meta.get("unused", {})
         for row in rows:
             if row["adapter"] is None:
                 partners = [k for k, v in tied.items() if v == row["tensor"]]
                 if partners:
                     add_note(row, f"shares storage with {', '.join(partners)} (tied weights)")
+                if row["tensor"] in buffers:
+                    add_note(row, "non-persistent buffer (not in the state dict): the model's own values")
             ref_dtype = row.get("reference_dtype")
             if ref_dtype and ref_dtype != row["dtype"] and row["verdict"] != "identical":
                 add_note(row, f"cast {ref_dtype} → {row['dtype']} on load")
@@ -73,7 +106,11 @@ class WeightsCheck(Check):
         sources = {k.adapter for k in capture.keys(self.name)}
         for encoded, tensor in reference.tensors.items():
             key = TensorKey.decode(encoded)
-            if key.adapter in sources and encoded not in captured and key.name not in tied:
+            if key.adapter not in sources or encoded in captured or key.name in tied:
+                continue
+            if key.adapter == BASE and key.name in unused:
+                rows.append(self._unused_row(key, tensor, capture, reference, meta))
+            else:
                 rows.append(
                     {
                         **self.row_labels(key, capture.target, reference),
@@ -83,6 +120,31 @@ class WeightsCheck(Check):
                     }
                 )
         return rows
+
+    def _unused_row(
+        self, key: TensorKey, tensor: torch.Tensor, capture: Capture, reference: Reference, meta: dict
+    ) -> dict[str, Any]:
+        """A checkpoint tensor the model has no parameter or buffer for: loading leaves it out.
+
+        Nothing on the target can drift from it, so the row passes ("within tolerance": not
+        "identical", which would claim a bitwise comparison that never happened).
+        """
+        row = {
+            **self.row_labels(key, capture.target, reference),
+            "dtype": None,
+            "shape": "x".join(map(str, tensor.shape)),
+            "numel": tensor.numel(),
+            "bitwise_equal": False,
+            "verdict": "within tolerance",
+            "explanation": "not compared: the model does not use this checkpoint tensor",
+        }
+        why = (
+            f"not used by {meta.get('model_class', 'the model')}: it has no parameter or buffer of this name"
+        )
+        if meta["unused"][key.name]:
+            why += " (its _keys_to_ignore_on_load_unexpected lists it)"
+        add_note(row, why)
+        return row
 
     def describe(self, key: TensorKey) -> dict[str, Any]:
         if key.adapter == BASE:
