@@ -117,6 +117,11 @@ def _parse_header(path: Path) -> dict[str, TensorInfo]:
                 f"{path}: truncated: tensor {name!r} ends at byte {data_start + end}, the file has {size}"
             )
         tensors[name] = TensorInfo(name, path, dtype, shape, data_start + begin, nbytes)
+    end = max((t.start + t.nbytes for t in tensors.values()), default=data_start)
+    if end != size:
+        raise CheckpointError(
+            f"{path}: truncated or corrupt: its tensors end at byte {end}, the file has {size}"
+        )
     return tensors
 
 

@@ -59,18 +59,6 @@ def read_checkpoint(
         raise LoadError(str(e)) from e
 
 
-def checkpoint_names(folder: str | Path, prefix: str = "") -> set[str]:
-    """The tensor names of a model or adapter folder.
-
-    Safetensors files give them from their headers (no tensor is read); `.bin` files have no
-    header, so they are read whole.
-    """
-    from core.validate import weight_shapes
-
-    shapes = weight_shapes(Path(folder), prefix=prefix)
-    return set(shapes) if shapes is not None else set(read_checkpoint(folder, prefix=prefix))
-
-
 def model_class(config) -> type:
     """The Auto class that matches the config: causal LM, seq2seq LM, or a bare encoder."""
     import transformers

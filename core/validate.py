@@ -8,7 +8,6 @@ Workers still report anything these miss as a failed job with its reason.
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
 from core.spec import AdapterRef, ModelRef, ProbeSpec, SpecError
@@ -18,45 +17,19 @@ class InputError(SpecError):
     """An input file or folder that cannot be used, with the reason."""
 
 
-def safetensors_header(path: Path) -> dict:
-    """The header of a safetensors file; InputError if it is truncated or not safetensors."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise InputError(f"{path}: truncated safetensors file ({size} bytes)")
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8 or n > 100_000_000:
-            raise InputError(
-                f"{path}: not a safetensors file or truncated (header length {n}, file {size} bytes)"
-            )
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise InputError(f"{path}: corrupt safetensors header ({e})") from e
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + n + end != size:
-        raise InputError(
-            f"{path}: truncated or corrupt safetensors file: expected {8 + n + end} bytes, found {size}"
-        )
-    return {k: v for k, v in header.items() if k != "__metadata__"}
-
-
 # Input embeddings that a tied `lm_head` shares its storage with (Llama/Mistral, GPT-2, BERT, GPT-NeoX).
 TIED_EMBEDDING_NAMES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
 
 
-def weight_shapes(folder: Path, prefix: str = "") -> dict[str, tuple[int, ...]] | None:
-    """Tensor name → shape from the safetensors headers of a folder (None when it has only .bin files)."""
-    files = sorted(folder.glob(f"{prefix}*.safetensors"))
-    if not files:
-        if sorted(folder.glob(f"{prefix}*.bin")):
-            return None
-        raise InputError(f"{folder}: no weights found (*.safetensors or *.bin)")
-    shapes: dict[str, tuple[int, ...]] = {}
-    for f in files:
-        shapes.update({k: tuple(v["shape"]) for k, v in safetensors_header(f).items()})
-    return shapes
+def weight_shapes(folder: Path, prefix: str = "") -> dict[str, tuple[int, ...]]:
+    """Tensor name → shape from the checkpoint's headers (`core.checkpoint`); InputError when unreadable."""
+    from core.checkpoint import Checkpoint, CheckpointError
+
+    try:
+        checkpoint = Checkpoint.open(folder, prefix=prefix)
+    except CheckpointError as e:
+        raise InputError(str(e)) from e
+    return {name: checkpoint.info(name).shape for name in checkpoint.names()}
 
 
 def validate_model(model: ModelRef) -> dict[str, tuple[int, ...]] | None:

@@ -7,6 +7,7 @@ registry in `core/checks/__init__.py`.
 
 from __future__ import annotations
 
+import math
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -266,11 +267,12 @@ def add_note(row: dict[str, Any], text: str) -> None:
     row["note"] = f"{row['note']}; {text}" if row.get("note") else text
 
 
-def missing_reference_row(tensor: torch.Tensor) -> dict[str, Any]:
-    """A `broken` row for a tensor the reference does not have (key mismatch)."""
+def missing_reference_row(tensor: torch.Tensor | tuple[int, ...]) -> dict[str, Any]:
+    """A `broken` row for a tensor (or a tensor's shape) the reference does not have (key mismatch)."""
+    shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else tuple(tensor)
     return {
-        "shape": "x".join(map(str, tensor.shape)),
-        "numel": tensor.numel(),
+        "shape": "x".join(map(str, shape)),
+        "numel": math.prod(shape),
         "bitwise_equal": False,
         "verdict": "broken",
         "explanation": "key mismatch: the reference has no such tensor",

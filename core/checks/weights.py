@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
 import torch
 
 from core.capture import BASE, Capture, TensorKey
+from core.checkpoint import Checkpoint, CheckpointError
 from core.checks.base import CaptureContext, Check, Reference, add_note, layer_of, missing_reference_row
 from core.formulas import split_adapter_key
-from core.loading import Loaded, checkpoint_names, read_checkpoint
+from core.loading import Loaded, read_checkpoint
 from core.spec import ProbeSpec
 
 
 class WeightsCheck(Check):
     name = "weights"
     description = "loaded tensors (base and adapter) against the checkpoint file"
+    compares_in_worker = True
 
     def capture(self, ctx: CaptureContext, loaded: Loaded, out: Capture) -> None:
         if loaded.adapter is None:
@@ -48,7 +51,7 @@ class WeightsCheck(Check):
         # A buffer registered with persistent=False is outside the state dict, yet a checkpoint saved
         # before it became one (BERT's `position_ids`) still holds it: the model uses its own values,
         # so those are what the file is compared with.
-        in_file = checkpoint_names(path)
+        in_file = set(Checkpoint.open(path).names())
         buffers = dict(model.named_buffers())
         non_persistent = sorted(n for n in buffers if n not in state and n in in_file)
         for name in non_persistent:
@@ -65,18 +68,23 @@ class WeightsCheck(Check):
             model_class=type(model).__name__,
         )
 
+    def _checkpoint(self, spec: ProbeSpec, source: str) -> Checkpoint:
+        """The checkpoint a tensor of `source` (BASE or an adapter name) was loaded from, indexed."""
+        if source == BASE:
+            return Checkpoint.open(spec.base.path)
+        return Checkpoint.open({a.name: a.path for a in spec.adapters}[source], prefix="adapter_model")
+
     def reference(
         self, spec: ProbeSpec, keys: list[TensorKey], reference_capture: Capture | None
     ) -> Reference:
-        # Every tensor of each checkpoint involved, so that rows can also name what was not loaded.
-        paths = {a.name: a.path for a in spec.adapters}
+        # The tensors of `keys` only (those the worker did not compare itself: captures made before
+        # it did), each read from its checkpoint; never a whole checkpoint.
         tensors: dict[str, torch.Tensor] = {}
         for source in sorted({k.adapter for k in keys}):
-            if source == BASE:
-                file = read_checkpoint(spec.base.path)
-            else:
-                file = read_checkpoint(paths[source], prefix="adapter_model")
-            tensors.update({TensorKey(self.name, source, name).encode(): t for name, t in file.items()})
+            checkpoint = self._checkpoint(spec, source)
+            for key in keys:
+                if key.adapter == source and key.name in checkpoint:
+                    tensors[key.encode()] = checkpoint.read(key.name)
         return Reference(label="checkpoint", tensors=tensors, notes={})
 
     def reference_for(self, spec: ProbeSpec, key: TensorKey, reference_capture: Capture | None) -> Reference:
@@ -102,27 +110,41 @@ class WeightsCheck(Check):
             ref_dtype = row.get("reference_dtype")
             if ref_dtype and ref_dtype != row["dtype"] and row["verdict"] != "identical":
                 add_note(row, f"cast {ref_dtype} → {row['dtype']} on load")
-        captured = set(capture.tensors)
-        sources = {k.adapter for k in capture.keys(self.name)}
-        for encoded, tensor in reference.tensors.items():
+        # What the checkpoints hold and the target did not load: the reference's tensors (when it
+        # holds any) and the checkpoints' indexes (nothing read).
+        keys = capture.keys(self.name)
+        captured = {k.encode() for k in keys}
+        sources = {k.adapter for k in keys}
+        absent = {e: tuple(t.shape) for e, t in reference.tensors.items() if e not in captured}
+        for source in sorted(sources):
+            try:
+                checkpoint = self._checkpoint(spec, source)
+            except (CheckpointError, KeyError):  # moved or gone since the capture: measured rows stand alone
+                continue
+            for name in checkpoint.names():
+                encoded = TensorKey(self.name, source, name).encode()
+                if encoded not in captured:
+                    absent.setdefault(encoded, checkpoint.info(name).shape)
+        label = Reference(label="checkpoint", tensors={}, notes={})
+        for encoded, shape in absent.items():
             key = TensorKey.decode(encoded)
-            if key.adapter not in sources or encoded in captured or key.name in tied:
+            if key.adapter not in sources or key.name in tied:
                 continue
             if key.adapter == BASE and key.name in unused:
-                rows.append(self._unused_row(key, tensor, capture, reference, meta))
+                rows.append(self._unused_row(key, shape, capture, label, meta))
             else:
                 rows.append(
                     {
-                        **self.row_labels(key, capture.target, reference),
+                        **self.row_labels(key, capture.target, label),
                         "dtype": None,
-                        **missing_reference_row(tensor),
+                        **missing_reference_row(shape),
                         "explanation": "key mismatch: in the checkpoint but not loaded on the target",
                     }
                 )
         return rows
 
     def _unused_row(
-        self, key: TensorKey, tensor: torch.Tensor, capture: Capture, reference: Reference, meta: dict
+        self, key: TensorKey, shape: tuple[int, ...], capture: Capture, reference: Reference, meta: dict
     ) -> dict[str, Any]:
         """A checkpoint tensor the model has no parameter or buffer for: loading leaves it out.
 
@@ -132,8 +154,8 @@ class WeightsCheck(Check):
         row = {
             **self.row_labels(key, capture.target, reference),
             "dtype": None,
-            "shape": "x".join(map(str, tensor.shape)),
-            "numel": tensor.numel(),
+            "shape": "x".join(map(str, shape)),
+            "numel": math.prod(shape),
             "bitwise_equal": False,
             "verdict": "within tolerance",
             "explanation": "not compared: the model does not use this checkpoint tensor",
