@@ -10,7 +10,6 @@ The dashboard draws the arrays; it computes nothing itself.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,10 +21,11 @@ from safetensors import safe_open
 from core.capture import BASE, Capture, TensorKey
 from core.checks import get_checks
 from core.checks.base import Check, Reference, tolerance
+from core.sketch import Sketch, as_2d
 from core.spec import REFERENCE_TARGET, ProbeSpec, Target
 from core.store import RunRecord
 
-__all__ = ["ElementDiff", "element_diff", "as_2d"]
+__all__ = ["ElementDiff", "SketchedDiff", "element_diff", "as_2d"]
 
 
 @dataclass(frozen=True)
@@ -59,16 +59,30 @@ class ElementDiff:
         return int(self.mismatch.sum())
 
 
-def as_2d(shape: tuple[int, ...]) -> tuple[int, int]:
-    """The 2-D shape a tensor is drawn as: 0-D → (1, 1), 1-D → (1, n), N-D → (∏ leading dims, last)."""
-    if len(shape) == 0:
-        return (1, 1)
-    if len(shape) == 1:
-        return (1, shape[0])
-    return (math.prod(shape[:-1]), shape[-1])
+@dataclass(frozen=True)
+class SketchedDiff:
+    """A tensor compared in its worker and not kept whole: its row and its bounded `Sketch`.
+
+    What the drill-down draws for a large model (block-max |Δ| map, failing blocks, histogram,
+    worst elements); the element-wise map needs the run made with ``keep_tensors``. ``sketch`` is
+    None when the tensor equals its reference bit for bit (nothing to draw).
+    """
+
+    check: str
+    target: str
+    adapter: str | None
+    tensor: str
+    reference: str
+    shape: tuple[int, ...]
+    dtype: str
+    sketch: Sketch | None
+    explanation: str
+    row: dict[str, Any]
 
 
-def element_diff(record: RunRecord, check: str, target: str, adapter: str | None, tensor: str) -> ElementDiff:
+def element_diff(
+    record: RunRecord, check: str, target: str, adapter: str | None, tensor: str
+) -> ElementDiff | SketchedDiff:
     """The element-wise difference of one captured tensor to its reference, and its recomputed row.
 
     `check`, `target`, `adapter` (None for the bare base model) and `tensor` are the columns of
@@ -86,6 +100,24 @@ def element_diff(record: RunRecord, check: str, target: str, adapter: str | None
     where = f"in check {check} on {parsed}"
 
     capture, present = _read_capture(record.run_dir / "captures" / parsed.slug, key)
+    measured = capture.result(key)
+    if key.encode() not in capture.tensors and measured is not None:
+        # compared in the worker and not kept: the row and the sketch are all there is
+        row = _row(
+            the_check, spec, capture, Reference(label=measured["reference"], tensors={}, notes={}), key
+        )
+        return SketchedDiff(
+            check=check,
+            target=str(parsed),
+            adapter=adapter,
+            tensor=tensor,
+            reference=measured["reference"],
+            shape=tuple(int(n) for n in str(row.get("shape") or "").split("x") if n),
+            dtype=measured["dtype"],
+            sketch=capture.sketch(key),
+            explanation=str(row.get("explanation", "")),
+            row=row,
+        )
     if key.encode() not in capture.tensors:
         raise KeyError(_no_tensor(key, adapter, where, present))
     target_tensor = capture.tensors[key.encode()]
@@ -192,7 +224,8 @@ def _no_tensor(key: TensorKey, adapter: str | None, where: str, present: set[str
 
 
 def _read_capture(folder: Path, key: TensorKey) -> tuple[Capture, set[str]]:
-    """A Capture holding only `key` (if present) plus the folder's JSON fields, and the file's keys.
+    """A Capture holding only `key` (kept tensor or worker result) plus the folder's JSON fields, and
+    every key the capture has.
 
     `safe_open` reads just the requested tensor's bytes, never the whole (possibly GB) file.
     """
@@ -209,14 +242,18 @@ def _read_capture(folder: Path, key: TensorKey) -> tuple[Capture, set[str]]:
                 tensors[key.encode()] = f.get_tensor(key.encode())
     except Exception as e:  # truncated or corrupt file: say which
         raise ValueError(f"{path}: not a readable safetensors file ({e})") from e
+    results = doc.get("results") or {}
     capture = Capture(
         target=doc["target"],
         environment=doc.get("environment", {}),
         tensors=tensors,
         notes=doc.get("notes", []),
         meta=doc.get("meta", {}),
+        # only this key's: the check's rows then describe this tensor alone
+        results={key.encode(): results[key.encode()]} if key.encode() in results else {},
+        folder=folder,
     )
-    return capture, present
+    return capture, present | set(results)
 
 
 def _row(

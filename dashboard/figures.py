@@ -18,8 +18,8 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from core.diffmap import as_2d
 from core.report import SEVERITY, VERDICT_ORDER
+from core.sketch import Sketch, as_2d, block_starts
 
 METRICS = ("max_abs", "rel_l2", "max_ulp", "min_atol")
 METRIC_LABELS: dict[str, str] = {
@@ -605,11 +605,7 @@ def block_max_pool(matrix: np.ndarray, max_side: int = 256) -> tuple[np.ndarray,
         raise ValueError(f"block_max_pool needs a 2-D array, got shape {arr.shape}")
     if max_side < 1:
         raise ValueError("max_side must be at least 1")
-    starts = []
-    for n in arr.shape:
-        b = max(1, math.ceil(n / max_side))
-        starts.append(np.arange(0, n, b, dtype=np.int64))
-    row_starts, col_starts = starts
+    row_starts, col_starts = (block_starts(n, max_side) for n in arr.shape)
     # np.maximum (unlike np.fmax / nanmax) propagates NaN, which is exactly what is wanted here.
     pooled = arr
     if arr.shape[0] > len(row_starts) and len(row_starts):
@@ -661,11 +657,67 @@ def diff_heatmap(
     if arr.size == 0:
         return empty_figure("empty tensor", title=title or None)
     pooled, row_starts, col_starts = block_max_pool(arr, max_side=max_side)
-    row_ends = _block_ends(row_starts, arr.shape[0])
-    col_ends = _block_ends(col_starts, arr.shape[1])
+    fail_pooled = None
+    if failing is not None:
+        fail2d, _ = _as_2d(np.asarray(failing, dtype=float))
+        fail_pooled, _, _ = block_max_pool(fail2d, max_side=max_side)
+        fail_pooled = fail_pooled if fail2d.sum() else None
+        n_failing = int(fail2d.sum())
+    else:
+        n_failing = 0
+    return pooled_diff_heatmap(
+        pooled,
+        row_starts,
+        col_starts,
+        arr.shape,
+        failing=fail_pooled,
+        n_failing=n_failing,
+        folded=folded,
+        title=title,
+    )
+
+
+def sketch_heatmap(sketch: Sketch, *, title: str = "") -> go.Figure:
+    """The drill-down heatmap of a tensor kept only as its sketch (the same picture, from the pooled map)."""
+    if sketch.numel == 0:
+        return empty_figure("empty tensor", title=title or None)
+    _, folded = _as_2d(np.zeros((sketch.rows, sketch.cols)), sketch.shape)
+    n_failing = int(sketch.failing.sum())
+    return pooled_diff_heatmap(
+        sketch.pooled,
+        sketch.row_starts,
+        sketch.col_starts,
+        (sketch.rows, sketch.cols),
+        failing=sketch.failing if n_failing else None,
+        n_failing=n_failing,
+        folded=folded,
+        title=title,
+    )
+
+
+def pooled_diff_heatmap(
+    pooled: np.ndarray,
+    row_starts: np.ndarray,
+    col_starts: np.ndarray,
+    shape2: tuple[int, int],
+    *,
+    failing: np.ndarray | None = None,
+    n_failing: int = 0,
+    folded: str = "",
+    title: str = "",
+) -> go.Figure:
+    """Heatmap of a block-max |Δ| map (``block_max_pool``'s output, or a sketch's).
+
+    ``shape2`` is the 2-D fold pooled from; ``failing`` (pooled shape) is > 0 in blocks holding an
+    element beyond tolerance, ``n_failing`` how many elements that is in all.
+    """
+    pooled = np.asarray(pooled, dtype=np.float64)
+    row_starts, col_starts = np.asarray(row_starts), np.asarray(col_starts)
+    row_ends = _block_ends(row_starts, shape2[0])
+    col_ends = _block_ends(col_starts, shape2[1])
     rb = int(row_starts[1] - row_starts[0]) if len(row_starts) > 1 else 1
     cb = int(col_starts[1] - col_starts[0]) if len(col_starts) > 1 else 1
-    is_pooled = pooled.shape != arr.shape
+    is_pooled = pooled.shape != tuple(shape2)
 
     def span(a: int, b: int) -> str:
         return str(a) if a == b else f"{a}–{b}"
@@ -707,32 +759,27 @@ def diff_heatmap(
                 hovertemplate="%{text}<extra>NaN / Inf</extra>",
             )
         )
-    n_failing = 0
-    if failing is not None:
-        fail2d, _ = _as_2d(np.asarray(failing, dtype=float))
-        n_failing = int(fail2d.sum())
-        if n_failing:
-            fail_pooled, _, _ = block_max_pool(fail2d, max_side=max_side)
-            ri, ci = np.nonzero(fail_pooled > 0)
-            limit = 5000  # beyond this the markers hide the map; the count is in the legend
-            fig.add_trace(
-                go.Scatter(
-                    x=col_starts[ci[:limit]],
-                    y=row_starts[ri[:limit]],
-                    mode="markers",
-                    marker={
-                        "symbol": "square-open",
-                        "color": VERDICT_COLORS["drift"],
-                        "size": 9,
-                        "line": {"width": 2},
-                    },
-                    name=f"beyond tolerance ({n_failing} element{'s' if n_failing != 1 else ''})",
-                    text=[hover[a][b] for a, b in zip(ri[:limit], ci[:limit], strict=True)],
-                    hovertemplate="%{text}<extra>beyond tolerance</extra>",
-                )
+    if failing is not None and n_failing:
+        ri, ci = np.nonzero(np.asarray(failing) > 0)
+        limit = 5000  # beyond this the markers hide the map; the count is in the legend
+        fig.add_trace(
+            go.Scatter(
+                x=col_starts[ci[:limit]],
+                y=row_starts[ri[:limit]],
+                mode="markers",
+                marker={
+                    "symbol": "square-open",
+                    "color": VERDICT_COLORS["drift"],
+                    "size": 9,
+                    "line": {"width": 2},
+                },
+                name=f"beyond tolerance ({n_failing} element{'s' if n_failing != 1 else ''})",
+                text=[hover[a][b] for a, b in zip(ri[:limit], ci[:limit], strict=True)],
+                hovertemplate="%{text}<extra>beyond tolerance</extra>",
             )
+        )
     parts = [title] if title else []
-    parts.append(f"{arr.shape[0]}×{arr.shape[1]}")
+    parts.append(f"{shape2[0]}×{shape2[1]}")
     if folded:
         parts.append(folded)
     if is_pooled:
@@ -741,14 +788,15 @@ def diff_heatmap(
         parts.append("all elements exactly equal")
     aspect = pooled.shape[0] / max(1, pooled.shape[1])
     height = int(min(800, max(320, 160 + 520 * aspect)))
+    shows_legend = bool(bad.any() or (failing is not None and n_failing))
     fig.update_layout(
         title=title_top(" · ".join(parts), height),
         xaxis={"title": "column index", "showgrid": False, "zeroline": False},
         yaxis={"title": "row index", "autorange": "reversed", "showgrid": False, "zeroline": False},
         height=height,
-        showlegend=bool(bad.any() or n_failing),
+        showlegend=shows_legend,
         legend=_legend_below_title(height),
-        margin={"t": 90 if bad.any() or n_failing else 60},
+        margin={"t": 90 if shows_legend else 60},
     )
     return fig
 
@@ -764,17 +812,33 @@ def diff_histogram(diff: np.ndarray, *, bins: int = 60) -> go.Figure:
     n_nonfinite = int((~finite).sum())
     n_zero = int((arr[finite] == 0).sum())
     mags = np.abs(arr[finite & (arr != 0)])
-    title = f"{mags.size:,} differing · {n_zero:,} exactly equal · {n_nonfinite:,} NaN/Inf (of {arr.size:,})"
     if not mags.size:
-        return empty_figure("no nonzero finite differences", title=title)
+        return binned_histogram(np.empty(0), np.empty(0), np.empty(0), n_zero, n_nonfinite, arr.size)
     counts, edges = np.histogram(np.log10(mags), bins=bins)
-    centres = (edges[:-1] + edges[1:]) / 2
+    return binned_histogram(edges[:-1], edges[1:], counts, n_zero, n_nonfinite, arr.size)
+
+
+def sketch_histogram(sketch: Sketch) -> go.Figure:
+    """The drill-down histogram of a tensor kept only as its sketch (quarter-octave bins of |Δ|)."""
+    low, high, counts = sketch.histogram()
+    return binned_histogram(low, high, counts, sketch.n_zero, sketch.n_nonfinite, sketch.numel)
+
+
+def binned_histogram(
+    low: np.ndarray, high: np.ndarray, counts: np.ndarray, n_zero: int, n_nonfinite: int, total: int
+) -> go.Figure:
+    """Bars of element counts over log₁₀ |d| bins ``[low, high)``; the title counts what bars cannot show."""
+    n_diff = int(np.sum(counts))
+    title = f"{n_diff:,} differing · {n_zero:,} exactly equal · {n_nonfinite:,} NaN/Inf (of {total:,})"
+    if not n_diff:
+        return empty_figure("no nonzero finite differences", title=title)
+    low, high = np.asarray(low, dtype=np.float64), np.asarray(high, dtype=np.float64)
     fig = go.Figure(
         go.Bar(
-            x=centres,
+            x=(low + high) / 2,
             y=counts,
-            width=np.diff(edges),
-            customdata=np.stack([edges[:-1], edges[1:]], axis=1),
+            width=high - low,
+            customdata=np.stack([low, high], axis=1),
             hovertemplate="log₁₀ |d| in [%{customdata[0]:.3f}, %{customdata[1]:.3f})<br>"
             "%{y} elements<extra></extra>",
             name="elements",

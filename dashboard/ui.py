@@ -10,7 +10,7 @@ import streamlit as st
 
 from core.spec import SpecError
 from core.store import RunRecord
-from dashboard.figures import diff_heatmap, diff_histogram, figure_html
+from dashboard.figures import diff_heatmap, diff_histogram, figure_html, sketch_heatmap, sketch_histogram
 from dashboard.jobs import job_panel
 from dashboard.state import engine, home, open_run, start_run, store
 
@@ -139,9 +139,16 @@ def _diff_figures(run_id: str, check: str, target: str, adapter: str | None, ten
     Only the figures are cached (at most 256×256 cells): the full-size difference arrays of a
     large tensor are dropped as soon as they are drawn.
     """
-    from core.diffmap import element_diff
+    from core.diffmap import SketchedDiff, element_diff
 
     diff = element_diff(store().open(run_id), check, target, adapter, tensor)
+    if isinstance(diff, SketchedDiff):
+        # A large model's tensors are compared in the worker and kept as a sketch: same pictures,
+        # from the block-max map and the binned histogram, and the title says so.
+        if diff.sketch is None:
+            return None
+        title = f"{title} · from the sketch (tensors not kept: run with keep tensors for every element)"
+        return sketch_heatmap(diff.sketch, title=title), sketch_histogram(diff.sketch)
     if not (diff.diff != 0).any():
         return None
     heat = diff_heatmap(diff.diff, title=title, failing=diff.mismatch, shape=diff.shape)
