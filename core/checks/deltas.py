@@ -10,6 +10,7 @@ import torch
 
 from core import formulas
 from core.capture import Capture, TensorKey
+from core.checkpoint import Checkpoint
 from core.checks.base import CaptureContext, Check, Reference, add_note, layer_of
 from core.loading import Loaded, read_adapter_config, read_checkpoint
 from core.spec import ProbeSpec, Target
@@ -46,16 +47,18 @@ class DeltasCheck(Check):
     def reference(
         self, spec: ProbeSpec, keys: list[TensorKey], reference_capture: Capture | None
     ) -> Reference:
-        return self._reference(spec, keys, only_keys=False)
+        return self._reference(spec, keys)
 
     def reference_for(self, spec: ProbeSpec, key: TensorKey, reference_capture: Capture | None) -> Reference:
-        # The drill-down: one module's base weight (read lazily) and its adapter tensors, not every
-        # module of the base.
-        return self._reference(spec, [key], only_keys=True)
+        # One module (the worker measures ΔW module by module, the drill-down one module).
+        return self._reference(spec, [key])
 
-    def _reference(self, spec: ProbeSpec, keys: list[TensorKey], only_keys: bool) -> Reference:
-        names = {f"{k.name}.weight" for k in keys} if only_keys else None
-        base = {k: v.to(torch.float64) for k, v in read_checkpoint(spec.base.path, names=names).items()}
+    def _reference(self, spec: ProbeSpec, keys: list[TensorKey]) -> Reference:
+        """The float64 ΔW of the modules `keys` name, reading only their base weights and adapter tensors."""
+        base = {
+            k: v.to(torch.float64)
+            for k, v in read_checkpoint(spec.base.path, names={f"{k.name}.weight" for k in keys}).items()
+        }
         tensors: dict[str, torch.Tensor] = {}
         notes: dict[str, str] = {}
         for adapter in spec.adapters:
@@ -66,17 +69,14 @@ class DeltasCheck(Check):
             kind = formulas.adapter_type(config)
             if kind not in formulas.ADAPTER_TYPES:
                 continue
-            adapter_tensors = read_checkpoint(adapter.path, prefix="adapter_model")
-            if only_keys:
-                modules = formulas.adapter_module_keys(adapter_tensors)
-                adapter_tensors = {
-                    t: adapter_tensors[t]
-                    for k in wanted
-                    if k.name in modules
-                    for t in modules[k.name].keys.values()
-                }
-                if not adapter_tensors:
-                    continue
+            # The adapter's tensor names from its index; only those of the wanted modules are read.
+            modules = formulas.adapter_module_keys(
+                dict.fromkeys(Checkpoint.open(adapter.path, prefix="adapter_model").names())
+            )
+            names = {t for k in wanted if k.name in modules for t in modules[k.name].keys.values()}
+            if not names:
+                continue
+            adapter_tensors = read_checkpoint(adapter.path, prefix="adapter_model", names=names)
             deltas = formulas.reference_deltas(config, adapter_tensors, base)
             for key in wanted:
                 if key.name in deltas:
