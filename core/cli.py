@@ -84,6 +84,12 @@ def build_parser() -> ArgumentParser:
     run.add_argument("--rtol", type=float, help="relative tolerance for every row (default: per dtype)")
     run.add_argument("--seed", type=int, default=0, help="seed of the probe inputs")
     run.add_argument(
+        "--keep-tensors",
+        action="store_true",
+        help="keep every compared tensor whole in the run (element-wise drill-down); by default a base "
+        "larger than 256 MiB keeps each tensor's row and a bounded sketch",
+    )
+    run.add_argument(
         "--demo",
         action="store_true",
         help="use the demo workspace: tiny-llama and all its adapters, unless --base/--adapter are given",
@@ -194,6 +200,7 @@ def spec_from_args(args, home: Path) -> ProbeSpec:
         seed=args.seed,
         strategies=tuple(dict.fromkeys(["isolated", *args.strategy])),
         merge_subset=tuple(args.merge_subset),
+        keep_tensors=args.keep_tensors,
     )
 
 
@@ -216,6 +223,8 @@ def scenario_from_args(args, home: Path) -> ProbeSpec:
         changes["strategies"] = tuple(dict.fromkeys(["isolated", *args.strategy]))
     if args.merge_subset:
         changes["merge_subset"] = tuple(args.merge_subset)
+    if args.keep_tensors:
+        changes["keep_tensors"] = True
     if args.atol is not None or args.rtol is not None:
         changes["tolerances"] = {"*": ToleranceOverride(rtol=args.rtol, atol=args.atol)}
     return dataclasses.replace(spec, **changes)

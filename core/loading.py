@@ -6,6 +6,7 @@ Safetensors first; `.bin` checkpoints only through `torch.load(weights_only=True
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import warnings
@@ -102,11 +103,15 @@ def load_base(
     """
     config = load_config(model)
     cls = model_class(config)
+    dtype = dtype or torch_dtype(target.dtype)
+    stored = None
+    if dtype == torch.float64 and device_map is None:
+        stored = float64_offload_dtype(model)
     try:
         m = cls.from_pretrained(
             model.path,
             revision=model.revision,
-            dtype=dtype or torch_dtype(target.dtype),
+            dtype=stored or dtype,
             device_map=device_map or target.device,
             trust_remote_code=model.trust_remote_code,
         )
@@ -114,7 +119,115 @@ def load_base(
         how = f" with device_map={device_map!r}" if device_map else ""
         raise LoadError(f"{model.path}: the model did not load{how} ({_first_line(e)})") from e
     m.eval()
+    if stored is not None:
+        setattr(m, FLOAT64_FORWARD, True)
     return m
+
+
+# Set on a model held in its checkpoint's dtype whose forward runs in float64 block by block.
+FLOAT64_FORWARD = "weightdrift_float64_forward"
+# A float64 model may cost this much more memory than its checkpoint before it is held in the
+# checkpoint's dtype and upcast one block at a time instead (a 1B float32 model needs 8 GB in float64).
+FLOAT64_HEADROOM = 1 << 30
+
+
+def float64_offload_dtype(model: ModelRef) -> torch.dtype | None:
+    """The dtype to hold a float64 target's model in, when float64 does not fit; None when it does.
+
+    Float64 fits when it costs at most FLOAT64_HEADROOM more than the checkpoint. Otherwise the
+    model is held in the checkpoint's widest floating dtype (widening its values to float64 later is
+    exact, so the forward computes on the very float64 weights a float64 load would have).
+    """
+    from core.checkpoint import Checkpoint, CheckpointError
+
+    try:
+        checkpoint = Checkpoint.open(model.path)
+    except CheckpointError:
+        return None  # a hub id: transformers loads it; no index to size it from here
+    floating = [checkpoint.info(n) for n in checkpoint.names() if checkpoint.info(n).dtype.is_floating_point]
+    if not floating:
+        return None
+    as_float64 = sum(t.numel * 8 for t in floating)
+    if as_float64 <= checkpoint.nbytes + FLOAT64_HEADROOM:
+        return None
+    return max((t.dtype for t in floating), key=lambda d: d.itemsize)
+
+
+def forward_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules a float64 forward upcasts one at a time: each block of the model's layer lists,
+    and each other top-level piece holding parameters (embeddings, final norm, head).
+
+    A block is upcast whole, adapter layers inside it included: PEFT casts a layer's input to its
+    adapter's dtype before the adapter's own modules run, so upcasting leaf by leaf would not do.
+    """
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1]
+    holders = {id(m) for m in lists}
+    # every ancestor of a layer list is opened up; everything else with parameters is one unit
+    ancestors: set[int] = set()
+    for name, m in model.named_modules():
+        if id(m) in holders:
+            parts = name.split(".") if name else []
+            for i in range(len(parts) + 1):
+                ancestors.add(id(model.get_submodule(".".join(parts[:i]))))
+    units: list[torch.nn.Module] = []
+    seen: set[int] = set()
+
+    def visit(m: torch.nn.Module) -> None:
+        if id(m) in seen:
+            return
+        seen.add(id(m))
+        if id(m) in holders:
+            units.extend(c for c in m.children() if next(c.parameters(), None) is not None)
+            return
+        if id(m) in ancestors:
+            if next(m.parameters(recurse=False), None) is not None:
+                units.append(m)  # parameters of its own beside the layer lists (rare): upcast with it
+            for c in m.children():
+                visit(c)
+            return
+        if next(m.parameters(), None) is not None:
+            units.append(m)
+
+    visit(model)
+    return units
+
+
+@contextlib.contextmanager
+def float64_forward(model: torch.nn.Module) -> Iterator[None]:
+    """Run forwards inside in float64 one unit at a time, when `model` is held for that (FLOAT64_FORWARD).
+
+    Each unit's floating parameters are widened to float64 just before it runs and narrowed back
+    right after (exact: they were narrow values to begin with), so peak memory is the model in its
+    checkpoint's dtype plus one block in float64. A model not marked runs as it is.
+    """
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not getattr(inner, FLOAT64_FORWARD, False):
+        yield
+        return
+    handles = []
+
+    def widen(unit, args):
+        for p in unit.parameters():
+            if p.is_floating_point() and p.dtype != torch.float64:
+                unit._wd_dtypes = getattr(unit, "_wd_dtypes", {})
+                unit._wd_dtypes.setdefault(id(p), p.dtype)
+                p.data = p.data.to(torch.float64)
+
+    def narrow(unit, args, output):
+        dtypes = getattr(unit, "_wd_dtypes", {})
+        for p in unit.parameters():
+            if id(p) in dtypes:
+                p.data = p.data.to(dtypes[id(p)])
+        unit._wd_dtypes = {}
+
+    for unit in forward_units(model):
+        handles.append(unit.register_forward_pre_hook(widen))
+        handles.append(unit.register_forward_hook(narrow))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def read_adapter_config(adapter: AdapterRef) -> dict:
@@ -183,7 +296,11 @@ def load_isolated(
             model = load_base(base, target, dtype=torch.float32 if upcast else None)
         stage(f"load adapter {adapter.name}")
         peft_model = attach_adapter(model, adapter, target)
-        if upcast:
+        if upcast and float64_offload_dtype(base) is not None:
+            # too large for float64 whole: it stays float32 and runs its forward in float64 block by block
+            setattr(model, FLOAT64_FORWARD, True)
+            notes.append("PiSSA cannot be initialised in float64; loaded in float32, forward in float64")
+        elif upcast:
             peft_model = peft_model.to(torch.float64)
             notes.append("PiSSA cannot be initialised in float64; loaded in float32 and upcast to float64")
         yield Loaded(adapter=adapter, model=peft_model, notes=notes)
@@ -248,7 +365,8 @@ def load_onto(
     weights that were float32 values to begin with (a float32 checkpoint upcast); the note says so.
     """
     notes: list[str] = []
-    downcast = _pissa_upcast(adapter, target)
+    # a model held narrow for a float64 forward (FLOAT64_FORWARD) needs no round trip
+    downcast = _pissa_upcast(adapter, target) and not getattr(model, FLOAT64_FORWARD, False)
     if downcast:
         model.to(torch.float32)
     try:

@@ -239,6 +239,14 @@ def run_form(manifest: dict | None) -> None:
             "atol", value=None, min_value=0.0, format="%g", key="form.atol", placeholder="per-dtype default"
         )
         seed = st.number_input("Probe seed", value=0, min_value=0, step=1, key="form.seed")
+        keep_tensors = st.checkbox(
+            "Keep every compared tensor",
+            value=False,
+            key="form.keep_tensors",
+            help="For the element-wise drill-down of a large model. By default a base over 256 MiB keeps "
+            "each tensor's metric row and a bounded sketch (block-max map, histogram, worst elements), "
+            "not a second copy of the model.",
+        )
         tolerance_errors_at = st.container()
     check_errors_at = st.container()  # outside the expander, so a missing check is seen when folded
     override = ToleranceOverride(rtol=rtol, atol=atol) if (rtol is not None or atol is not None) else None
@@ -267,6 +275,7 @@ def run_form(manifest: dict | None) -> None:
             seed=int(seed),
             strategies=tuple(dict.fromkeys(["isolated", *strategies])),
             merge_subset=tuple(merge_subset),
+            keep_tensors=bool(keep_tensors),
         )
         start_run(spec, result_page(spec.checks))
 

@@ -10,7 +10,7 @@ import torch
 from core import metrics
 from core.capture import BASE, Capture, TensorKey
 from core.checks.base import CaptureContext, Check, Reference, add_note
-from core.loading import Loaded
+from core.loading import Loaded, float64_forward
 from core.spec import REFERENCE_TARGET, ProbeSpec, Target
 
 
@@ -22,7 +22,7 @@ def forward_output(model, input_ids: torch.Tensor) -> tuple[str, torch.Tensor]:
     config = getattr(model, "config", None)
     if getattr(config, "is_encoder_decoder", False):
         kwargs["decoder_input_ids"] = ids
-    with torch.no_grad():
+    with torch.no_grad(), float64_forward(model):
         out = model(**kwargs)
     logits = getattr(out, "logits", None)
     if logits is not None:
