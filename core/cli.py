@@ -17,6 +17,7 @@ from typing import Any
 
 from core.spec import (
     DEFAULT_CHECKS,
+    REFERENCE_TARGET,
     AdapterRef,
     ModelRef,
     ProbeSpec,
@@ -83,6 +84,11 @@ def build_parser() -> ArgumentParser:
     run.add_argument("--atol", type=float, help="absolute tolerance for every row (default: per dtype)")
     run.add_argument("--rtol", type=float, help="relative tolerance for every row (default: per dtype)")
     run.add_argument("--seed", type=int, default=0, help="seed of the probe inputs")
+    run.add_argument(
+        "--reference",
+        metavar="SPEC",
+        help="the target outputs are compared against (default cpu/float64), e.g. cpu/float32",
+    )
     run.add_argument(
         "--keep-tensors",
         action="store_true",
@@ -201,6 +207,7 @@ def spec_from_args(args, home: Path) -> ProbeSpec:
         strategies=tuple(dict.fromkeys(["isolated", *args.strategy])),
         merge_subset=tuple(args.merge_subset),
         keep_tensors=args.keep_tensors,
+        reference=Target.parse(args.reference) if args.reference else REFERENCE_TARGET,
     )
 
 
@@ -225,6 +232,8 @@ def scenario_from_args(args, home: Path) -> ProbeSpec:
         changes["merge_subset"] = tuple(args.merge_subset)
     if args.keep_tensors:
         changes["keep_tensors"] = True
+    if args.reference:
+        changes["reference"] = Target.parse(args.reference)
     if args.atol is not None or args.rtol is not None:
         changes["tolerances"] = {"*": ToleranceOverride(rtol=args.rtol, atol=args.atol)}
     return dataclasses.replace(spec, **changes)

@@ -22,7 +22,7 @@ from core.capture import BASE, Capture, TensorKey
 from core.checks import get_checks
 from core.checks.base import Check, Reference, tolerance
 from core.sketch import Sketch, as_2d
-from core.spec import REFERENCE_TARGET, ProbeSpec, Target
+from core.spec import ProbeSpec, Target
 from core.store import RunRecord
 
 __all__ = ["ElementDiff", "SketchedDiff", "element_diff", "as_2d"]
@@ -124,10 +124,10 @@ def element_diff(
 
     reference_capture = None
     if the_check.needs_reference_target:
-        ref_folder = record.run_dir / "captures" / REFERENCE_TARGET.slug
+        ref_folder = record.run_dir / "captures" / spec.reference.slug
         if not ref_folder.is_dir():
             raise KeyError(
-                f"run {record.run_id} has no {REFERENCE_TARGET} capture, which check {check} compares against"
+                f"run {record.run_id} has no {spec.reference} capture, which check {check} compares against"
             )
         # The check looks the same key up in the reference capture (outputs: the fp64 logits).
         reference_capture, _ = _read_capture(ref_folder, key)

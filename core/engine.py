@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from core.capture import capture_folder_name
-from core.spec import REFERENCE_TARGET, ProbeSpec, SpecError, Target
+from core.spec import ProbeSpec, SpecError, Target
 from core.store import Store
 from core.worker import EXIT_CANCELLED, Cancelled, Task, run_task, task_json
 
@@ -243,7 +243,7 @@ class Engine:
                 f"unknown load strategy {', '.join(map(repr, unknown)) or '(none given)'}; "
                 f"available: {', '.join(STRATEGIES)}"
             )
-        check_targets_exist(spec.targets, self.devices)
+        check_targets_exist((*spec.targets, spec.reference), self.devices)
         validate_inputs(spec)
 
     def submit(self, spec: ProbeSpec) -> Job:
@@ -292,8 +292,8 @@ class Engine:
             for v in c.variants(spec, t)
         ]
         ref_checks = tuple(c.name for c in checks if c.needs_reference_target and not c.own_worker)
-        if ref_checks and REFERENCE_TARGET not in spec.targets:
-            tasks.append(task(REFERENCE_TARGET, ref_checks))
+        if ref_checks and spec.reference not in spec.targets:
+            tasks.append(task(spec.reference, ref_checks))
         return tasks
 
     def _device_lock(self, device: str) -> threading.Lock:

@@ -217,10 +217,14 @@ class ProbeSpec:
     # Keep every compared tensor whole in the captures (the element-wise drill-down), whatever the
     # model's size; without it only models up to KEEP_TENSORS_UP_TO bytes keep theirs.
     keep_tensors: bool = False
+    # What outputs are compared against (the `outputs` and `merge` checks): cpu/float64 unless the
+    # user picks another target; every row names it.
+    reference: Target = REFERENCE_TARGET
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["targets"] = [str(t) for t in self.targets]
+        d["reference"] = str(self.reference)
         return d
 
     def to_json(self) -> str:
@@ -246,6 +250,7 @@ class ProbeSpec:
             strategies=tuple(d.get("strategies") or [d.get("strategy", "isolated")]),
             merge_subset=tuple(d.get("merge_subset") or ()),
             keep_tensors=bool(d.get("keep_tensors", False)),
+            reference=Target.parse(d["reference"]) if d.get("reference") else REFERENCE_TARGET,
         )
 
     @staticmethod

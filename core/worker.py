@@ -194,7 +194,7 @@ def run_compare(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
     """Turn the run's captures into the metrics table (`metrics.parquet`) and the checks' own tables."""
     from core.capture import Capture, capture_folder_name
     from core.checks import get_checks
-    from core.spec import REFERENCE_TARGET, ProbeSpec
+    from core.spec import ProbeSpec
     from core.store import Store
 
     run_dir = Path(task.run_dir)
@@ -216,7 +216,7 @@ def run_compare(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
         ]
     total = sum(c.compare_steps(by_check[c.name]) for c in checks) + 1
     progress = Progress(emit, should_cancel, total=total, target=None)
-    ref_folder = captures_dir / REFERENCE_TARGET.slug
+    ref_folder = captures_dir / spec.reference.slug
     reference_capture = Capture.load(ref_folder) if ref_folder.exists() else None
     rows: list[dict[str, Any]] = []
     tables = {}

@@ -13,7 +13,16 @@ import streamlit as st
 
 from core.checks import CHECKS
 from core.loading import STRATEGIES
-from core.spec import DEFAULT_CHECKS, AdapterRef, ModelRef, ProbeSpec, SpecError, Target, ToleranceOverride
+from core.spec import (
+    DEFAULT_CHECKS,
+    REFERENCE_TARGET,
+    AdapterRef,
+    ModelRef,
+    ProbeSpec,
+    SpecError,
+    Target,
+    ToleranceOverride,
+)
 from core.targets import Device, check_targets_exist
 from core.validate import InputError, validate_adapter, validate_model
 from core.workspace import (
@@ -51,6 +60,7 @@ def validate_form(
     checks: list[str],
     devices: list[Device],
     tolerance: ToleranceOverride | None = None,
+    reference: str | None = None,
 ) -> FormErrors:
     """Field-by-field validation of the run form (no model load): the messages the form shows."""
     errors = FormErrors()
@@ -93,6 +103,11 @@ def validate_form(
         errors.targets.append(str(e))
     if not checks:
         errors.checks.append("Choose at least one check (under “Checks, tolerances and seed”).")
+    if reference is not None:
+        try:
+            check_targets_exist([Target.parse(reference)], devices)
+        except SpecError as e:
+            errors.tolerance.append(f"Reference: {e}")
     if tolerance is not None:
         for name, value in (("rtol", tolerance.rtol), ("atol", tolerance.atol)):
             if value is not None and not value >= 0:
@@ -239,6 +254,13 @@ def run_form(manifest: dict | None) -> None:
             "atol", value=None, min_value=0.0, format="%g", key="form.atol", placeholder="per-dtype default"
         )
         seed = st.number_input("Probe seed", value=0, min_value=0, step=1, key="form.seed")
+        reference = st.text_input(
+            "Reference for outputs",
+            value=str(REFERENCE_TARGET),
+            key="form.reference",
+            help="The target every output is compared against, DEVICE/DTYPE[+FLAG…]: cpu/float64 (exact) by "
+            "default; a model too large for float64 runs it one block at a time.",
+        )
         keep_tensors = st.checkbox(
             "Keep every compared tensor",
             value=False,
@@ -251,7 +273,7 @@ def run_form(manifest: dict | None) -> None:
     check_errors_at = st.container()  # outside the expander, so a missing check is seen when folded
     override = ToleranceOverride(rtol=rtol, atol=atol) if (rtol is not None or atol is not None) else None
 
-    errors = validate_form(base, adapters, targets, checks, devices, override)
+    errors = validate_form(base, adapters, targets, checks, devices, override, reference)
     for where, messages in (
         (base_errors_at, errors.base),
         (adapter_errors_at, errors.adapters),
@@ -276,6 +298,7 @@ def run_form(manifest: dict | None) -> None:
             strategies=tuple(dict.fromkeys(["isolated", *strategies])),
             merge_subset=tuple(merge_subset),
             keep_tensors=bool(keep_tensors),
+            reference=Target.parse(reference),
         )
         start_run(spec, result_page(spec.checks))
 

@@ -12,6 +12,7 @@ from core.capture import Capture, TensorKey
 from core.diffmap import ElementDiff, SketchedDiff, element_diff
 from core.engine import Engine, InProcessRunner
 from core.spec import AdapterRef, ModelRef, ProbeSpec, Target
+from core.store import Store
 
 CHECKS = ("weights", "deltas", "outputs")
 # what two runs of the same spec may differ in: where their folders are, not what they measured
@@ -108,3 +109,20 @@ def test_drill_down_from_the_sketch(runs):
     same = table[(table.check == "weights") & table.bitwise_equal].iloc[0]
     adapter = None if pd.isna(same.adapter) else same.adapter
     assert element_diff(record, "weights", same.target, adapter, same.tensor).sketch is None
+
+
+def test_another_reference_is_named_on_every_row(tmp_path, demo_workspace, capsys):
+    from core import cli
+
+    lora = demo_workspace["adapters"]["lora"]["path"]
+    args = ["run", "--base", demo_workspace["models"]["tiny-llama"], "--adapter", f"{lora}=lora"]
+    args += ["--target", "cpu/bfloat16", "--check", "outputs", "--reference", "cpu/float32"]
+    code = cli.main([*args, "--in-process", "--json", "--home", str(tmp_path)])
+    out = json.loads(capsys.readouterr().out)
+    assert code in (0, 1)
+    record = Store(tmp_path).open(out["run_id"])
+    table = record.metrics()
+    assert set(table.reference) == {"cpu/float32"} and len(table) == 2
+    assert (record.run_dir / "captures" / "cpu_float32").is_dir()
+    assert not (record.run_dir / "captures" / "cpu_float64").exists()
+    assert record.spec.reference == Target.parse("cpu/float32")

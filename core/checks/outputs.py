@@ -11,7 +11,7 @@ from core import metrics
 from core.capture import BASE, Capture, TensorKey
 from core.checks.base import CaptureContext, Check, Reference, add_note
 from core.loading import Loaded, float64_forward
-from core.spec import REFERENCE_TARGET, ProbeSpec, Target
+from core.spec import ProbeSpec, Target
 
 
 def forward_output(model, input_ids: torch.Tensor) -> tuple[str, torch.Tensor]:
@@ -44,7 +44,7 @@ class OutputsCheck(Check):
         self, spec: ProbeSpec, keys: list[TensorKey], reference_capture: Capture | None
     ) -> Reference:
         if reference_capture is None:
-            return Reference(label=str(REFERENCE_TARGET), tensors={}, notes={})
+            return Reference(label=str(spec.reference), tensors={}, notes={})
         load_notes = reference_capture.meta.get("load_notes", {})
         notes = {
             k.encode(): "reference: " + "; ".join(load_notes[k.adapter])
@@ -56,7 +56,7 @@ class OutputsCheck(Check):
             for k in keys
             if k.encode() in reference_capture.tensors
         }
-        return Reference(label=str(REFERENCE_TARGET), tensors=tensors, notes=notes)
+        return Reference(label=str(spec.reference), tensors=tensors, notes=notes)
 
     def describe(self, key: TensorKey) -> dict[str, Any]:
         return {"layer": None, "module": key.name, "role": "output"}
