@@ -109,8 +109,6 @@ class Sketch:
     top_index: list[tuple[int, ...]] = field(default_factory=list)  # worst |Δ| first (NaN first of all)
     top_target: list[float] = field(default_factory=list)
     top_reference: list[float] = field(default_factory=list)
-    target_hash: str = ""
-    reference_hash: str = ""
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The array parts, to be stored in a safetensors file."""
@@ -127,8 +125,6 @@ class Sketch:
             "top_index": [list(i) for i in self.top_index],
             "top_target": self.top_target,
             "top_reference": self.top_reference,
-            "target_hash": self.target_hash,
-            "reference_hash": self.reference_hash,
         }
 
     @staticmethod
@@ -143,8 +139,6 @@ class Sketch:
             top_index=[tuple(i) for i in meta.get("top_index", [])],
             top_target=list(meta.get("top_target", [])),
             top_reference=list(meta.get("top_reference", [])),
-            target_hash=meta.get("target_hash", ""),
-            reference_hash=meta.get("reference_hash", ""),
             **{k: np.asarray(v) for k, v in arrays.items()},
         )
 
@@ -172,7 +166,6 @@ def make_sketch(
     mismatch: MismatchRule,
     chunk_elems: int = 1 << 22,
     max_side: int = MAX_SIDE,
-    hashes: bool = True,
 ) -> Sketch:
     """The sketch of ``target − reference`` (same shape), row block by row block on target's device.
 
@@ -262,6 +255,4 @@ def make_sketch(
         top_index=[_unravel(i, shape) for i in flat_idx],
         top_target=[float(t_flat[i]) for i in flat_idx],
         top_reference=[float(r_flat[i]) for i in flat_idx],
-        target_hash=content_hash(target) if hashes else "",
-        reference_hash=content_hash(reference) if hashes else "",
     )

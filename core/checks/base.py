@@ -20,7 +20,7 @@ import torch
 from core import metrics
 from core.capture import BASE, Capture, TensorKey
 from core.loading import Loaded
-from core.sketch import Sketch, make_sketch
+from core.sketch import Sketch, content_hash, make_sketch
 from core.spec import ProbeSpec, Target
 
 if TYPE_CHECKING:
@@ -76,6 +76,7 @@ class Measured:
     dtype: str
     row: dict[str, Any]  # `metrics.stats_to_row` (or a `missing_reference_row`)
     sketch: Sketch | None  # None when the tensor equals its reference bit for bit (or cannot be drawn)
+    hash: str  # `content_hash` of the target tensor: machines compare weights by it
 
     def as_dict(self) -> dict[str, Any]:
         """What a capture stores (the sketch's arrays go apart, in sketches.safetensors)."""
@@ -85,6 +86,7 @@ class Measured:
             "dtype": self.dtype,
             "row": self.row,
             "sketch": None if self.sketch is None else self.sketch.meta(),
+            "hash": self.hash,
         }
 
 
@@ -200,14 +202,19 @@ class Check(ABC):
         note = reference.notes.get(key.encode(), "")
         dtype = str(tensor.dtype).removeprefix("torch.")
         if ref is None:
-            return Measured(reference.label, note, dtype, missing_reference_row(tensor), None)
+            return Measured(
+                reference.label, note, dtype, missing_reference_row(tensor), None, content_hash(tensor)
+            )
         tol = tolerance(spec, self.describe(key)["role"], getattr(torch, target.dtype))
         stats = metrics.compare(tensor, ref, tol)
         row = metrics.stats_to_row(stats)
+        # the same bits hash alike: hash the reference where it is already on the host
+        same = stats.bitwise_equal and ref.dtype == tensor.dtype
+        digest = content_hash(ref if same else tensor)
         if stats.bitwise_equal or stats.shape_mismatch:
-            return Measured(reference.label, note, dtype, row, None)
+            return Measured(reference.label, note, dtype, row, None, digest)
         sketch = make_sketch(tensor, ref, lambda t, r: metrics.mismatch_mask(t, r, tol))
-        return Measured(reference.label, note, dtype, row, sketch)
+        return Measured(reference.label, note, dtype, row, sketch, digest)
 
     def describe(self, key: TensorKey) -> dict[str, Any]:
         """Row labels for a tensor: layer, module, role (checks refine this)."""
