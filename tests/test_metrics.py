@@ -426,13 +426,18 @@ def _fuzz_case(
     elif rng.random() < 0.05:
         tol = Tolerance(rtol=0.0, atol=0.0)
     t = target.double().numpy()
-    how = rng.choice([0, 1, 2, 6], n) if near else rng.integers(0, 7, n)
+    how = rng.choice([0, 1, 2, 6, 7], n) if near else rng.integers(0, 8, n)
     sign = rng.choice([-1.0, 1.0], n)
     r = np.where(how == 1, t + sign * rng.uniform(0.9, 1.1, n) * (tol.atol + tol.rtol * np.abs(t)), t)
     r = np.where(how == 2, t * (1 + tol.rtol * rng.uniform(-3, 3, n)), r)
     r = np.where(how == 3, _fuzz_values(rng, n, reference_dtype).double().numpy(), r)
     r = np.where(how == 4, -t, r)
     r = np.where(how == 5, np.where(rng.random(n) < 0.5, np.nan, sign * np.inf), r)
+    # how == 7: the whole steps of the reference's dtype nearest the allowance, ±1, where the
+    # rounding of the rule's dtype decides.
+    step = ulp(target, reference_dtype).numpy()
+    k = np.round((tol.atol + tol.rtol * np.abs(t)) / step) + rng.integers(-1, 2, n)
+    r = np.where(how == 7, t + sign * k * step, r)
     reference = torch.from_numpy(r).to(reference_dtype)
     # how == 6: up to 4 steps of the reference's dtype away from the target's value.
     steps = torch.from_numpy(np.where(how == 6, rng.integers(-4, 5, n), 0))
