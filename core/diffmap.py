@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from core import metrics
 from core.capture import BASE, Capture, TensorKey
 from core.checks import get_checks
 from core.checks.base import Check, Reference, tolerance
@@ -33,9 +34,10 @@ class ElementDiff:
     """One tensor's element-wise difference to its reference, with the row it belongs to.
 
     The arrays are 2-D views of the tensor (see `as_2d`): ``diff[i, j]`` is the element whose
-    flat index is ``i * diff.shape[1] + j``. An element fails the tolerance where
-    ``|diff| > allowed`` (for finite values); ``mismatch`` is the exact fail mask, NaN/Inf
-    included, whose count is the row's ``n_mismatch``.
+    flat index is ``i * diff.shape[1] + j``. ``mismatch`` is the exact fail mask of
+    `metrics.close_mask` (assert_close's rule in `metrics.rule_dtype`), NaN/Inf included, whose
+    count is the row's ``n_mismatch``: a finite element fails where ``|diff|`` rounded to that
+    dtype exceeds ``allowed``, so ``|diff| > allowed`` can differ from it within that rounding.
     """
 
     check: str
@@ -46,7 +48,7 @@ class ElementDiff:
     shape: tuple[int, ...]  # the tensor's own shape
     dtype: str  # the target tensor's dtype, e.g. "bfloat16"
     diff: np.ndarray  # float64, 2-D: target − reference; 0 where both are equal (NaN == NaN)
-    allowed: np.ndarray  # float64, 2-D: atol + rtol·|reference| (the assert_close bound)
+    allowed: np.ndarray  # float64, 2-D: atol + rtol·|reference| as assert_close computes it (in rule_dtype)
     mismatch: np.ndarray  # bool, 2-D: the elements counted in the row's n_mismatch
     rtol: float
     atol: float
@@ -272,20 +274,21 @@ def _elementwise(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(diff, allowed, mismatch) as 2-D arrays, by the rule `metrics.compare` counts with.
 
-    Element-wise ops in float64 are exact IEEE operations, so doing them whole rather than in
-    `compare`'s chunks gives the same bits: the max of |diff| is the row's `max_abs` and the
-    mismatch count its `n_mismatch`.
+    ``diff`` is in float64, whose element-wise ops are exact IEEE operations, so doing them whole
+    rather than in `compare`'s chunks gives the same bits: the max of |diff| is the row's
+    `max_abs`. ``mismatch`` is `metrics.close_mask`'s, whose count is the row's `n_mismatch`.
     """
     shape2 = as_2d(tuple(target.shape))
-    t = target.detach().to("cpu").to(torch.float64).reshape(shape2)
-    r = reference.detach().to("cpu").to(torch.float64).reshape(shape2)
+    target, reference = target.detach().to("cpu"), reference.detach().to("cpu")
+    t = target.to(torch.float64).reshape(shape2)
+    r = reference.to(torch.float64).reshape(shape2)
     # Equal values (and NaN against NaN, as assert_close with equal_nan) show as no difference,
     # not as inf − inf = NaN.
     same = (t == r) | (t.isnan() & r.isnan())
     diff = torch.where(same, torch.zeros((), dtype=torch.float64), t - r)
-    # Same operations and order as metrics (and torch.isclose): atol + |rtol·r|.
-    allowed = atol + (r * rtol).abs()
-    finite = t.isfinite() & r.isfinite()
-    # A NaN/Inf that the reference does not share fails whatever the tolerance.
-    mismatch = (finite & (diff.abs() > allowed)) | ~(same | finite)
+    # torch.isclose's bound, in the dtype the rule is evaluated in.
+    rule = metrics.rule_dtype(target.dtype, reference.dtype)
+    allowed = (atol + (rtol * reference.to(rule)).abs()).to(torch.float64).reshape(shape2)
+    tol = metrics.Tolerance(rtol=rtol, atol=atol)
+    mismatch = ~metrics.close_mask(target, reference, tol).reshape(shape2)
     return diff.numpy(), allowed.numpy(), mismatch.numpy()

@@ -1,18 +1,31 @@
 """Numerical drift between a target tensor and a reference tensor.
 
-Pure tensor math: no Streamlit, no global state. Every statistic is computed in float64 on the
-CPU, chunk by chunk, so comparing a multi-gigabyte tensor needs only a few chunks of memory and
-a tensor on any device (or on two different devices) can be compared.
+Pure tensor math: no Streamlit, no global state. Tensors are compared chunk by chunk on the CPU,
+so comparing a multi-gigabyte tensor needs only a few chunks of memory and a tensor on any
+device (or on two different devices) can be compared.
 
-Definitions follow the design doc: ``d = target - reference`` (both upcast to float64); an
-element passes where ``|d| <= atol + rtol * |reference|`` (the rule of
-``torch.testing.assert_close``); ULP distances are in units of the *target's* dtype at the
-reference value.
+Two kinds of numbers, each defined exactly:
+
+- Pass/fail (``n_mismatch``, the verdict, ``min_atol`` and the greatest mismatched difference in
+  the explanation) is ``torch.testing.assert_close(target, reference, rtol=…, atol=…,
+  equal_nan=True, check_dtype=False)``: both tensors promoted to `rule_dtype` (e.g. bfloat16
+  for two bfloat16 tensors, float32 for bfloat16 against float32) and compared there with
+  ``torch.isclose`` (``|target − reference| <= atol + rtol·|reference|``, both sides rounded as
+  that dtype rounds them). NaN against NaN passes (``equal_nan=True``, unlike assert_close's
+  default), as does an infinity against the same infinity.
+- Statistics (``max_abs``, ``mean_abs``, ``rmse``, ``rel_l2``, ``cos_sim``, ``max_ulp``) are of
+  ``d = target − reference`` with both upcast to float64, over the elements finite in both,
+  computed in float64 (sums and norms are kept with an unbounded exponent, so no partial sum
+  overflows or underflows). ULP distances are in units of the *target's* dtype at the
+  reference value.
+
+The rule is evaluated on the CPU, as assert_close does for tensors on different devices.
 """
 
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from types import MappingProxyType
@@ -26,10 +39,12 @@ __all__ = [
     "DiffStats",
     "Health",
     "Tolerance",
+    "close_mask",
     "compare",
     "default_tolerance",
     "explain",
     "health",
+    "rule_dtype",
     "stats_to_row",
     "ulp",
     "verdict",
@@ -39,6 +54,7 @@ __all__ = [
 VERDICTS = ("identical", "within tolerance", "drift", "broken")  # ordered by severity
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_RULE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @dataclass(frozen=True)
@@ -70,7 +86,8 @@ class DiffStats:
     """Everything `compare` measures about one target tensor against its reference.
 
     Difference statistics (``max_abs`` … ``worst_*``) are over the elements finite in both
-    tensors; they are NaN when the shapes differ.
+    tensors, in float64; they are NaN when the shapes differ. ``n_mismatch``, ``min_atol`` and
+    ``mismatch_*`` follow the tolerance rule, evaluated in `rule_dtype` as assert_close does.
     """
 
     numel: int
@@ -81,17 +98,26 @@ class DiffStats:
     bitwise_equal: bool
     shape_mismatch: bool
     n_diff: int  # elements whose values are not exactly equal (NaN == NaN here)
-    n_mismatch: int  # elements failing the tolerance rule
+    n_mismatch: int  # elements failing the tolerance rule (assert_close's "Mismatched elements")
     max_abs: float
     mean_abs: float
     rmse: float
     rel_l2: float
     cos_sim: float
     max_ulp: float
-    min_atol: float  # smallest atol that passes every finite element at `rtol`
-    worst_index: tuple[int, ...] | None  # None when no finite element differs
+    # Smallest atol that passes every element finite in both at `rtol`; inf when a difference
+    # overflows the rule's dtype (no atol passes it).
+    min_atol: float
+    worst_index: tuple[int, ...] | None  # where max_abs is; None when no finite element differs
     worst_target: float | None
     worst_reference: float | None
+    # assert_close's "greatest absolute difference": the largest |target - reference| in the
+    # rule's dtype over the mismatched elements only (NaN if one is NaN, the first such
+    # element on ties); all None when nothing mismatches.
+    mismatch_max_abs: float | None
+    mismatch_index: tuple[int, ...] | None
+    mismatch_target: float | None
+    mismatch_reference: float | None
     n_nan: int
     n_inf: int
     ref_nan: int
@@ -114,6 +140,38 @@ class Health:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def rule_dtype(target_dtype: torch.dtype, reference_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the tolerance rule is evaluated in: ``torch.promote_types`` of the two, as in assert_close.
+
+    Formats without promotion or arithmetic in torch (float8) fall back to float64, which holds
+    them exactly.
+    """
+    try:
+        dtype = torch.promote_types(target_dtype, reference_dtype)
+    except RuntimeError:
+        return torch.float64
+    return dtype if dtype in _RULE_DTYPES else torch.float64
+
+
+def _isclose(t: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> torch.Tensor:
+    # The one place pass/fail is decided: t and r already in rule_dtype. Exactly what
+    # assert_close(equal_nan=True) computes after promoting, so the two agree bit for bit.
+    return torch.isclose(t, r, rtol=rtol, atol=atol, equal_nan=True)
+
+
+def close_mask(target: torch.Tensor, reference: torch.Tensor, tolerance: Tolerance) -> torch.Tensor:
+    """Where `target` passes the tolerance rule against `reference`, element-wise, on the CPU.
+
+    The rule of `compare`: both promoted to `rule_dtype`, then ``torch.isclose`` with
+    ``equal_nan=True``. Integer and bool tensors are compared exactly, as `compare` does.
+    """
+    target, reference = target.detach().to("cpu"), reference.detach().to("cpu")
+    if not (target.is_floating_point() or reference.is_floating_point()):
+        return target.to(torch.int64) == reference.to(torch.int64)
+    dtype = rule_dtype(target.dtype, reference.dtype)
+    return _isclose(target.to(dtype), reference.to(dtype), tolerance.rtol, tolerance.atol)
 
 
 def default_tolerance(dtype: torch.dtype | str) -> Tolerance:
@@ -176,11 +234,6 @@ def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(finite, spacing, math.nan)
 
 
-def _cpu_f64(t: torch.Tensor) -> torch.Tensor:
-    # Two steps: some devices (MPS) cannot hold float64, so convert only once on the CPU.
-    return t.to("cpu").to(torch.float64)
-
-
 def _chunks(n: int, size: int) -> Iterable[tuple[int, int]]:
     for start in range(0, n, size):
         yield start, min(start + size, n)
@@ -188,13 +241,7 @@ def _chunks(n: int, size: int) -> Iterable[tuple[int, int]]:
 
 def _bitwise_equal(t_flat: torch.Tensor, r_flat: torch.Tensor, chunk: int) -> bool:
     """Identical bit patterns after casting both to the wider dtype (widening casts are exact)."""
-    if t_flat.dtype == r_flat.dtype:
-        wide = t_flat.dtype
-    else:
-        try:
-            wide = torch.promote_types(t_flat.dtype, r_flat.dtype)
-        except RuntimeError:  # e.g. float8 has no promotion rules; float64 holds every format
-            wide = torch.float64
+    wide = t_flat.dtype if t_flat.dtype == r_flat.dtype else rule_dtype(t_flat.dtype, r_flat.dtype)
     as_int = _INT_OF_SIZE[wide.itemsize]
     for start, stop in _chunks(t_flat.numel(), chunk):
         a = t_flat[start:stop].to("cpu").to(wide).view(as_int)
@@ -223,28 +270,128 @@ def _unravel(flat_index: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(index))
 
 
+def _ldexp(m: float, e: int) -> float:
+    """``m · 2**e`` rounded once, ±inf where it overflows (where math.ldexp raises)."""
+    try:
+        return math.ldexp(m, e)
+    except OverflowError:
+        return math.copysign(math.inf, m)
+
+
+def _sqrt_wide(m: float, e: int) -> float:
+    """``sqrt(m · 2**e)`` for ``m >= 0`` and any integer exponent."""
+    if e % 2:
+        m, e = 2.0 * m, e - 1
+    return _ldexp(math.sqrt(m), e // 2)
+
+
+def _bits(x: float) -> int:
+    """The bit pattern of a non-negative float64, ordered like the values."""
+    return int(struct.unpack("<q", struct.pack("<d", x))[0])
+
+
+def _from_bits(bits: int) -> float:
+    return float(struct.unpack("<d", struct.pack("<q", bits))[0])
+
+
+class _WideSum:
+    """A running float64 sum with an unbounded exponent: ``mant · 2**exp``, ``mant`` in [0.5, 1).
+
+    Each `add` rounds like one float64 addition, but no partial sum overflows or underflows:
+    the sum of 1e200² and 2e200², or of squared subnormals, keeps its 53 bits.
+    """
+
+    def __init__(self) -> None:
+        self.mant, self.exp = 0.0, 0
+
+    def add(self, value: float, exp: int = 0) -> None:
+        """Add ``value · 2**exp`` (`value` finite)."""
+        if value == 0.0:
+            return
+        m, e = math.frexp(value)
+        e += exp
+        if self.mant != 0.0:
+            top = max(e, self.exp)
+            # Aligned to the larger exponent both terms are below 1: the sum cannot overflow.
+            m, e = math.frexp(math.ldexp(self.mant, self.exp - top) + math.ldexp(m, e - top))
+            e += top
+        self.mant, self.exp = m, e
+
+
+def _scale2(x: torch.Tensor, k: int) -> torch.Tensor:
+    """``x · 2**k`` in two exact steps (one power of two cannot span the float64 range)."""
+    half = k // 2
+    return x * 2.0**half * 2.0 ** (k - half)
+
+
+def _sum_squares(x: torch.Tensor) -> tuple[float, int]:
+    """``Σx²`` of a finite float64 tensor as ``(s, k)``, meaning ``s · 4**k``.
+
+    Plain float64 squares are right to rounding when their sum is finite and at least 2^-800:
+    the squares that underflow (of elements below 2^-511) then add under 2^-200 of it.
+    Otherwise scale by the power of two above the peak first (exact), as LAPACK's dnrm2 does,
+    so that nothing that matters overflows or underflows.
+    """
+    s = float((x * x).sum())
+    if 2.0**-800 <= s < math.inf:
+        return s, 0
+    peak = float(x.abs().max()) if x.numel() else 0.0
+    if peak == 0.0:
+        return 0.0, 0
+    k = math.frexp(peak)[1]  # peak < 2**k
+    y = _scale2(x, -k)
+    return float((y * y).sum()), k
+
+
+def _sum_abs(ad: torch.Tensor, peak: float) -> tuple[float, int]:
+    """``Σ ad`` of finite non-negative float64 `ad` (largest element `peak`) as ``(s, k)``: ``s · 2**k``."""
+    s = float(ad.sum())
+    if s < math.inf:
+        return s, 0
+    k = math.frexp(peak)[1]
+    return float(_scale2(ad, -k).sum()), k
+
+
+def _dot(t: torch.Tensor, r: torch.Tensor, kt: int, kr: int) -> tuple[float, int]:
+    """``Σ t·r`` as ``(s, e)``: ``s · 2**e``, with t and r scaled by the ``2**-k`` of their `_sum_squares`.
+
+    Scaled so, no product overflows, and the ones that underflow are negligible next to
+    ``‖t‖·‖r‖`` (the only thing the dot product is divided by).
+    """
+    if kt == kr == 0:
+        return float((t * r).sum()), 0
+    return float((_scale2(t, -kt) * _scale2(r, -kr)).sum()), kt + kr
+
+
 class _Accumulator:
     """Running sums, counts and maxima over the chunks of one comparison (internal, mutable)."""
 
-    def __init__(self, target_dtype: torch.dtype, tol: Tolerance) -> None:
+    def __init__(self, target_dtype: torch.dtype, rule: torch.dtype, tol: Tolerance) -> None:
         self.p, self.e_min = _float_format(target_dtype)
+        self.rule = rule
         self.tol = tol
         self.n_diff = self.n_mismatch = self.n_finite = 0
         self.n_nan = self.n_inf = self.ref_nan = self.ref_inf = self.n_nonfinite_new = 0
         self.t_nonzero = self.r_nonzero = 0  # over all elements (NaN/Inf count as non-zero)
         self.t_nonzero_finite = self.r_nonzero_finite = 0
-        self.sum_abs = self.sum_sq = self.sum_r2 = self.sum_t2 = self.sum_tr = 0.0
+        self.sum_abs, self.sum_sq, self.sum_t2, self.sum_r2, self.sum_tr = (_WideSum() for _ in range(5))
         self.max_abs = self.max_ulp = self.min_atol = 0.0
         self.worst_flat: int | None = None
         self.worst_target: float | None = None
         self.worst_reference: float | None = None
+        self.mismatch_max_abs: float | None = None
+        self.mismatch_flat: int | None = None
+        self.mismatch_target: float | None = None
+        self.mismatch_reference: float | None = None
 
-    def add(self, t: torch.Tensor, r: torch.Tensor, offset: int) -> None:
-        """Fold one chunk in: `t`, `r` are flat float64 CPU tensors starting at flat `offset`."""
+    def add(self, t_raw: torch.Tensor, r_raw: torch.Tensor, offset: int) -> None:
+        """Fold one chunk in: flat CPU tensors in their own dtypes, starting at flat `offset`."""
+        t, r = t_raw.to(torch.float64), r_raw.to(torch.float64)
         t_finite, r_finite = t.isfinite(), r.isfinite()
+        finite: torch.Tensor | None = None  # None: every element is finite in both
         if bool(t_finite.all()) and bool(r_finite.all()):
             # The common case, without the masking below.
-            tf, rf, d = t, r, t - r
+            tf, rf = t, r
             same = t == r
             n_finite = t.numel()
         else:
@@ -253,33 +400,30 @@ class _Accumulator:
             zero = torch.zeros((), dtype=torch.float64)
             tf = torch.where(finite, t, zero)
             rf = torch.where(finite, r, zero)
-            d = tf - rf
             # Both NaN, or the same infinity, counts as equal (assert_close with equal_nan=True).
             same = (t == r) | (t.isnan() & r.isnan())
             self.n_nonfinite_new += int((~t_finite & ~same).sum())
             n_finite = int(finite.sum())
 
-        ad = d.abs()
-        # Same operations and order as torch.isclose, so pass/fail agrees bit for bit.
-        # Masked elements have ad == 0 and so pass here; `same` decides them.
-        rel_allowed = (rf * self.tol.rtol).abs()
-        fails = ad > self.tol.atol + rel_allowed
-        self.n_diff += int((~same).sum())
-        self.n_mismatch += int((fails | ~(same | t_finite & r_finite)).sum())
+        n_diff = t.numel() - int(same.sum())
+        self.n_diff += n_diff
         self.t_nonzero += int((t != 0).sum())
         self.r_nonzero += int((r != 0).sum())
         self.n_finite += n_finite
         self.t_nonzero_finite += int((tf != 0).sum())
         self.r_nonzero_finite += int((rf != 0).sum())
+        st, kt = _sum_squares(tf)
+        sr, kr = _sum_squares(rf)
+        self.sum_t2.add(st, 2 * kt)
+        self.sum_r2.add(sr, 2 * kr)
+        self.sum_tr.add(*_dot(tf, rf, kt, kr))
+        if n_diff == 0:
+            return  # equal values pass the rule and add nothing to the difference statistics
 
-        self.sum_abs += float(ad.sum())
-        self.sum_sq += float((d * d).sum())
-        self.sum_r2 += float((rf * rf).sum())
-        self.sum_t2 += float((tf * tf).sum())
-        self.sum_tr += float((tf * rf).sum())
+        self._add_rule(t_raw.to(self.rule), r_raw.to(self.rule), finite, t, r, offset)
 
-        if ad.numel() == 0:
-            return
+        d = tf - rf
+        ad = d.abs()
         i = int(ad.argmax())  # first occurrence of the maximum, so ties do not depend on chunking
         max_abs = float(ad[i])
         if max_abs > self.max_abs:  # strict: an earlier chunk wins ties
@@ -288,10 +432,104 @@ class _Accumulator:
             self.worst_target = float(t[i])
             self.worst_reference = float(r[i])
         if max_abs == 0.0:
-            return  # no finite difference: max_ulp and min_atol stay 0
+            return  # no finite difference: nothing to add to sums or max_ulp
 
-        self.max_ulp = max(self.max_ulp, float((ad / _spacing(rf.abs(), self.p, self.e_min)).max()))
-        self.min_atol = max(self.min_atol, _least_passing_atol(ad, rel_allowed, max_abs))
+        spacing = _spacing(rf.abs(), self.p, self.e_min)
+        if max_abs < math.inf:
+            self.sum_abs.add(*_sum_abs(ad, max_abs))
+            s, k = _sum_squares(d)
+            self.sum_sq.add(s, 2 * k)
+            ulps = ad / spacing
+        else:
+            # t - r overflowed float64 (both near ±1.8e308): sum d/2 instead, exact but for
+            # the last bit of subnormals, far below the overflowing terms.
+            dh = tf * 0.5 - rf * 0.5
+            adh = dh.abs()
+            s, k = _sum_abs(adh, float(adh.max()))
+            self.sum_abs.add(s, k + 1)
+            s, k = _sum_squares(dh)
+            self.sum_sq.add(s, 2 * k + 2)
+            ulps = torch.where(ad < math.inf, ad / spacing, 2.0 * (adh / spacing))
+        self.max_ulp = max(self.max_ulp, float(ulps.max()))
+
+    def _add_rule(
+        self,
+        tp: torch.Tensor,
+        rp: torch.Tensor,
+        finite: torch.Tensor | None,
+        t: torch.Tensor,
+        r: torch.Tensor,
+        offset: int,
+    ) -> None:
+        """The tolerance rule on a chunk in the rule's dtype: mismatches, their greatest, min_atol."""
+        close = _isclose(tp, rp, self.tol.rtol, self.tol.atol)
+        err = (tp - rp).abs()  # isclose's "actual error" and assert_close's "abs_diff"
+        n_fail = close.numel() - int(close.sum())
+        if n_fail:
+            self.n_mismatch += n_fail
+            # As assert_close's message: the largest error over mismatched elements only, where a
+            # NaN beats every number and the first element wins ties (torch.max on the CPU).
+            value, index = torch.max(err.masked_fill(close, 0), 0)
+            v, i = float(value), int(index)
+            best = self.mismatch_max_abs
+            if best is None or (not math.isnan(best) and (math.isnan(v) or v > best)):
+                self.mismatch_max_abs = v
+                self.mismatch_flat = offset + i
+                self.mismatch_target = float(t[i])
+                self.mismatch_reference = float(r[i])
+        self.min_atol = self._least_passing_atol(tp, rp, err, finite)
+
+    def _least_passing_atol(
+        self, tp: torch.Tensor, rp: torch.Tensor, err: torch.Tensor, finite: torch.Tensor | None
+    ) -> float:
+        """The smallest float atol, at least ``self.min_atol``, passing every element finite in both.
+
+        isclose rounds atol, ``atol + rtol·|r|`` and ``|t − r|`` to the rule's dtype, so an
+        element's need is ``|t − r| − rtol·|r|`` only to within a few units of that dtype. The
+        rule is monotonic in atol, so bisect on float64 bit patterns with the rule itself, over
+        the elements whose approximate need is within that margin of the largest (the others
+        cannot hold the maximum): exact in every dtype, and the same whatever the chunking.
+        """
+        current = self.min_atol
+        need = err - (self.tol.rtol * rp).abs()  # isclose's allowed error but for atol
+        if finite is not None:
+            need = need.masked_fill(~finite, -math.inf)  # NaN/Inf pass or fail whatever the atol
+        value, index = torch.max(need, 0)
+        top = float(value)
+        if not top < math.inf:  # inf or NaN: a difference overflowed the rule's dtype
+            return math.inf
+        if top <= 0.0:
+            return current  # |t − r| <= rtol·|r| everywhere: atol 0 passes
+        # Rounding atol, the sum and the subtraction: a few units of the error and of the need
+        # (terms kept apart so that the margin cannot overflow and let masked elements in).
+        info = torch.finfo(self.rule)
+        margin = (
+            2 * info.eps * float(err[int(index)]) + 4 * info.eps * top + 4 * info.eps * info.smallest_normal
+        )
+        if top + margin <= current:
+            return current  # no element here needs more than the chunks before
+        idx = torch.nonzero(need >= top - margin).squeeze(1)
+        tc, rc = tp[idx], rp[idx]
+
+        def passes(atol: float) -> bool:
+            return bool(_isclose(tc, rc, self.tol.rtol, atol).all())
+
+        if passes(current):
+            return current
+        hi = top + margin  # passes, by the margin; doubling only guards that argument
+        while not passes(hi):  # ends: at atol = inf every finite difference passes
+            hi *= 2.0
+        lo = top - margin  # fails, by the margin; a tighter start than `current`
+        if lo <= current:
+            lo = current
+        lo_bits, hi_bits = _bits(lo), _bits(hi)
+        while hi_bits - lo_bits > 1:
+            mid = (lo_bits + hi_bits) // 2
+            if passes(_from_bits(mid)):
+                hi_bits = mid
+            else:
+                lo_bits = mid
+        return _from_bits(hi_bits)
 
     def _add_nonfinite(
         self, t: torch.Tensor, r: torch.Tensor, t_finite: torch.Tensor, r_finite: torch.Tensor
@@ -301,46 +539,6 @@ class _Accumulator:
         self.ref_nan += int(r_nan.sum())
         self.n_inf += int((~t_finite).sum()) - int(t_nan.sum())
         self.ref_inf += int((~r_finite).sum()) - int(r_nan.sum())
-
-
-def _least_passing_atol(ad: torch.Tensor, rel_allowed: torch.Tensor, max_abs: float) -> float:
-    """The smallest float64 atol with ``ad <= atol + rel_allowed`` (in float64) for all elements.
-
-    ``ad - rel_allowed`` is within two ulps of ``ad`` of the per-element answer, but rounding of
-    the subtraction and of isclose's addition can put it on either side, and under cancellation
-    two ulps of ``ad`` are many ulps of the answer. So bisect on the bit patterns (ordered like
-    the values for non-negative floats). Only elements within that rounding margin of the
-    naive maximum can hold the maximum. The test is monotonic in atol, so the result is exact
-    whatever the chunking.
-    """
-    naive = (ad - rel_allowed).clamp(min=0)
-    top = float(naive.max())
-    if top == 0.0:
-        return 0.0  # naive 0 means ad <= rel_allowed exactly: atol 0 passes
-    margin = 16 * (max_abs * 2.0**-52 + 2.0**-1074)  # >= 8 ulps of any ad in the chunk
-    idx = torch.nonzero(naive >= top - margin).squeeze(1)
-    ad, rel, naive = ad[idx], rel_allowed[idx], naive[idx]
-
-    def passes(bits: torch.Tensor) -> torch.Tensor:
-        return ad <= bits.clamp(min=0).view(torch.float64) + rel
-
-    # hi passes: naive is at most an ulp of itself short of passing.
-    hi = naive.view(torch.int64)
-    for _ in range(64):  # the cap only guards against a bug
-        short = ~passes(hi)
-        if not bool(short.any()):
-            break
-        hi = hi + short.to(torch.int64)
-    # lo fails, or is -1 standing for "below 0.0": two ulps of ad below naive never pass.
-    lo_val = naive - 2 * _spacing(ad, 53, -1021)
-    lo = torch.where(lo_val > 0, lo_val.clamp(min=0).view(torch.int64), -1)
-    lo = torch.where((lo >= 0) & passes(lo), -1, lo)
-    while bool((hi - lo > 1).any()):  # at most 64 rounds: the gap halves each time
-        mid = lo + (hi - lo) // 2
-        ok = passes(mid) & (mid >= 0)
-        hi = torch.where(ok, mid, hi)
-        lo = torch.where(ok, lo, mid)
-    return float(hi.view(torch.float64).max())
 
 
 def _fields(target: torch.Tensor, reference: torch.Tensor, tol: Tolerance) -> dict[str, Any]:
@@ -363,11 +561,14 @@ def compare(
 ) -> DiffStats:
     """Measure how far `target` drifts from `reference`.
 
-    `tolerance` defaults to `default_tolerance(target.dtype)`. The tensors may live on any
-    devices (chunks are moved to the CPU as float64), and memory stays bounded by `chunk_elems`
-    (plus a flattening copy for non-contiguous inputs). Different shapes do not raise: the
-    result has ``shape_mismatch=True`` and NaN metrics. Integer and bool tensors are compared
-    exactly (tolerance 0); an integer tensor against a floating one is compared as floating.
+    `tolerance` defaults to `default_tolerance(target.dtype)`. Pass/fail is assert_close's
+    (``equal_nan=True``, in `rule_dtype`), the statistics are float64 (see the module doc). The
+    tensors may live on any devices (chunks are moved to the CPU), and memory stays bounded by
+    `chunk_elems` (plus a flattening copy for non-contiguous inputs). Different shapes do not
+    raise: the result has ``shape_mismatch=True`` and NaN metrics; nor does any value of a
+    floating, integer or bool dtype. Integer and bool tensors are compared exactly (tolerance
+    0); an integer tensor against a floating one is compared in the floating one's dtype, as
+    assert_close promotes it.
     """
     if chunk_elems < 1:
         raise ValueError(f"chunk_elems must be positive, not {chunk_elems}")
@@ -377,7 +578,7 @@ def compare(
     if not target.is_floating_point():
         target = target.to(reference.dtype)
     elif not reference.is_floating_point():
-        reference = reference.to(torch.float64)
+        reference = reference.to(target.dtype)
     tol = tolerance if tolerance is not None else default_tolerance(target.dtype)
     target, reference = target.detach(), reference.detach()
     t_flat, r_flat = target.reshape(-1), reference.reshape(-1)
@@ -405,6 +606,10 @@ def compare(
             worst_index=None,
             worst_target=None,
             worst_reference=None,
+            mismatch_max_abs=None,
+            mismatch_index=None,
+            mismatch_target=None,
+            mismatch_reference=None,
             n_nan=n_nan,
             n_inf=n_inf,
             ref_nan=ref_nan,
@@ -432,6 +637,10 @@ def compare(
             worst_index=None,
             worst_target=None,
             worst_reference=None,
+            mismatch_max_abs=None,
+            mismatch_index=None,
+            mismatch_target=None,
+            mismatch_reference=None,
             n_nan=n_nan,
             n_inf=n_inf,
             ref_nan=n_nan,
@@ -440,27 +649,32 @@ def compare(
             all_zero=False,
         )
 
-    acc = _Accumulator(target.dtype, tol)
+    acc = _Accumulator(target.dtype, rule_dtype(target.dtype, reference.dtype), tol)
     for start, stop in _chunks(numel, chunk_elems):
-        acc.add(_cpu_f64(t_flat[start:stop]), _cpu_f64(r_flat[start:stop]), start)
+        acc.add(t_flat[start:stop].to("cpu"), r_flat[start:stop].to("cpu"), start)
 
     n = acc.n_finite
     # Sums over no finite element are zero, so the empty case reads as "no drift measured".
-    mean_abs = acc.sum_abs / n if n else 0.0
-    rmse = math.sqrt(acc.sum_sq / n) if n else 0.0
-    if acc.r_nonzero_finite == 0 or acc.sum_r2 == 0.0:
+    mean_abs = _ldexp(acc.sum_abs.mant / n, acc.sum_abs.exp) if n else 0.0
+    rmse = _sqrt_wide(acc.sum_sq.mant / n, acc.sum_sq.exp) if n else 0.0
+    t_zero, r_zero = acc.t_nonzero_finite == 0, acc.r_nonzero_finite == 0
+    if r_zero:
         rel_l2 = 0.0 if acc.max_abs == 0.0 else math.inf
     else:
-        rel_l2 = math.sqrt(acc.sum_sq) / math.sqrt(acc.sum_r2)
-    t_zero, r_zero = acc.t_nonzero_finite == 0, acc.r_nonzero_finite == 0
+        rel_l2 = _sqrt_wide(acc.sum_sq.mant / acc.sum_r2.mant, acc.sum_sq.exp - acc.sum_r2.exp)
     if t_zero and r_zero:
         cos_sim = 1.0
     elif t_zero or r_zero:
         cos_sim = math.nan
     else:
-        denom = math.sqrt(acc.sum_t2) * math.sqrt(acc.sum_r2)
+        # Σtr / sqrt(Σt²·Σr²) with the exponents apart; the product's exponent made even first.
+        norms, exp = acc.sum_t2.mant * acc.sum_r2.mant, acc.sum_t2.exp + acc.sum_r2.exp
+        if exp % 2:
+            norms, exp = 2.0 * norms, exp - 1
+        cos = _ldexp(acc.sum_tr.mant / math.sqrt(norms), acc.sum_tr.exp - exp // 2)
         # Clamped: rounding can push nearly parallel vectors just past ±1.
-        cos_sim = max(-1.0, min(1.0, acc.sum_tr / denom)) if denom > 0 else math.nan
+        cos_sim = max(-1.0, min(1.0, cos))
+    shape = tuple(target.shape)
 
     return DiffStats(
         **fields,
@@ -475,9 +689,13 @@ def compare(
         cos_sim=cos_sim,
         max_ulp=acc.max_ulp,
         min_atol=acc.min_atol,
-        worst_index=None if acc.worst_flat is None else _unravel(acc.worst_flat, tuple(target.shape)),
+        worst_index=None if acc.worst_flat is None else _unravel(acc.worst_flat, shape),
         worst_target=acc.worst_target,
         worst_reference=acc.worst_reference,
+        mismatch_max_abs=acc.mismatch_max_abs,
+        mismatch_index=None if acc.mismatch_flat is None else _unravel(acc.mismatch_flat, shape),
+        mismatch_target=acc.mismatch_target,
+        mismatch_reference=acc.mismatch_reference,
         n_nan=acc.n_nan,
         n_inf=acc.n_inf,
         ref_nan=acc.ref_nan,
@@ -496,8 +714,9 @@ def _compare_exact(target: torch.Tensor, reference: torch.Tensor, chunk_elems: i
         return DiffStats(
             **fields, bitwise_equal=False, shape_mismatch=True, n_diff=numel, n_mismatch=numel,
             max_abs=nan, mean_abs=nan, rmse=nan, rel_l2=nan, cos_sim=nan, max_ulp=nan, min_atol=nan,
-            worst_index=None, worst_target=None, worst_reference=None, n_nan=0, n_inf=0, ref_nan=0,
-            ref_inf=0, n_nonfinite_new=0, all_zero=False,
+            worst_index=None, worst_target=None, worst_reference=None, mismatch_max_abs=None,
+            mismatch_index=None, mismatch_target=None, mismatch_reference=None, n_nan=0, n_inf=0,
+            ref_nan=0, ref_inf=0, n_nonfinite_new=0, all_zero=False,
         )  # fmt: skip
     t_flat, r_flat = target.reshape(-1), reference.reshape(-1)
     n_diff = 0
@@ -542,6 +761,11 @@ def _compare_exact(target: torch.Tensor, reference: torch.Tensor, chunk_elems: i
         worst_index=None if worst is None else _unravel(worst, tuple(target.shape)),
         worst_target=worst_t,
         worst_reference=worst_r,
+        # Every differing integer mismatches, so assert_close's greatest is the first maximum.
+        mismatch_max_abs=max_abs if worst is not None else None,
+        mismatch_index=None if worst is None else _unravel(worst, tuple(target.shape)),
+        mismatch_target=worst_t,
+        mismatch_reference=worst_r,
         n_nan=0,
         n_inf=0,
         ref_nan=0,
@@ -590,14 +814,19 @@ def _fmt_tuple(t: tuple[int, ...]) -> str:
 def _mismatch_text(s: DiffStats) -> str:
     pct = 100.0 * s.n_mismatch / s.numel if s.numel else 0.0
     parts = [f"Mismatched elements: {s.n_mismatch} / {s.numel} ({pct:.1f}%)"]
-    if s.worst_index is not None and s.worst_target is not None and s.worst_reference is not None:
+    index, value, t, r = s.mismatch_index, s.mismatch_max_abs, s.mismatch_target, s.mismatch_reference
+    if index is not None and value is not None and t is not None and r is not None:
+        # assert_close's greatest absolute difference: over the mismatched elements only.
         parts.append(
-            f"greatest abs diff {_g(s.max_abs)} at {_fmt_tuple(s.worst_index)} "
-            f"(target {_g(s.worst_target)}, reference {_g(s.worst_reference)})"
+            f"greatest abs diff {_g(value)} at {_fmt_tuple(index)} (target {_g(t)}, reference {_g(r)})"
         )
+    if s.worst_index is not None:  # some finite element differs
         parts.append(f"greatest ulp diff {_g(s.max_ulp)}")
     # Mismatches may come only from NaN/Inf, where no atol helps.
-    if s.min_atol > s.atol:
+    if s.min_atol == math.inf:
+        rule = rule_dtype(getattr(torch, s.target_dtype), getattr(torch, s.reference_dtype))
+        parts.append(f"no atol passes at rtol {_g(s.rtol)}: a difference overflows {_dtype_name(rule)}")
+    elif s.min_atol > s.atol:
         parts.append(f"needs atol ≥ {_g(s.min_atol)} at rtol {_g(s.rtol)}")
     return " · ".join(parts)
 
@@ -630,13 +859,15 @@ def explain(stats: DiffStats) -> str:
 def stats_to_row(stats: DiffStats) -> dict[str, Any]:
     """A flat dict of `stats` for a pandas metrics table, plus "verdict" and "explanation".
 
-    Shapes become strings like "4x8" and the worst index a string like "(3, 17)" (None when
-    there is none), so every column has a scalar type.
+    Shapes become strings like "4x8" and the worst and mismatch indices strings like
+    "(3, 17)" (None when there is none), so every column has a scalar type.
     """
     row = asdict(stats)
     row["shape"] = "x".join(map(str, stats.shape))
     row["ref_shape"] = "x".join(map(str, stats.ref_shape))
-    row["worst_index"] = None if stats.worst_index is None else _fmt_tuple(stats.worst_index)
+    for name in ("worst_index", "mismatch_index"):
+        index = getattr(stats, name)
+        row[name] = None if index is None else _fmt_tuple(index)
     row["verdict"] = verdict(stats)
     row["explanation"] = explain(stats)
     return row

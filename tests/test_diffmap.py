@@ -73,7 +73,9 @@ def _assert_agrees(record, row) -> None:
     assert d.diff.size == row["numel"]
     # Exact (float) equality: the drill-down shows the very numbers the table holds.
     assert float(np.abs(d.diff).max()) == row["max_abs"]
-    assert int((np.abs(d.diff) > d.allowed).sum()) == row["n_mismatch"] == d.n_mismatch
+    assert d.n_mismatch == row["n_mismatch"]
+    # Within the bound means passing (beyond it may still pass: the rule rounds |diff| first).
+    assert not (d.mismatch & (np.abs(d.diff) <= d.allowed)).any()
     assert (d.rtol, d.atol) == (row["rtol"], row["atol"])
     assert d.explanation == row["explanation"] == d.row["explanation"]
     if not _missing(row["worst_index"]):  # the worst element sits where the row says
@@ -221,6 +223,19 @@ def test_nonfinite_elements_fail_like_the_metrics():
     assert np.isnan(diff[0, 2]) and np.isinf(diff[1, 0])
     finite = np.isfinite(diff)
     assert float(np.abs(diff[finite]).max()) == stats.max_abs
+
+
+def test_mismatch_follows_the_promoted_rule():
+    # Two bfloat16 tensors are judged in bfloat16, as assert_close and metrics.compare judge them.
+    bf16 = torch.bfloat16
+    target = torch.tensor([[-0.2392578125, 1.0], [2.0, 3.0]], dtype=bf16)
+    reference = torch.tensor([[-0.2431640625, 1.0], [2.0, 3.5]], dtype=bf16)
+    tol = metrics.default_tolerance(bf16)
+    diff, allowed, mismatch = _elementwise(target, reference, tol.rtol, tol.atol)
+    assert diff[0, 0] == 2.0**-8 == allowed[0, 0]  # atol + rtol·|r| rounded as bfloat16 rounds it
+    assert diff[0, 0] > tol.atol + tol.rtol * 0.2431640625  # the float64 bound it would fail
+    assert mismatch.tolist() == [[False, False], [False, True]]
+    assert int(mismatch.sum()) == metrics.compare(target, reference).n_mismatch == 1
 
 
 def test_as_2d():

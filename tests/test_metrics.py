@@ -3,8 +3,10 @@ torch.testing.assert_close and numpy."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import math
+import re
 
 import numpy as np
 import pytest
@@ -20,6 +22,7 @@ from core.metrics import (
     default_tolerance,
     explain,
     health,
+    rule_dtype,
     stats_to_row,
     ulp,
     verdict,
@@ -39,12 +42,19 @@ def next_up(x: float, dtype: torch.dtype) -> torch.Tensor:
     return torch.nextafter(v, torch.tensor([math.inf], dtype=dtype))
 
 
-def assert_close_passes(target: torch.Tensor, reference: torch.Tensor, rtol: float, atol: float) -> bool:
+def assert_close_message(
+    target: torch.Tensor, reference: torch.Tensor, rtol: float, atol: float
+) -> str | None:
+    """assert_close's failure message (None when it passes), with the options `compare` follows."""
     try:
-        torch.testing.assert_close(target.double(), reference, rtol=rtol, atol=atol)
-    except AssertionError:
-        return False
-    return True
+        torch.testing.assert_close(target, reference, rtol=rtol, atol=atol, equal_nan=True, check_dtype=False)
+    except AssertionError as e:
+        return str(e)
+    return None
+
+
+def assert_close_passes(target: torch.Tensor, reference: torch.Tensor, rtol: float, atol: float) -> bool:
+    return assert_close_message(target, reference, rtol, atol) is None
 
 
 # ---------------------------------------------------------------- ULP
@@ -283,6 +293,261 @@ def test_mismatch_count_with_explicit_tolerance():
     assert stats.min_atol == pytest.approx(0.5)
 
 
+# ---------------------------------------------------------------- the rule is assert_close's, in its dtype
+
+FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def test_rule_dtype_is_the_promoted_dtype():
+    assert rule_dtype(BF16, BF16) == BF16
+    assert rule_dtype(F16, BF16) == F32
+    assert rule_dtype(BF16, F32) == F32
+    assert rule_dtype(F32, F64) == F64
+    # No promotion or arithmetic for float8 in torch: float64 holds it exactly.
+    assert rule_dtype(torch.float8_e4m3fn, F16) == F64
+    assert rule_dtype(torch.float8_e4m3fn, torch.float8_e4m3fn) == F64
+
+
+@pytest.mark.parametrize(
+    ("dtype", "target", "reference"),
+    [
+        (BF16, -0.2392578125, -0.2431640625),  # the pair from the issue
+        (F16, -0.05096435546875, -0.051025390625),
+        (F32, 0.7899027466773987, 0.7898917198181152),
+    ],
+)
+def test_same_dtype_pair_is_judged_in_that_dtype(dtype, target, reference):
+    t, r = torch.tensor([target], dtype=dtype), torch.tensor([reference], dtype=dtype)
+    tol = default_tolerance(dtype)
+    # In float64 the difference exceeds the bound; rounded as `dtype` rounds, it does not.
+    assert abs(target - reference) > tol.atol + tol.rtol * abs(reference)
+    assert assert_close_passes(t, r, tol.rtol, tol.atol)
+    stats = compare(t, r)
+    assert (stats.n_mismatch, verdict(stats)) == (0, "within tolerance")
+    assert stats.max_abs == abs(target - reference)  # the statistics stay float64
+    assert stats.min_atol <= tol.atol  # consistent with the verdict
+    assert assert_close_passes(t, r, tol.rtol, stats.min_atol)
+    assert not assert_close_passes(t, r, tol.rtol, math.nextafter(stats.min_atol, 0.0))
+
+
+def test_greatest_abs_diff_is_over_mismatched_elements():
+    target, reference = torch.tensor([1000.001, 1e-4]), t64([1000.0, 0.0])
+    stats = compare(target, reference)
+    # Element 0 differs most but passes (|d| ≈ 9.8e-4 <= 1e-5 + 1.3e-6 · 1000); element 1 fails.
+    assert (stats.max_abs, stats.worst_index) == (float(target[0]) - 1000.0, (0,))
+    assert stats.n_mismatch == 1
+    assert (stats.mismatch_max_abs, stats.mismatch_index) == (float(target[1]), (1,))
+    assert (stats.mismatch_target, stats.mismatch_reference) == (float(target[1]), 0.0)
+    assert explain(stats).startswith(
+        "Mismatched elements: 1 / 2 (50.0%) · greatest abs diff 0.0001 at (1) (target 0.0001, reference 0) · "
+    )
+    message = assert_close_message(target, reference, stats.rtol, stats.atol)
+    assert (
+        message is not None and f"Greatest absolute difference: {float(target[1])} at index (1,)" in message
+    )
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 100])
+def test_greatest_mismatch_nan_first_then_first_of_ties(chunk):
+    # assert_close's message: NaN beats every number, and the first of equal differences wins.
+    nan, inf = math.nan, math.inf
+    reference = torch.tensor([[1.0, 2.0, 3.0], [4.0, inf, 6.0], [7.0, 2.0, 9.0]])
+    target = torch.tensor([[1.0, 5.0, 3.0], [7.0, 5.0, nan], [7.0, nan, 9.0]])
+    stats = compare(target, reference, chunk_elems=chunk)
+    assert (stats.n_mismatch, stats.mismatch_index) == (5, (1, 2))
+    assert math.isnan(stats.mismatch_max_abs) and stats.mismatch_reference == 6.0
+    text = explain(stats)
+    assert (
+        "Mismatched elements: 5 / 9 (55.6%) · greatest abs diff nan at (1, 2) (target nan, reference 6)"
+        in text
+    )
+    assert "Greatest absolute difference: nan at index (1, 2)" in str(
+        assert_close_message(target, reference, 0, 0)
+    )
+    # Without NaN: the 3s at (0, 1) and (1, 0) tie, the inf at (1, 1) beats them.
+    target[1, 2], target[2, 1] = 6.0, 2.0
+    stats = compare(target, reference, chunk_elems=chunk)
+    assert (stats.mismatch_max_abs, stats.mismatch_index) == (inf, (1, 1))
+    target[1, 1] = inf
+    stats = compare(target, reference, chunk_elems=chunk)
+    assert (stats.mismatch_max_abs, stats.mismatch_index) == (3.0, (0, 1))
+    assert stats.worst_index == (0, 1)
+
+
+@pytest.mark.parametrize(
+    ("target_dtype", "reference_dtype"), [(BF16, BF16), (F16, F16), (F32, F32), (F16, BF16), (BF16, F32)]
+)
+def test_min_atol_is_exact_under_the_promoted_rule(target_dtype, reference_dtype):
+    g = torch.Generator()
+    rtol = default_tolerance(target_dtype).rtol
+    for seed in range(12):
+        g.manual_seed(seed)
+        values = torch.randn(40, generator=g, dtype=F64) * 10.0 ** torch.randint(-4, 3, (40,), generator=g)
+        target = values.to(target_dtype)
+        reference = (values * (1 + 5 * rtol * torch.randn(40, generator=g, dtype=F64))).to(reference_dtype)
+        min_atol = compare(target, reference, chunk_elems=7).min_atol
+        assert min_atol > 0
+        assert assert_close_passes(target, reference, rtol, min_atol), seed
+        assert not assert_close_passes(target, reference, rtol, math.nextafter(min_atol, 0.0)), seed
+
+
+def _fuzz_values(rng: np.random.Generator, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """n values of `dtype`: ordinary, ±0, subnormal, near the maximum, tiny, NaN, ±Inf, any magnitude."""
+    info = torch.finfo(dtype)
+    kind = rng.integers(0, 8, n)
+    sign = rng.choice([-1.0, 1.0], n)
+    v = rng.standard_normal(n) * 10.0 ** rng.uniform(-3, 3, n)
+    v = np.where(kind == 1, 0.0 * sign, v)
+    v = np.where(kind == 2, sign * info.tiny * rng.uniform(0, 1, n), v)
+    v = np.where(kind == 3, sign * info.max * rng.uniform(0.4, 1, n), v)
+    v = np.where(kind == 4, sign * info.tiny * rng.uniform(1, 4, n), v)
+    v = np.where(kind == 5, np.nan, v)
+    v = np.where(kind == 6, sign * np.inf, v)
+    v = np.where(kind == 7, sign * 10.0 ** rng.uniform(-45, 45, n), v)
+    return torch.from_numpy(v).to(dtype)
+
+
+@np.errstate(all="ignore")  # inf - inf and the like while building references
+def _fuzz_case(
+    rng: np.random.Generator, target_dtype: torch.dtype, reference_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, Tolerance]:
+    # Half the cases are short and near the tolerance boundary, so that both outcomes occur.
+    near = rng.random() < 0.5
+    n = int(rng.integers(1, 6 if near else 40))
+    target = _fuzz_values(rng, n, target_dtype)
+    if near:
+        if rng.random() < 0.5:  # values both dtypes hold, so that a coarse reference can pass
+            target = target.to(reference_dtype).to(target_dtype)
+        target = torch.where(target.isfinite(), target, 1.5)
+    tol = default_tolerance(target_dtype)
+    if rng.random() < 0.3:
+        tol = Tolerance(rtol=float(10 ** rng.uniform(-8, 0)), atol=float(10 ** rng.uniform(-12, 0)))
+    elif rng.random() < 0.05:
+        tol = Tolerance(rtol=0.0, atol=0.0)
+    t = target.double().numpy()
+    how = rng.choice([0, 1, 2, 6, 7], n) if near else rng.integers(0, 8, n)
+    sign = rng.choice([-1.0, 1.0], n)
+    r = np.where(how == 1, t + sign * rng.uniform(0.9, 1.1, n) * (tol.atol + tol.rtol * np.abs(t)), t)
+    r = np.where(how == 2, t * (1 + tol.rtol * rng.uniform(-3, 3, n)), r)
+    r = np.where(how == 3, _fuzz_values(rng, n, reference_dtype).double().numpy(), r)
+    r = np.where(how == 4, -t, r)
+    r = np.where(how == 5, np.where(rng.random(n) < 0.5, np.nan, sign * np.inf), r)
+    # how == 7: the whole steps of the reference's dtype nearest the allowance, ±1, where the
+    # rounding of the rule's dtype decides.
+    step = ulp(target, reference_dtype).numpy()
+    k = np.round((tol.atol + tol.rtol * np.abs(t)) / step) + rng.integers(-1, 2, n)
+    r = np.where(how == 7, t + sign * k * step, r)
+    reference = torch.from_numpy(r).to(reference_dtype)
+    # how == 6: up to 4 steps of the reference's dtype away from the target's value.
+    steps = torch.from_numpy(np.where(how == 6, rng.integers(-4, 5, n), 0))
+    for k in range(4):
+        up = torch.nextafter(reference, torch.tensor(math.inf, dtype=reference_dtype))
+        down = torch.nextafter(reference, torch.tensor(-math.inf, dtype=reference_dtype))
+        reference = torch.where(steps > k, up, torch.where(steps < -k, down, reference))
+    if rng.random() < 0.3:  # 2-D, for the index format
+        target, reference = torch.stack([target, target.flip(0)]), torch.stack([reference, reference])
+    return target, reference, tol
+
+
+def test_pass_fail_and_greatest_difference_equal_assert_close_fuzz():
+    """n_mismatch, the verdict and the explanation's greatest difference are assert_close's, for
+    every pair of float dtypes, on 1,600 seeded random and adversarial tensor pairs."""
+    rng = np.random.default_rng(12)
+    for target_dtype in FLOATS:
+        for reference_dtype in FLOATS:
+            outcomes = set()
+            for case in range(100):
+                target, reference, tol = _fuzz_case(rng, target_dtype, reference_dtype)
+                where = (target_dtype, reference_dtype, case, target, reference, tol)
+                stats = compare(target, reference, tol)
+                message = assert_close_message(target, reference, tol.rtol, tol.atol)
+                passes = message is None
+                outcomes.add(passes)
+                assert (stats.n_mismatch == 0) == passes, where
+                if stats.all_zero:  # broken by design (a dead output), whatever the tolerance
+                    assert verdict(stats) == "broken", where
+                else:
+                    assert (verdict(stats) in ("identical", "within tolerance")) == passes, where
+                if target.isfinite().all() and reference.isfinite().all():
+                    assert (stats.min_atol <= tol.atol) == passes, where
+                if message is None:
+                    assert stats.mismatch_index is None, where
+                    continue
+                count = re.search(r"Mismatched elements: (\d+) /", message)
+                greatest = re.search(r"Greatest absolute difference: (\S+) at index (\(.*?\))", message)
+                assert count and greatest, message
+                value, index = float(greatest[1]), ast.literal_eval(greatest[2])
+                assert stats.n_mismatch == int(count[1]), where
+                assert stats.mismatch_index == index, where
+                assert stats.mismatch_max_abs is not None, where
+                assert (
+                    stats.mismatch_max_abs == value
+                    or math.isnan(stats.mismatch_max_abs)
+                    and math.isnan(value)
+                )
+                if not stats.all_zero:
+                    assert f"greatest abs diff {value:.3g} at {metrics._fmt_tuple(index)} (" in explain(stats)
+            assert outcomes == {True, False}, (target_dtype, reference_dtype)
+
+
+# ---------------------------------------------------------------- float64 extremes
+
+
+def test_differences_that_overflow_float64():
+    big = 1.7e308
+    stats = compare(t64([big, 1.0]), t64([-big, 1.0]))  # raised RuntimeError before
+    assert (stats.max_abs, stats.worst_index, stats.n_mismatch, verdict(stats)) == (
+        math.inf,
+        (0,),
+        1,
+        "drift",
+    )
+    assert stats.mean_abs == big  # (3.4e308 + 0) / 2: finite, though the sum is not
+    assert stats.rmse == math.inf  # sqrt(3.4e308² / 2) ≈ 2.4e308 is beyond float64
+    assert (stats.rel_l2, stats.cos_sim) == (2.0, -1.0)
+    assert stats.max_ulp == math.ldexp(big, 1 - 971)  # |d| / 2^971, the spacing at 1.7e308
+    assert stats.min_atol == math.inf
+    assert (stats.mismatch_max_abs, stats.mismatch_index) == (math.inf, (0,))
+    assert explain(stats).endswith("no atol passes at rtol 1e-07: a difference overflows float64")
+    # The same in float16, whose differences overflow from ±65504: no tolerance passes it.
+    half = torch.tensor([60000.0, 1.0], dtype=F16)
+    stats = compare(half, -half, Tolerance(rtol=10.0, atol=1e6))
+    assert (stats.n_mismatch, stats.min_atol, stats.mismatch_index) == (1, math.inf, (0,))
+    assert stats.max_abs == 120000.0  # the statistics are float64
+    assert not assert_close_passes(half, -half, 10.0, 1e6)
+
+
+def test_norms_do_not_overflow_or_underflow():
+    a, b = 1.0000001e200, 2e200
+    stats = compare(t64([1e200, b]), t64([a, b]))
+    d = 1e200 - a  # exact (Sterbenz)
+    assert stats.rmse == pytest.approx(abs(d) / math.sqrt(2.0), rel=1e-15)
+    assert stats.rel_l2 == pytest.approx(abs(d) / math.hypot(a, b), rel=1e-15)
+    assert stats.cos_sim == pytest.approx(1.0, abs=1e-14)
+    # Subnormals: d = (-3, -4)·s and r = (6, 8)·s, so ‖d‖ = 5s and ‖r‖ = 10s.
+    s = 2.0**-1074
+    stats = compare(t64([3 * s, 4 * s]), t64([6 * s, 8 * s]))
+    assert (stats.rel_l2, stats.cos_sim) == (0.5, 1.0)
+    assert stats.rmse == 4 * s  # 5s / sqrt(2) = 3.54s, rounded to the subnormal grid
+    assert stats.mean_abs == 4 * s  # 3.5s, rounded to even
+    assert (stats.max_ulp, stats.min_atol) == (4.0, 4 * s)
+
+
+def test_extremes_in_every_dtype_do_not_raise():
+    for dtype in FLOATS:
+        info = torch.finfo(dtype)
+        values = [info.max, -info.max, info.tiny, info.tiny * info.eps, -0.0, math.inf, math.nan, 1.0]
+        x = torch.tensor(values, dtype=dtype)
+        for other in FLOATS:
+            y = torch.tensor(values[::-1], dtype=other)
+            for target, reference in ((x, y), (x, -y), (x, y.flip(0)), (x[:4], -y[:4])):
+                stats = compare(target, reference, chunk_elems=3)
+                assert (stats.n_mismatch == 0) == assert_close_passes(
+                    target, reference, stats.rtol, stats.atol
+                )
+
+
 # ---------------------------------------------------------------- metrics vs numpy
 
 
@@ -316,7 +581,7 @@ def test_metrics_small_exact():
     assert stats.max_abs == 2.0
     assert stats.mean_abs == 0.5
     assert stats.rmse == 1.0
-    assert stats.rel_l2 == 2.0 / math.sqrt(18.0)
+    assert stats.rel_l2 == math.sqrt(4.0 / 18.0)  # correctly rounded (2 / sqrt(18) is one ulp off)
     assert stats.worst_index == (1, 1)
 
 
