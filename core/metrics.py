@@ -903,17 +903,3 @@ def health(t: torch.Tensor) -> Health:
         identical = identical and bool(eq.all())
     return Health(n_nan=n_nan, n_inf=n_inf, all_zero=not any_nonzero, identical_rows=identical)
 
-
-def mismatch_mask(target: torch.Tensor, reference: torch.Tensor, tol: Tolerance) -> torch.Tensor:
-    """The elements of two same-shape tensors that `compare` counts in `n_mismatch`, as a bool mask.
-
-    On the target's device; the rule of ``torch.testing.assert_close`` (with NaN equal to NaN),
-    a NaN/Inf the other side does not share failing whatever the tolerance.
-    """
-    t = target.detach().to(torch.float64)
-    r = reference.detach().to(target.device).to(torch.float64)
-    same = (t == r) | (t.isnan() & r.isnan())
-    finite = t.isfinite() & r.isfinite()
-    d = torch.where(finite, t - r, torch.zeros((), dtype=torch.float64, device=t.device)).abs()
-    fails = d > tol.atol + (torch.where(finite, r, 0.0) * tol.rtol).abs()
-    return (finite & fails) | ~(same | finite)

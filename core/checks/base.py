@@ -213,7 +213,7 @@ class Check(ABC):
         digest = content_hash(ref if same else tensor)
         if stats.bitwise_equal or stats.shape_mismatch:
             return Measured(reference.label, note, dtype, row, None, digest)
-        sketch = make_sketch(tensor, ref, lambda t, r: metrics.mismatch_mask(t, r, tol))
+        sketch = make_sketch(tensor, ref, lambda t, r: ~metrics.close_mask(t, r, tol).to(t.device))
         return Measured(reference.label, note, dtype, row, sketch, digest)
 
     def describe(self, key: TensorKey) -> dict[str, Any]:
