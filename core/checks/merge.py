@@ -121,12 +121,13 @@ class MergeCheck(Check):
         adapter, model = loaded.adapter.name, loaded.model
         layers = {m: lay for m, (lay, names) in formulas.adapted_modules(model).items() if adapter in names}
 
-        def forward(m) -> torch.Tensor:
+        def output(stage: str, m) -> torch.Tensor:
+            # Named for what the model returns: logits, or an encoder's last_hidden_state.
             kind, t = forward_output(m, ctx.input_ids)
-            meta["output"] = kind
+            self._add(out, adapter, "output", stage, kind, t)
             return t
 
-        self._add(out, adapter, "output", "unmerged", "logits", forward(model))
+        output("unmerged", model)
         sources = {}
         for module, layer in layers.items():
             try:
@@ -156,16 +157,16 @@ class MergeCheck(Check):
             meta["merge_adapter_error"] = merging.error_text(e)
         else:
             meta["nonfinite_merged"] = merging.nonfinite_written(layers, state)
-            self._merged_stage(out, adapter, model, layers, tied, "merge_adapter", forward)
+            self._merged_stage(out, adapter, model, layers, tied, "merge_adapter", output)
             model.unmerge_adapter()
             for module, layer in layers.items():
                 self._add(out, adapter, "roundtrip", "unmerge_adapter", module, merging.base_weight(layer))
-            self._add(out, adapter, "output", "unmerge_adapter", "logits", forward(model))
+            output("unmerge_adapter", model)
             restore()
 
         # safe_merge, module by module so that every refused module is named.
         meta["safe_merge_errors"] = merging.merge_modules(model, [adapter], safe=True)
-        self._merged_stage(out, adapter, model, layers, tied, "safe_merge", forward)
+        self._merged_stage(out, adapter, model, layers, tied, "safe_merge", output)
         restore()
 
         try:
@@ -173,14 +174,13 @@ class MergeCheck(Check):
         except ValueError as e:
             meta["merge_and_unload_error"] = merging.error_text(e)
             return
-        pre_save = forward(merged)
-        self._add(out, adapter, "output", "merge_and_unload", "logits", pre_save)
+        output("merge_and_unload", merged)
         if ctx.target.is_reference:
             return  # the exact model's save round trip is nobody's question: saves a second model
-        meta["save"] = self._save_round_trip(ctx, merged, adapter, out, forward)
+        meta["save"] = self._save_round_trip(ctx, merged, adapter, out, output)
 
     def _merged_stage(
-        self, out: Capture, adapter: str, model, layers: dict, tied: list, stage: str, forward
+        self, out: Capture, adapter: str, model, layers: dict, tied: list, stage: str, output
     ) -> None:
         """The merged weights, the tied partners' weights and the outputs of a model just merged by `stage`."""
         for module, layer in layers.items():
@@ -191,9 +191,9 @@ class MergeCheck(Check):
                 weight = params.get(partner + ".weight")
                 if weight is not None:
                     self._add(out, adapter, "tied", stage, partner, weight)
-        self._add(out, adapter, "output", stage, "logits", forward(model))
+        output(stage, model)
 
-    def _save_round_trip(self, ctx: CaptureContext, merged, adapter: str, out: Capture, forward) -> dict:
+    def _save_round_trip(self, ctx: CaptureContext, merged, adapter: str, out: Capture, output) -> dict:
         groups = merging.shared_groups(merged.state_dict())
         attempts = [merging.try_save_file(merged)]
         scratch = None
@@ -210,10 +210,12 @@ class MergeCheck(Check):
             reload_error = ""
             if saved.ok:
                 try:
-                    t = merging.reload_forward(
-                        saved.folder, ctx.target.device, torch_dtype(ctx.target.dtype), forward
+                    merging.reload_forward(
+                        saved.folder,
+                        ctx.target.device,
+                        torch_dtype(ctx.target.dtype),
+                        lambda m: output("reload", m),
                     )
-                    self._add(out, adapter, "output", "reload", "logits", t)
                 except Exception as e:  # a reload failure is a finding of the save report
                     reload_error = merging.error_text(e)
         finally:
@@ -267,13 +269,16 @@ class MergeCheck(Check):
         layers = {m: lay for m, (lay, _) in formulas.adapted_modules(model).items()}
         state = merging.base_state(layers)
 
+        def output(stage: str) -> None:
+            self._add(out, label, "output", stage, *forward_output(model, ctx.input_ids))
+
         def merged_stage(stage: str) -> None:
             for module, layer in layers.items():
                 self._add(out, label, "merged", stage, module, merging.base_weight(layer))
-            self._add(out, label, "output", stage, "logits", forward_output(model, ctx.input_ids)[1])
+            output(stage)
 
         model.base_model.set_adapter(names)  # all active: the unmerged sum
-        self._add(out, label, "output", "subset unmerged", "logits", forward_output(model, ctx.input_ids)[1])
+        output("subset unmerged")
         for a in names:  # one after another: W is rounded to its dtype after each adapter
             model.merge_adapter(adapter_names=[a])
         merged_stage("subset merge_adapter sequential")
