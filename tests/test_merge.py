@@ -316,3 +316,148 @@ def test_scale_ulp_tells_rounding_from_an_error():
     wrong = exact + torch.tensor([0.0, 1e-3, 0.0])  # e.g. a wrong scaling on one element
     assert scale_ulp(wrong.to(torch.float32), exact, w.to(torch.float32), torch.float32) > 1e3
     assert math.isnan(scale_ulp(torch.zeros(2), exact, None, torch.float32))
+
+
+# --- a real pretrained encoder: the check's rows against plain PEFT + torch, to the last bit ----------
+
+# The dtype defaults of the tolerance rule (DESIGN.md), written out: rtol, atol.
+_DTYPE_TOL = {torch.float32: (1.3e-6, 1e-5), torch.bfloat16: (1.6e-2, 1e-5)}
+_MINILM = "minilm_lora"
+
+
+@pytest.fixture(scope="module")
+def minilm_run(minilm, tmp_path_factory):
+    from core.spec import AdapterRef, ModelRef, ProbeInputs, ProbeSpec, Target
+
+    ids = torch.randint(0, 30522, (2, 12), generator=torch.Generator().manual_seed(7))
+    spec = ProbeSpec(
+        base=ModelRef(path=str(minilm["base"])),
+        adapters=(AdapterRef(path=str(minilm["lora"]), name=_MINILM),),
+        targets=(Target.parse("cpu/float32"), Target.parse("cpu/bfloat16")),
+        checks=("merge",),
+        probe=ProbeInputs(input_ids=tuple(tuple(int(i) for i in row) for row in ids)),
+    )
+    job = Engine(tmp_path_factory.mktemp("minilm-home"), runner=InProcessRunner()).submit(spec)
+    assert job.wait(300) and job.state == "succeeded", job.error
+    return ids, job.run_dir
+
+
+def _stats(target: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> dict:
+    """max |Δ|, mismatched elements at the dtype default (|Δ| > atol + rtol·|ref|), numel, bitwise."""
+    rtol, atol = _DTYPE_TOL[dtype]
+    d = (target.double() - ref.double()).abs()
+    return {
+        "max_abs": float(d.max()),
+        "n_mismatch": int((d > atol + rtol * ref.double().abs()).sum()),
+        "numel": target.numel(),
+        "bitwise_equal": target.dtype == ref.dtype and torch.equal(target, ref),
+    }
+
+
+def _minilm_peft(minilm, dtype):
+    from peft import PeftModel
+    from transformers import BertModel
+
+    base = BertModel.from_pretrained(minilm["base"], dtype=dtype).eval()
+    return PeftModel.from_pretrained(base, str(minilm["lora"]), adapter_name=_MINILM).eval()
+
+
+def _hidden(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
+
+
+def _minilm_expected(minilm, ids, dtype, tmp_path) -> dict[tuple[str, str, str], dict]:
+    """(tensor, against, "") → stats, computed here with PEFT and torch alone, each stage on a fresh load."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from safetensors.torch import load_file
+    from transformers import BertModel
+
+    def tuner_layers(model):
+        prefix = "base_model.model."
+        return {n.removeprefix(prefix): m for n, m in model.named_modules() if isinstance(m, BaseTunerLayer)}
+
+    # W + ΔW in float64 from the two checkpoints: ΔW = B·A · lora_alpha / r
+    config = json.loads((Path(minilm["lora"]) / "adapter_config.json").read_text())
+    scaling = config["lora_alpha"] / config["r"]
+    base = load_file(str(Path(minilm["base"]) / "model.safetensors"))
+    lora = load_file(str(Path(minilm["lora"]) / "adapter_model.safetensors"))
+    modules = sorted({k.removeprefix("base_model.model.").split(".lora_")[0] for k in lora})
+    exact = {
+        m: base[f"{m}.weight"].double()
+        + (
+            lora[f"base_model.model.{m}.lora_B.weight"].double()
+            @ lora[f"base_model.model.{m}.lora_A.weight"].double()
+        )
+        * scaling
+        for m in modules
+    }
+    exact_out = _hidden(_minilm_peft(minilm, torch.float64), ids)
+    label = {torch.float32: "cpu/float32", torch.bfloat16: "cpu/bfloat16"}[dtype]
+    unmerged_label = f"unmerged ({label})"
+    expected: dict[tuple[str, str], dict] = {}
+
+    def outputs(stage, out, against_unmerged):
+        expected[(f"output:{stage}:last_hidden_state", unmerged_label)] = _stats(out, against_unmerged, dtype)
+        expected[(f"output:{stage}:last_hidden_state", "cpu/float64")] = _stats(out, exact_out, dtype)
+
+    # PEFT's default merge_adapter() on a fresh load, then unmerge_adapter()
+    model = _minilm_peft(minilm, dtype)
+    layers = tuner_layers(model)
+    assert sorted(layers) == modules and len(modules) == 37  # 6 × (q, k, v, 3 dense) + the pooler's dense
+    loaded = {m: lay.get_base_layer().weight.detach().clone() for m, lay in layers.items()}
+    unmerged = _hidden(model, ids)
+    expected[("output:unmerged:last_hidden_state", "cpu/float64")] = _stats(unmerged, exact_out, dtype)
+    model.merge_adapter()
+    outputs("merge_adapter", _hidden(model, ids), unmerged)
+    model.unmerge_adapter()
+    for m, lay in layers.items():
+        expected[(f"roundtrip:unmerge_adapter:{m}", "")] = _stats(
+            lay.get_base_layer().weight, loaded[m], dtype
+        )
+    outputs("unmerge_adapter", _hidden(model, ids), unmerged)
+
+    # safe_merge=True, layer by layer, on a fresh load
+    model = _minilm_peft(minilm, dtype)
+    for m, lay in tuner_layers(model).items():
+        lay.merge(safe_merge=True)
+        expected[(f"merged:safe_merge:{m}", "")] = _stats(lay.get_base_layer().weight, exact[m], dtype)
+    outputs("safe_merge", _hidden(model, ids), unmerged)
+
+    # merge_and_unload() with PEFT's defaults on a fresh load: its weights are the default path's
+    merged = _minilm_peft(minilm, dtype).merge_and_unload()
+    weights = dict(merged.named_parameters())
+    for m in modules:
+        expected[(f"merged:merge_adapter:{m}", "")] = _stats(weights[f"{m}.weight"], exact[m], dtype)
+    pre_save = _hidden(merged, ids)
+    outputs("merge_and_unload", pre_save, unmerged)
+    merged.save_pretrained(tmp_path / label.replace("/", "-"), safe_serialization=True)
+    reloaded = BertModel.from_pretrained(tmp_path / label.replace("/", "-"), dtype=dtype).eval()
+    reload = _hidden(reloaded, ids)
+    outputs("reload", reload, unmerged)
+    expected[("output:reload:last_hidden_state", "merged before save")] = _stats(reload, pre_save, dtype)
+    return expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_minilm_merge_rows_equal_an_independent_peft_computation(minilm, minilm_run, dtype, tmp_path):
+    """all-MiniLM-L6-v2 (a real pretrained BERT shipped by a pip package) with a seeded LoRA: every
+    merged-weight, round-trip and output-stage row of the check equals, to the last bit, what PEFT and
+    torch give here on fresh loads: the default merge_and_unload(), safe_merge=True layer by layer,
+    merge_adapter() + unmerge_adapter(), the saved and reloaded model, W + ΔW in float64."""
+    import pandas as pd
+
+    ids, run_dir = minilm_run
+    table = pd.read_parquet(Path(run_dir) / "metrics.parquet")
+    target = {torch.float32: "cpu/float32", torch.bfloat16: "cpu/bfloat16"}[dtype]
+    rows = table[(table.check == "merge") & (table.target == target) & (table.role != "delta")]
+    got = {
+        (r.tensor, r.against if r.role == "output" else ""): {
+            k: getattr(r, k) for k in ("max_abs", "n_mismatch", "numel", "bitwise_equal")
+        }
+        for r in rows.itertuples()
+    }
+    expected = _minilm_expected(minilm, ids, dtype, tmp_path)
+    assert sorted(got) == sorted(expected)
+    differ = {k: (got[k], v) for k, v in expected.items() if got[k] != v}
+    assert not differ, differ
