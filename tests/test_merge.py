@@ -367,8 +367,8 @@ def _hidden(model, ids):
         return model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
 
 
-def _minilm_expected(minilm, ids, dtype, tmp_path) -> dict[tuple[str, str, str], dict]:
-    """(tensor, against, "") → stats, computed here with PEFT and torch alone, each stage on a fresh load."""
+def _minilm_expected(minilm, ids, dtype, tmp_path) -> dict[tuple[str, str], dict]:
+    """(tensor, against; "" for weights) → stats, computed with PEFT and torch alone, each stage on a fresh load."""
     from peft.tuners.tuners_utils import BaseTunerLayer
     from safetensors.torch import load_file
     from transformers import BertModel
