@@ -145,8 +145,9 @@ path = bound_select(
     paths,
     default=paths[0] if paths else None,
     help="**merge_adapter**: PEFT's default (safe_merge=False), what merge_adapter() and merge_and_unload() "
-    "do · **safe_merge**: layer.merge(safe_merge=True), which checks for NaN/Inf; for LoRA in "
-    "bfloat16/float16 it rounds ΔW to W's dtype before adding it, the default path rounds once after.",
+    "do · **safe_merge**: layer.merge(safe_merge=True), which refuses NaN/Inf. For LoRA on a bfloat16 or "
+    "float16 base, whose adapter PEFT keeps in float32, safe_merge rounds ΔW to W's dtype before adding "
+    "it; the default path adds the float32 ΔW and rounds once.",
 )
 merged = weight_rows(mine, stage=path)
 tied = weight_rows(mine, role="tied", stage=path)
