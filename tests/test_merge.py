@@ -367,17 +367,12 @@ def _hidden(model, ids):
         return model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
 
 
-def _minilm_expected(minilm, ids, dtype, tmp_path) -> dict[tuple[str, str], dict]:
-    """(tensor, against; "" for weights) → stats, computed with PEFT and torch alone, each stage on a fresh load."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
+@pytest.fixture(scope="module")
+def minilm_exact(minilm, minilm_run):
+    """W + ΔW in float64 from the two checkpoints (ΔW = B·A · lora_alpha / r), per module, and the
+    float64 model's unmerged output: what both dtypes are measured against."""
     from safetensors.torch import load_file
-    from transformers import BertModel
 
-    def tuner_layers(model):
-        prefix = "base_model.model."
-        return {n.removeprefix(prefix): m for n, m in model.named_modules() if isinstance(m, BaseTunerLayer)}
-
-    # W + ΔW in float64 from the two checkpoints: ΔW = B·A · lora_alpha / r
     config = json.loads((Path(minilm["lora"]) / "adapter_config.json").read_text())
     scaling = config["lora_alpha"] / config["r"]
     base = load_file(str(Path(minilm["base"]) / "model.safetensors"))
@@ -392,7 +387,19 @@ def _minilm_expected(minilm, ids, dtype, tmp_path) -> dict[tuple[str, str], dict
         * scaling
         for m in modules
     }
-    exact_out = _hidden(_minilm_peft(minilm, torch.float64), ids)
+    return exact, _hidden(_minilm_peft(minilm, torch.float64), minilm_run[0])
+
+
+def _minilm_expected(minilm, ids, exact, exact_out, dtype, tmp_path) -> dict[tuple[str, str], dict]:
+    """(tensor, against; "" for weights) → stats, computed with PEFT and torch alone, each stage on a fresh load."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from transformers import BertModel
+
+    def tuner_layers(model):
+        prefix = "base_model.model."
+        return {n.removeprefix(prefix): m for n, m in model.named_modules() if isinstance(m, BaseTunerLayer)}
+
+    modules = sorted(exact)
     label = {torch.float32: "cpu/float32", torch.bfloat16: "cpu/bfloat16"}[dtype]
     unmerged_label = f"unmerged ({label})"
     expected: dict[tuple[str, str], dict] = {}
@@ -440,7 +447,9 @@ def _minilm_expected(minilm, ids, dtype, tmp_path) -> dict[tuple[str, str], dict
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_minilm_merge_rows_equal_an_independent_peft_computation(minilm, minilm_run, dtype, tmp_path):
+def test_minilm_merge_rows_equal_an_independent_peft_computation(
+    minilm, minilm_run, minilm_exact, dtype, tmp_path
+):
     """all-MiniLM-L6-v2 (a real pretrained BERT shipped by a pip package) with a seeded LoRA: every
     merged-weight, round-trip and output-stage row of the check equals, to the last bit, what PEFT and
     torch give here on fresh loads: the default merge_and_unload(), safe_merge=True layer by layer,
@@ -457,7 +466,7 @@ def test_minilm_merge_rows_equal_an_independent_peft_computation(minilm, minilm_
         }
         for r in rows.itertuples()
     }
-    expected = _minilm_expected(minilm, ids, dtype, tmp_path)
+    expected = _minilm_expected(minilm, ids, *minilm_exact, dtype, tmp_path)
     assert sorted(got) == sorted(expected)
     differ = {k: (got[k], v) for k, v in expected.items() if got[k] != v}
     assert not differ, differ
