@@ -703,8 +703,8 @@ def findings_table(captures: list[Capture]) -> pd.DataFrame:
                         "adapter": adapter,
                         "finding": "nonfinite_merge",
                         "module": module,
-                        "detail": f"merge_adapter() and merge_and_unload() with PEFT's default safe_merge=False "
-                        f"wrote {n} NaN/Inf into W (safe_merge=True refuses this module)",
+                        "detail": f"merge_adapter() with PEFT's default safe_merge=False wrote {n} NaN/Inf into W "
+                        "(merge_and_unload() runs the same merge; safe_merge=True refuses this module)",
                     }
                 )
             for module, error in info.get("safe_merge_errors", {}).items():
