@@ -1,4 +1,5 @@
-"""Merging adapters into base weights, measured: tied storage, safe merge per module, save round trip.
+"""Merging adapters into base weights, measured: tied storage, safe merge per module, the loaded base
+weights restored bit for bit between merges, NaN/Inf a merge wrote into W, save round trip.
 
 Pure helpers on a loaded model (no metrics, no Streamlit): the `merge` check calls them on each
 target and turns what they return into metric rows and report tables. Everything reported is
@@ -41,17 +42,20 @@ PEFT_TOL_SOURCE = {
     "merge": "PEFT tests/testing_common.py _test_merge_layers (atol = rtol)",
     "safe_merge": "PEFT tests/testing_common.py _test_safe_merge (atol = rtol = 1e-6)",
 }
+# The stages that merge with safe_merge=True (the `merge` check's names): PEFT tests those at 1e-6.
+SAFE_MERGE_STAGES = ("safe_merge",)
 
 
 def peft_tolerance(kind: str, stage: str) -> float:
     """The atol (= rtol) PEFT's own tests allow for ``kind`` at ``stage``.
 
-    ``merge_and_unload`` runs with ``safe_merge=True`` here, so it gets the safe-merge test's 1e-6
-    where the method's merge tolerance is not looser than that test's (the rotation methods keep
-    theirs: PEFT does not tighten them). Unknown methods get the LoRA value.
+    A stage that merges with ``safe_merge=True`` gets the safe-merge test's 1e-6 where the method's
+    merge tolerance is not looser than that test's (the rotation methods keep theirs: PEFT does not
+    tighten them); every other stage, PEFT's default path included, the method's merge tolerance.
+    Unknown methods get the LoRA value.
     """
     merge = PEFT_MERGE_TOL.get(kind, PEFT_MERGE_TOL["lora"])
-    if stage == "merge_and_unload" and merge <= PEFT_MERGE_TOL["lora"]:
+    if stage in SAFE_MERGE_STAGES and merge <= PEFT_MERGE_TOL["lora"]:
         return PEFT_SAFE_MERGE_TOL
     return merge
 
@@ -146,7 +150,8 @@ def merge_modules(peft_model: nn.Module, adapters: list[str], safe: bool = True)
 
     Returns module → the library's error for modules whose merge was refused (safe_merge found
     NaN/Inf); those modules stay unmerged. Merging module by module, rather than through
-    `merge_adapter()`, is what lets the report name the broken module.
+    `merge_adapter(safe_merge=True)`, which stops at the first refusal, is what lets the report name
+    every broken module while the others merge.
     """
     errors: dict[str, str] = {}
     for module, (layer, names) in formulas.adapted_modules(peft_model).items():
@@ -170,6 +175,63 @@ def unmerge_modules(peft_model: nn.Module) -> None:
 def base_weight(layer: nn.Module) -> torch.Tensor:
     """The base weight a tuner layer merges into."""
     return layer.get_base_layer().weight
+
+
+def base_state(layers: dict[str, nn.Module]) -> dict[str, dict[str, torch.Tensor]]:
+    """module → {parameter name: clone} of each tuner layer's base layer (weight, bias): the state to restore.
+
+    A merge can write into the bias too (LoRA with ``lora_bias``), so every base parameter is kept.
+    """
+    return {
+        module: {n: p.detach().clone() for n, p in layer.get_base_layer().named_parameters()}
+        for module, layer in layers.items()
+    }
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality: same dtype, shape and bytes (a NaN equals the same NaN, −0.0 differs from 0.0)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8))
+
+
+def restore_base(
+    peft_model: nn.Module, layers: dict[str, nn.Module], state: dict[str, dict[str, torch.Tensor]]
+) -> list[str]:
+    """Put every adapted module back to the unmerged state `state` was taken in (`base_state`), bit for bit.
+
+    `unmerge()` on merged layers first, so PEFT's own bookkeeping (which adapters are merged, cached
+    norms) is its own again; then the clones are copied over what that round trip left in the base
+    parameters (the storage stays, so tied partners are restored with it). Returns the modules whose
+    parameters still differ bitwise from `state` (none, unless a parameter was replaced by another
+    of a different shape or dtype).
+    """
+    unmerge_modules(peft_model)
+    broken = []
+    for module, layer in layers.items():
+        params = dict(layer.get_base_layer().named_parameters())
+        for name, saved in state[module].items():
+            params[name].data.copy_(saved)
+        if any(not same_bits(params[n], saved) for n, saved in state[module].items()):
+            broken.append(module)
+    return broken
+
+
+def nonfinite_written(
+    layers: dict[str, nn.Module], state: dict[str, dict[str, torch.Tensor]]
+) -> dict[str, int]:
+    """module → how many elements of its base weight are NaN/Inf now and were finite in `state`.
+
+    PEFT's default merge (``safe_merge=False``) adds ΔW without looking: a NaN in the adapter lands
+    in W. This names the modules where it did.
+    """
+    out = {}
+    for module, layer in layers.items():
+        now, was = base_weight(layer).detach(), state[module]["weight"]
+        n = int((~torch.isfinite(now) & torch.isfinite(was.to(now.device))).sum())
+        if n:
+            out[module] = n
+    return out
 
 
 # --------------------------------------------------------------------------------------------------

@@ -85,8 +85,10 @@ register(
         name="bf16-merge-residual",
         title="bfloat16 merge residual",
         page="merge",
-        description="LoRA merged on cpu/bfloat16 against cpu/float32: merged weights against W + ΔW in "
-        "float64 (in ulps) and merged against unmerged outputs; bfloat16 leaves the larger residual.",
+        description="LoRA merged on cpu/bfloat16 against cpu/float32 by PEFT's default path (merge_adapter, "
+        "merge_and_unload) and by safe_merge: merged weights against W + ΔW in float64 (in ulps) and merged "
+        "against unmerged outputs; bfloat16 leaves the larger residual, and safe_merge, which rounds ΔW to "
+        "bfloat16 before adding it, a larger one than the default path.",
         build=lambda m, d: demo_spec(m, ["lora"], ["cpu/float32", "cpu/bfloat16"], ["merge"]),
     )
 )
@@ -125,8 +127,8 @@ register(
         name="nan-safe-merge",
         title="NaN in an adapter with safe_merge",
         page="merge",
-        description="A LoRA with one NaN in a lora_B tensor: safe_merge refuses that module, reported as "
-        "broken with the module named instead of a crash.",
+        description="A LoRA with one NaN in a lora_B tensor: safe_merge refuses that module, PEFT's default "
+        "merge writes the NaN into W; both reported as broken with the module named instead of a crash.",
         build=lambda m, d: demo_spec(m, ["lora_nan"], ["cpu/float32"], ["merge"]),
     )
 )

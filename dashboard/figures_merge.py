@@ -12,11 +12,28 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from core.checks.merge import OUTPUT_STAGES, SUBSET_STAGES
+from core.checks.merge import OUTPUT_STAGES, STAGES, SUBSET_STAGE_TEXT, SUBSET_STAGES
 from core.report import SEVERITY
 from dashboard.figures import VERDICT_COLORS, VERDICT_SYMBOLS, empty_figure
 
+# Runs stored before the stages were told apart merged with safe_merge=True throughout and ran
+# merge_and_unload on weights already merged and unmerged: their stages, named for what they ran
+# (their merge_adapter is exactly today's safe_merge: layer.merge(safe_merge=True) on the loaded W).
+LEGACY_STAGES = {
+    "merge_adapter": "safe_merge",
+    "unmerge_adapter": "unmerge after safe_merge",
+    "merge_and_unload": "merge_and_unload(safe_merge=True) after merge + unmerge",
+    "subset sequential": "subset safe_merge sequential",
+    "subset together": "subset safe_merge combined",
+}
 STAGE_ORDER = (*OUTPUT_STAGES, *SUBSET_STAGES)
+# A legacy stage sorts right after the stage of today it stands beside.
+_LEGACY_AFTER = {
+    LEGACY_STAGES["unmerge_adapter"]: "safe_merge",
+    LEGACY_STAGES["merge_and_unload"]: "merge_and_unload",
+    LEGACY_STAGES["subset sequential"]: "subset merge_adapter sequential",
+    LEGACY_STAGES["subset together"]: "subset merge_adapter combined",
+}
 # One colour per comparison; the verdict is the symbol above each bar.
 AGAINST_COLORS = {"unmerged": "#4c78a8", "cpu/float64": "#9c755f", "merged before save": "#59a14f"}
 
@@ -25,11 +42,43 @@ def _against_kind(label: str) -> str:
     return "unmerged" if str(label).startswith("unmerged") else str(label)
 
 
-def weight_rows(table: pd.DataFrame, adapter: str | None = None, role: str = "merged") -> pd.DataFrame:
-    """The merge check's weight rows of one role (merged, tied, delta, roundtrip), for one adapter if given."""
+def relabel_legacy(table: pd.DataFrame) -> tuple[pd.DataFrame, bool]:
+    """The merge rows with a run stored before `safe_merge` was a stage of its own relabelled, and whether it was.
+
+    Such a run has merge stages but no ``safe_merge`` one; its stages are renamed (`LEGACY_STAGES`)
+    for what they ran. The ``tensor`` column keeps the stored names, which the drill-down reads.
+    """
+    stages = set(table["stage"].dropna()) if "stage" in table else set()
+    if "safe_merge" in stages or not stages & set(LEGACY_STAGES):
+        return table, False
+    return table.assign(stage=table["stage"].replace(LEGACY_STAGES)), True
+
+
+def ordered_stages(stages) -> list[str]:
+    """`stages` (any iterable, duplicates allowed) in the order the check runs them; unknown ones last."""
+    present = list(dict.fromkeys(s for s in stages if isinstance(s, str)))
+    rank = {s: float(i) for i, s in enumerate(STAGE_ORDER)}
+    rank.update({s: rank[after] + 0.5 for s, after in _LEGACY_AFTER.items()})
+    return sorted(present, key=lambda s: (rank.get(s, len(rank)), present.index(s)))
+
+
+def stage_legend(stages) -> pd.DataFrame:
+    """One row per stage present (in run order): its name and exactly what it runs."""
+    text = {**STAGES, **SUBSET_STAGE_TEXT}
+    return pd.DataFrame(
+        [{"stage": s, "runs": text.get(s, "")} for s in ordered_stages(stages)], columns=["stage", "runs"]
+    )
+
+
+def weight_rows(
+    table: pd.DataFrame, adapter: str | None = None, role: str = "merged", stage: str | None = None
+) -> pd.DataFrame:
+    """The merge check's weight rows of one role (merged, tied, delta, roundtrip), for one adapter and stage if given."""
     rows = table[(table["check"] == "merge") & (table["role"] == role)]
     if adapter is not None:
         rows = rows[rows["adapter"] == adapter]
+    if stage is not None:
+        rows = rows[rows["stage"] == stage]
     return rows
 
 
@@ -55,7 +104,7 @@ def stage_bars(table: pd.DataFrame, *, title: str | None = None) -> go.Figure:
         _value=pd.to_numeric(table["max_abs"], errors="coerce").to_numpy(dtype=float),
     )
     targets = [t for t in pd.unique(data["target"].astype(object)) if isinstance(t, str)]
-    stages = [s for s in STAGE_ORDER if s in set(data["stage"])]
+    stages = ordered_stages(data["stage"])
     positive = data["_value"][np.isfinite(data["_value"]) & (data["_value"] > 0)]
     floor = float(positive.min()) / 10 if len(positive) else 1e-12
     fig = make_subplots(rows=1, cols=len(targets), shared_yaxes=True, subplot_titles=targets)
@@ -141,7 +190,7 @@ def stage_table(table: pd.DataFrame) -> pd.DataFrame:
         "note",
     ]
     out = table[[c for c in cols if c in table.columns]].copy()
-    rank = {s: i for i, s in enumerate(STAGE_ORDER)}
+    rank = {s: i for i, s in enumerate(ordered_stages(out["stage"]))}
     out["_order"] = out["stage"].map(rank)
     return out.sort_values(["target", "adapter", "_order"]).drop(columns="_order").reset_index(drop=True)
 
@@ -172,10 +221,11 @@ def worst_modules(table: pd.DataFrame, metric: str, n: int = 10) -> pd.DataFrame
 def method_summary(table: pd.DataFrame, save: pd.DataFrame) -> pd.DataFrame:
     """One row per adapter and target: the figures a user compares across methods, worst first.
 
-    From the merge rows: the worst merged weight (ulps at the tensor's scale and max |Δ|), the
-    merged-vs-unmerged output residual (merge_and_unload), the merged output against cpu/float64, the
-    unmerge round trip on W, whether the reloaded model is identical, which save paths worked, and
-    the worst verdict with its PEFT-tolerance counterpart.
+    From the merge rows: the worst weight merged by PEFT's default path, ``merge_adapter`` (ulps at the
+    tensor's scale and max |Δ|), the worst by ``safe_merge`` (max |Δ|), the merged-vs-unmerged output
+    residual of ``merge_and_unload`` (PEFT's defaults), its output against cpu/float64, the unmerge round
+    trip on W, whether the reloaded model is identical, which save paths worked, and the worst verdict
+    with its PEFT-tolerance counterpart (of merge_and_unload).
     """
     columns = [
         "adapter",
@@ -183,6 +233,7 @@ def method_summary(table: pd.DataFrame, save: pd.DataFrame) -> pd.DataFrame:
         "verdict",
         "weights_scale_ulp",
         "weights_max_abs",
+        "safe_merge_max_abs",
         "merged_vs_unmerged",
         "merged_vs_fp64",
         "peft_verdict",
@@ -199,7 +250,8 @@ def method_summary(table: pd.DataFrame, save: pd.DataFrame) -> pd.DataFrame:
 
     out = []
     for (adapter, target), rows in table.groupby(["adapter", "target"], sort=False):
-        merged = rows[rows["role"] == "merged"]
+        merged = rows[(rows["role"] == "merged") & (rows["stage"] == "merge_adapter")]
+        safe = rows[(rows["role"] == "merged") & (rows["stage"] == "safe_merge")]
         outputs = rows[rows["role"] == "output"]
         final = outputs[outputs["stage"] == "merge_and_unload"]
         reload = outputs[(outputs["stage"] == "reload") & (outputs["against"] == "merged before save")]
@@ -212,6 +264,7 @@ def method_summary(table: pd.DataFrame, save: pd.DataFrame) -> pd.DataFrame:
                 "verdict": max(rows["verdict"], key=lambda v: SEVERITY.get(v, -1)),
                 "weights_scale_ulp": worst(merged, "scale_ulp"),
                 "weights_max_abs": worst(merged, "max_abs"),
+                "safe_merge_max_abs": worst(safe, "max_abs"),
                 "merged_vs_unmerged": worst(final[final["against"].str.startswith("unmerged")], "max_abs"),
                 "merged_vs_fp64": worst(final[final["against"] == "cpu/float64"], "max_abs"),
                 "peft_verdict": max(peft, key=lambda v: SEVERITY.get(v, -1)) if len(peft) else None,

@@ -21,7 +21,7 @@ from core.spec import ProbeSpec, SpecError, weightdrift_home
 from core.store import RunRecord, Store
 
 # Query parameters that make up a view; anything else in the URL is left alone.
-VIEW_KEYS = ("run", "check", "adapter", "target", "metric", "tensor")
+VIEW_KEYS = ("run", "check", "adapter", "target", "metric", "stage", "tensor")
 RUNNER_ENV = "WEIGHTDRIFT_RUNNER"  # "in-process" for tests only: the server itself runs the work
 
 

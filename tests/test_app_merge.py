@@ -1,7 +1,11 @@
-"""The Merge residuals page under AppTest, on a stored merge run (tied embeddings, NaN, LoRA)."""
+"""The Merge residuals page under AppTest, on a stored merge run (tied embeddings, NaN, LoRA), and on
+the same run as stored before PEFT's default merge and safe_merge were told apart."""
 
 from __future__ import annotations
 
+import shutil
+
+import pandas as pd
 import pytest
 from apptest import make_app
 
@@ -14,10 +18,17 @@ from core.scenarios import demo_spec
 def merge_home(tmp_path_factory):
     home = tmp_path_factory.mktemp("merge-app")
     manifest = build_demo(home)
-    spec = demo_spec(manifest, ["lora", "lora_embed", "lora_nan"], ["cpu/float32", "cpu/bfloat16"], ["merge"])
+    spec = demo_spec(
+        manifest, ["lora", "lora_b", "lora_embed", "lora_nan"], ["cpu/float32", "cpu/bfloat16"], ["merge"]
+    )
     job = Engine(home, runner=InProcessRunner()).submit(spec)
     assert job.wait(300) and job.state == "succeeded", job.error
     return home, job.run_id
+
+
+def _page_text(at) -> str:
+    kinds = ("error", "success", "warning", "info", "subheader", "caption", "text")
+    return "\n".join(str(e.value) for kind in kinds for e in getattr(at, kind))
 
 
 @pytest.mark.parametrize("adapter", ["lora_embed", "lora_nan", "lora"])
@@ -26,16 +37,89 @@ def test_merge_page_renders(merge_home, monkeypatch, adapter):
     at = make_app(home, monkeypatch, run=run_id, adapter=adapter)
     at.switch_page("views/merge.py").run()
     assert not at.exception, [e.value for e in at.exception]
-    text = "\n".join(
-        str(e.value) for kind in ("error", "success", "warning", "subheader") for e in getattr(at, kind)
-    )
-    assert "Save round trip" in text or adapter == "lora_nan"
+    text = _page_text(at)
+    assert "Save round trip" in text
     if adapter == "lora_embed":
         assert "Tied weights" in text and "untie before merging" in text
-        assert "Some tensors share memory" in text
+        assert "Some tensors share memory" in text  # the library's message, as text
     if adapter == "lora_nan":
-        assert "model.layers.1.self_attn.v_proj" in text
+        # safe_merge refuses the module; PEFT's default merge writes the NaN into W: both named
+        assert "safe_merge refused** in `model.layers.1.self_attn.v_proj`" in text
+        assert "NaN/Inf merged into W by PEFT's default merge** in `model.layers.1.self_attn.v_proj`" in text
+        assert "NaNs detected in the merged weights" in text
     assert any(b.label.startswith("bfloat16 merge residual") for b in at.button)
+    # every stage named for what it runs, in run order, with what it runs beside it
+    legend = at.dataframe[1].value
+    assert list(legend.stage) == [
+        "unmerged",
+        "merge_adapter",
+        "unmerge_adapter",
+        "safe_merge",
+        "merge_and_unload",
+        "reload",
+        "subset unmerged",
+        "subset merge_adapter sequential",
+        "subset merge_adapter combined",
+    ]
+    assert "safe_merge=False" in legend.set_index("stage").loc["merge_and_unload", "runs"]
+    # the heatmap opens on PEFT's default path; the other path is one pick away
+    assert at.selectbox(key="widget.stage").options == ["merge_adapter", "safe_merge"]
+    assert at.selectbox(key="widget.stage").value == "merge_adapter"
+
+
+def test_merge_page_switches_to_safe_merge(merge_home, monkeypatch):
+    home, run_id = merge_home
+    at = make_app(home, monkeypatch, run=run_id, adapter="lora", stage="safe_merge")
+    at.switch_page("views/merge.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert any(str(c.value).startswith("28 modules merged by safe_merge") for c in at.caption)
+    assert at.query_params["stage"] == "safe_merge"
+
+
+@pytest.fixture(scope="module")
+def legacy_home(merge_home, tmp_path_factory):
+    """The run as the check stored it before: safe merges under the default's names, no default path."""
+    home, run_id = merge_home
+    legacy = tmp_path_factory.mktemp("merge-legacy") / "home"
+    shutil.copytree(home, legacy)
+    path = legacy / "runs" / run_id / "metrics.parquet"
+    t = pd.read_parquet(path)
+    merge = t["check"] == "merge"
+    t = t[~(merge & t["stage"].eq("merge_adapter"))].copy()
+    old = {
+        "safe_merge": "merge_adapter",
+        "subset merge_adapter sequential": "subset sequential",
+        "subset merge_adapter combined": "subset together",
+    }
+    for new, name in old.items():
+        rows = merge & t["stage"].eq(new)
+        t.loc[rows, "tensor"] = t.loc[rows, "tensor"].str.replace(f":{new}:", f":{name}:", regex=False)
+        t.loc[rows, "stage"] = name
+    t.to_parquet(path)
+    return legacy, run_id
+
+
+def test_a_run_stored_before_the_split_renders_under_what_it_ran(legacy_home, monkeypatch):
+    home, run_id = legacy_home
+    at = make_app(home, monkeypatch, run=run_id, adapter="lora")
+    at.switch_page("views/merge.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert any(
+        "stored before PEFT's default merge and safe_merge were measured apart" in str(i.value)
+        for i in at.info
+    )
+    assert at.selectbox(key="widget.stage").options == ["safe_merge"]
+    stages = list(at.dataframe[1].value.stage)
+    assert stages == [
+        "unmerged",
+        "safe_merge",
+        "unmerge after safe_merge",
+        "merge_and_unload(safe_merge=True) after merge + unmerge",
+        "reload",
+        "subset unmerged",
+        "subset safe_merge sequential",
+        "subset safe_merge combined",
+    ]
 
 
 def test_merge_page_without_merge_rows(tmp_path, monkeypatch):

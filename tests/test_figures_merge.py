@@ -87,6 +87,16 @@ def test_method_summary_one_row_per_adapter_and_target_worst_first():
         [
             row("lora", "cpu/float32", "merged", max_abs=4e-8, scale_ulp=1.9, verdict="within tolerance"),
             row("lora", "cpu/float32", "merged", max_abs=1e-8, scale_ulp=0.5, verdict="identical"),
+            # safe_merge's weights have their own column; the default path's lead the summary
+            row(
+                "lora",
+                "cpu/float32",
+                "merged",
+                "safe_merge",
+                max_abs=9e-8,
+                scale_ulp=3.0,
+                verdict="identical",
+            ),
             row("lora", "cpu/float32", "roundtrip", stage="unmerge_adapter", max_abs=3e-9, verdict="drift"),
             row(
                 "lora",
@@ -131,8 +141,73 @@ def test_method_summary_one_row_per_adapter_and_target_worst_first():
     lora = summary.iloc[1]
     assert lora["verdict"] == "drift"  # the round trip's verdict is the worst of the adapter's rows
     assert (lora["weights_scale_ulp"], lora["weights_max_abs"]) == (1.9, 4e-8)
+    assert lora["safe_merge_max_abs"] == 9e-8
     assert (lora["merged_vs_unmerged"], lora["merged_vs_fp64"]) == (3e-7, 2e-7)
     assert lora["peft_verdict"] == "drift" and lora["roundtrip_max_abs"] == 3e-9
     assert bool(lora["reload_identical"])
     assert lora["saves_with"] == "save_pretrained"
     assert pd.isna(summary.iloc[0]["reload_identical"]) and summary.iloc[0]["saves_with"] == ""
+
+
+def test_stages_in_run_order_with_what_they_run():
+    from dashboard.figures_merge import ordered_stages, stage_legend
+
+    assert ordered_stages(
+        ["reload", "subset unmerged", "safe_merge", "unmerged", "merge_adapter", "safe_merge"]
+    ) == [
+        "unmerged",
+        "merge_adapter",
+        "safe_merge",
+        "reload",
+        "subset unmerged",
+    ]
+    assert ordered_stages(["someday", "unmerged"]) == ["unmerged", "someday"]  # unknown ones last
+    legend = stage_legend(["merge_and_unload", "safe_merge", "someday"]).set_index("stage")
+    assert list(legend.index) == ["safe_merge", "merge_and_unload", "someday"]
+    assert legend.loc["safe_merge", "runs"].startswith("layer.merge(safe_merge=True")
+    assert "PEFT's defaults (safe_merge=False)" in legend.loc["merge_and_unload", "runs"]
+    assert legend.loc["someday", "runs"] == ""
+
+
+def test_a_legacy_table_is_relabelled_for_what_it_ran():
+    from dashboard.figures_merge import relabel_legacy
+
+    old = pd.DataFrame(
+        {
+            "stage": [
+                "unmerged",
+                "merge_adapter",
+                "unmerge_adapter",
+                "merge_and_unload",
+                "reload",
+                "subset together",
+            ],
+            "tensor": ["output:merge_adapter:logits"] * 6,
+        }
+    )
+    relabelled, legacy = relabel_legacy(old)
+    assert legacy
+    assert list(relabelled.stage) == [
+        "unmerged",
+        "safe_merge",
+        "unmerge after safe_merge",
+        "merge_and_unload(safe_merge=True) after merge + unmerge",
+        "reload",
+        "subset safe_merge combined",
+    ]
+    assert (relabelled.tensor == old.tensor).all()  # the stored names, which the drill-down reads
+    fig = stage_bars(
+        relabelled.assign(
+            target="cpu/float32",
+            max_abs=1e-3,
+            rel_l2=1e-3,
+            verdict="drift",
+            against="cpu/float64",
+            reference="x",
+        )
+    )
+    assert list(fig.data[0].x) == list(relabelled.stage)
+    # a table of today's check is left alone, and so is one without merge stages
+    new = pd.DataFrame({"stage": ["unmerged", "merge_adapter", "safe_merge"]})
+    assert relabel_legacy(new)[1] is False and relabel_legacy(new)[0] is new
+    assert relabel_legacy(pd.DataFrame({"stage": ["unmerged"]}))[1] is False

@@ -1,18 +1,21 @@
 """`merge`: merged weights against W + ΔW in float64, merged against unmerged outputs, save round trip.
 
-Per adapter and target, on the loaded PeftModel (this check mutates it, so it runs last):
+Per adapter and target, on the loaded PeftModel (this check mutates it, so it runs last). Every stage
+is named for exactly what it runs (`STAGES`), and each starts from the state its name says: the
+loaded weights are cloned first and restored bit for bit (verified) before the next merge.
 
-1. outputs of the unmerged model; PEFT's ΔW (`delta` rows, against the float64 formula);
-2. tied storage among the adapted modules, found before merging (`tied` findings);
-3. a safe merge module by module (`layer.merge(safe_merge=True)`), so a NaN/Inf names its module;
-   merged weights (`merged` rows, against ``formulas.merged_weights`` in float64 from the
-   checkpoints), the tied partners' weights after the merge (`tied` rows) and outputs;
-4. `unmerge` of every layer: weight round trip (`roundtrip` rows, against W before the merge) and
-   outputs;
-5. `merge_and_unload(safe_merge=True)`: outputs; then the save round trip (which save paths work,
-   shared tensors, reload on the same target, outputs against the pre-save ones);
+1. ``unmerged``: outputs of the loaded model; PEFT's ΔW (`delta` rows, against the float64 formula);
+   tied storage among the adapted modules, found before merging (`tied` findings);
+2. ``merge_adapter``: PEFT's default merge (``safe_merge=False``): merged weights (`merged` rows,
+   against ``formulas.merged_weights`` in float64 from the checkpoints), the tied partners' weights
+   (`tied` rows), outputs; a NaN/Inf it writes into W is named (`nonfinite_merge`);
+3. ``unmerge_adapter``: weight round trip (`roundtrip` rows, against W before the merge), outputs;
+4. W restored; ``safe_merge``: ``layer.merge(safe_merge=True)`` module by module, so a refusal
+   (NaN/Inf) names its module while the others merge: its own `merged`, `tied` and output rows;
+5. W restored; ``merge_and_unload`` with PEFT's defaults: outputs; then the save round trip (which
+   save paths work, shared tensors, ``reload`` on the same target, outputs against the pre-save ones);
 6. with several adapters (``spec.merge_subset``, else the run's first two plain LoRA adapters), on a
-   fresh base: merged one after another against all at once (one combined ``cat`` adapter).
+   fresh base: PEFT's default merge of one after another against all at once (one ``cat`` adapter).
 
 Tensor names in the capture are ``<role>:<stage>:<name>`` (see `key_name`); every output stage is
 compared with the unmerged output on the same target and with the cpu/float64 capture's unmerged
@@ -35,13 +38,36 @@ from core.checks.outputs import forward_output, nonfinite_output
 from core.loading import Loaded, attach_adapter, load_base, read_adapter_config, read_checkpoint, torch_dtype
 from core.spec import REFERENCE_TARGET, AdapterRef, ProbeSpec, Target
 
-OUTPUT_STAGES = ("unmerged", "merge_adapter", "unmerge_adapter", "merge_and_unload", "reload")
-SUBSET_STAGES = ("subset unmerged", "subset sequential", "subset together")
+# What each stage runs, in order; the page lists these texts beside its numbers. For LoRA, PEFT's
+# default path adds ΔW as computed (float32 where PEFT upcast a bfloat16/float16 adapter) and rounds
+# once to W's dtype; safe_merge rounds ΔW to W's dtype first, then adds: two roundings.
+STAGES: dict[str, str] = {
+    "unmerged": "the loaded PeftModel's forward, adapter active, nothing merged",
+    "merge_adapter": "model.merge_adapter(adapter_names=[adapter]): PEFT's default path (safe_merge=False), "
+    "W += ΔW in place, on the loaded W",
+    "unmerge_adapter": "model.unmerge_adapter() right after merge_adapter: W −= ΔW; what it leaves is the "
+    "round trip",
+    "safe_merge": "layer.merge(safe_merge=True, adapter_names=[adapter]) module by module, on the loaded W "
+    "restored bit for bit: W + ΔW in a copy, refused (module named) where it holds NaN/Inf",
+    "merge_and_unload": "model.merge_and_unload(adapter_names=[adapter]) with PEFT's defaults "
+    "(safe_merge=False), on the loaded W restored bit for bit",
+    "reload": "the merge_and_unload() model saved with save_pretrained and loaded again on the same target",
+}
+SUBSET_STAGE_TEXT: dict[str, str] = {
+    "subset unmerged": "a fresh base with the adapters loaded, all active: the unmerged sum",
+    "subset merge_adapter sequential": "merge_adapter(adapter_names=[a]) for each adapter in turn (PEFT's "
+    "default path): W rounded to its dtype after each",
+    "subset merge_adapter combined": "add_weighted_adapter(adapters, combination_type='cat') into one "
+    "adapter, then merge_adapter(adapter_names=['combined']), on the loaded W restored bit for bit",
+}
+OUTPUT_STAGES = tuple(STAGES)
+SUBSET_STAGES = tuple(SUBSET_STAGE_TEXT)
 ROLES = ("merged", "roundtrip", "delta", "tied", "output")
 SUBSET_SEP = "+"
 UNTIE = "untie before merging"
 # Up to this many ulps at the tensor's scale is what rounding a merge's sums and products leaves
-# (measured on the demo: LoRA 1.9 in float32, 1.1 in bfloat16; BOFT 2.8 in float32).
+# (measured on the demo: LoRA 1.9 in float32; in bfloat16 0.63 by PEFT's default merge, 1.1 by
+# safe_merge, which rounds ΔW to bfloat16 before adding it; BOFT 2.8 in float32).
 ROUNDING_ULPS = 4.0
 
 
@@ -95,12 +121,13 @@ class MergeCheck(Check):
         adapter, model = loaded.adapter.name, loaded.model
         layers = {m: lay for m, (lay, names) in formulas.adapted_modules(model).items() if adapter in names}
 
-        def forward(m) -> torch.Tensor:
+        def output(stage: str, m) -> torch.Tensor:
+            # Named for what the model returns: logits, or an encoder's last_hidden_state.
             kind, t = forward_output(m, ctx.input_ids)
-            meta["output"] = kind
+            self._add(out, adapter, "output", stage, kind, t)
             return t
 
-        self._add(out, adapter, "output", "unmerged", "logits", forward(model))
+        output("unmerged", model)
         sources = {}
         for module, layer in layers.items():
             try:
@@ -110,43 +137,63 @@ class MergeCheck(Check):
                 sources[module] = f"not compared: {e}"
         meta["delta_sources"] = sources
 
-        # Tied storage, found before anything is merged.
+        # Tied storage, found before anything is merged; the loaded state, to restore between stages.
         tied = merging.tied_adapted_modules(model, adapter)
         meta["tied"] = [f.as_dict() for f in tied]
-        before = {m: merging.base_weight(lay).detach().clone() for m, lay in layers.items()}
-        for module, w in before.items():
-            self._add(out, adapter, "before", "", module, w)
+        state = merging.base_state(layers)
+        for module, params in state.items():
+            self._add(out, adapter, "before", "", module, params["weight"])
 
-        errors = merging.merge_modules(model, [adapter], safe=True)
-        meta["safe_merge_errors"] = errors
-        for module, layer in layers.items():
-            self._add(out, adapter, "merged", "merge_adapter", module, merging.base_weight(layer))
-        params = dict(model.named_parameters(remove_duplicate=False))
-        stripped = {merging._strip(n): p for n, p in params.items()}
-        for finding in tied:
-            for partner in merging.tied_partner_modules(finding):
-                weight = stripped.get(partner + ".weight")
-                if weight is not None:
-                    self._add(out, adapter, "tied", "merge_adapter", partner, weight)
-        self._add(out, adapter, "output", "merge_adapter", "logits", forward(model))
+        def restore() -> None:
+            # The next stage must start from the loaded W, not from what a merge round trip left.
+            mismatched = merging.restore_base(model, layers, state)
+            if mismatched:
+                meta["restore_mismatch"] = sorted({*meta.get("restore_mismatch", []), *mismatched})
 
-        merging.unmerge_modules(model)
-        for module, layer in layers.items():
-            self._add(out, adapter, "roundtrip", "unmerge_adapter", module, merging.base_weight(layer))
-        self._add(out, adapter, "output", "unmerge_adapter", "logits", forward(model))
+        # PEFT's default merge, as users call it (a NaN in the adapter goes into W: measured, named).
+        try:
+            model.merge_adapter(adapter_names=[adapter])
+        except ValueError as e:  # PEFT refuses some models (gptq, replicated layers): a finding
+            meta["merge_adapter_error"] = merging.error_text(e)
+        else:
+            meta["nonfinite_merged"] = merging.nonfinite_written(layers, state)
+            self._merged_stage(out, adapter, model, layers, tied, "merge_adapter", output)
+            model.unmerge_adapter()
+            for module, layer in layers.items():
+                self._add(out, adapter, "roundtrip", "unmerge_adapter", module, merging.base_weight(layer))
+            output("unmerge_adapter", model)
+            restore()
+
+        # safe_merge, module by module so that every refused module is named.
+        meta["safe_merge_errors"] = merging.merge_modules(model, [adapter], safe=True)
+        self._merged_stage(out, adapter, model, layers, tied, "safe_merge", output)
+        restore()
 
         try:
-            merged = model.merge_and_unload(safe_merge=True, adapter_names=[adapter])
+            merged = model.merge_and_unload(adapter_names=[adapter])
         except ValueError as e:
-            meta["merge_and_unload_error"] = f"{type(e).__name__}: {e}"
+            meta["merge_and_unload_error"] = merging.error_text(e)
             return
-        pre_save = forward(merged)
-        self._add(out, adapter, "output", "merge_and_unload", "logits", pre_save)
+        output("merge_and_unload", merged)
         if ctx.target.is_reference:
             return  # the exact model's save round trip is nobody's question: saves a second model
-        meta["save"] = self._save_round_trip(ctx, merged, adapter, out, forward)
+        meta["save"] = self._save_round_trip(ctx, merged, adapter, out, output)
 
-    def _save_round_trip(self, ctx: CaptureContext, merged, adapter: str, out: Capture, forward) -> dict:
+    def _merged_stage(
+        self, out: Capture, adapter: str, model, layers: dict, tied: list, stage: str, output
+    ) -> None:
+        """The merged weights, the tied partners' weights and the outputs of a model just merged by `stage`."""
+        for module, layer in layers.items():
+            self._add(out, adapter, "merged", stage, module, merging.base_weight(layer))
+        params = {merging._strip(n): p for n, p in model.named_parameters(remove_duplicate=False)}
+        for finding in tied:
+            for partner in merging.tied_partner_modules(finding):
+                weight = params.get(partner + ".weight")
+                if weight is not None:
+                    self._add(out, adapter, "tied", stage, partner, weight)
+        output(stage, model)
+
+    def _save_round_trip(self, ctx: CaptureContext, merged, adapter: str, out: Capture, output) -> dict:
         groups = merging.shared_groups(merged.state_dict())
         attempts = [merging.try_save_file(merged)]
         scratch = None
@@ -163,10 +210,12 @@ class MergeCheck(Check):
             reload_error = ""
             if saved.ok:
                 try:
-                    t = merging.reload_forward(
-                        saved.folder, ctx.target.device, torch_dtype(ctx.target.dtype), forward
+                    merging.reload_forward(
+                        saved.folder,
+                        ctx.target.device,
+                        torch_dtype(ctx.target.dtype),
+                        lambda m: output("reload", m),
                     )
-                    self._add(out, adapter, "output", "reload", "logits", t)
                 except Exception as e:  # a reload failure is a finding of the save report
                     reload_error = merging.error_text(e)
         finally:
@@ -217,35 +266,33 @@ class MergeCheck(Check):
         model = load_base(ctx.spec.base, ctx.target)
         for a in chosen:
             model = attach_adapter(model, a, ctx.target)
-        layers = dict(formulas.adapted_modules(model))
-        before = {m: merging.base_weight(lay).detach().clone() for m, (lay, _) in layers.items()}
+        layers = {m: lay for m, (lay, _) in formulas.adapted_modules(model).items()}
+        state = merging.base_state(layers)
+
+        def output(stage: str) -> None:
+            self._add(out, label, "output", stage, *forward_output(model, ctx.input_ids))
+
+        def merged_stage(stage: str) -> None:
+            for module, layer in layers.items():
+                self._add(out, label, "merged", stage, module, merging.base_weight(layer))
+            output(stage)
+
         model.base_model.set_adapter(names)  # all active: the unmerged sum
-        self._add(out, label, "output", "subset unmerged", "logits", forward_output(model, ctx.input_ids)[1])
-        errors = {}
+        output("subset unmerged")
         for a in names:  # one after another: W is rounded to its dtype after each adapter
-            errors.update(merging.merge_modules(model, [a], safe=True))
-        for module, (layer, _) in layers.items():
-            self._add(out, label, "merged", "subset sequential", module, merging.base_weight(layer))
-        self._add(
-            out, label, "output", "subset sequential", "logits", forward_output(model, ctx.input_ids)[1]
-        )
-        # Back to the exact W (unmerge would leave its own round-trip residual), then all at once.
-        merging.unmerge_modules(model)
-        for module, (layer, _) in layers.items():
-            merging.base_weight(layer).data.copy_(before[module])
+            model.merge_adapter(adapter_names=[a])
+        merged_stage("subset merge_adapter sequential")
+        # Back to the loaded W (unmerge would leave its own round-trip residual), then all at once.
+        mismatched = merging.restore_base(model, layers, state)
+        if mismatched:
+            meta["subset_restore_mismatch"] = mismatched
         try:
             model.add_weighted_adapter(names, [1.0] * len(names), "combined", combination_type="cat")
             model.base_model.set_adapter(["combined"])
-            errors.update(merging.merge_modules(model, ["combined"], safe=True))
-            for module, (layer, _) in layers.items():
-                self._add(out, label, "merged", "subset together", module, merging.base_weight(layer))
-            self._add(
-                out, label, "output", "subset together", "logits", forward_output(model, ctx.input_ids)[1]
-            )
+            model.merge_adapter(adapter_names=["combined"])
+            merged_stage("subset merge_adapter combined")
         except (ValueError, TypeError, RuntimeError) as e:
             meta["subset_together_error"] = merging.error_text(e)
-        meta["subset_errors"] = errors
-        del model
 
     # ------------------------------------------------------------------------------------------
     # reference
@@ -366,7 +413,7 @@ class MergeCheck(Check):
                 if role == "merged" and ref is not None:
                     before = capture.get(TensorKey(self.name, key.adapter, key_name("before", "", name)))
                     row["scale_ulp"] = scale_ulp(tensor, ref, before, dtype)
-                self._weight_findings(row, role, name, info, target)
+                self._weight_findings(row, role, stage, name, info, target)
                 rows.append(row)
             elif role == "roundtrip":
                 before = capture.get(TensorKey(self.name, key.adapter, key_name("before", "", name)))
@@ -404,12 +451,22 @@ class MergeCheck(Check):
         row.update(metrics.stats_to_row(stats))
         return row
 
-    def _weight_findings(self, row: dict, role: str, name: str, info: dict, target: Target) -> None:
+    def _weight_findings(
+        self, row: dict, role: str, stage: str, name: str, info: dict, target: Target
+    ) -> None:
         errors = info.get("safe_merge_errors", {})
-        if role == "merged" and name in errors:
+        if role == "merged" and stage == "safe_merge" and name in errors:
             row["verdict"] = "broken"
             row["explanation"] = f"safe_merge refused to merge {name}: {errors[name]}"
             add_note(row, "the module stayed unmerged; fix or retrain the adapter tensor holding NaN/Inf")
+        nonfinite = info.get("nonfinite_merged", {})
+        if role == "merged" and stage == "merge_adapter" and name in nonfinite:
+            row["verdict"] = "broken"
+            prefix = row["explanation"] + " · " if row.get("explanation") else ""
+            row["explanation"] = (
+                f"{prefix}merge_adapter() (safe_merge=False) wrote {nonfinite[name]} NaN/Inf into W of {name}"
+            )
+            add_note(row, "PEFT's default merge does not look; safe_merge=True refuses this module")
         for finding in info.get("tied", []):
             partners = merging.tied_partner_modules(
                 merging.TiedFinding(finding["module"], tuple(finding["tied_to"]))
@@ -484,7 +541,7 @@ class MergeCheck(Check):
                 peft_stats = metrics.compare(tensor, ref, metrics.Tolerance(rtol=peft_tol, atol=peft_tol))
                 row["peft_verdict"] = metrics.verdict(peft_stats)
             row.update(nonfinite_output(metrics.health(tensor)))
-            if label == "merged before save" and row["verdict"] != "identical":
+            if label == "merged before save" and ref is not None and not row["bitwise_equal"]:
                 row["verdict"] = "broken" if row["verdict"] == "drift" else row["verdict"]
                 add_note(row, "the reloaded merged model's outputs differ from the pre-save ones")
             self._output_findings(row, stage, info)
@@ -492,10 +549,9 @@ class MergeCheck(Check):
         return out
 
     def _output_findings(self, row: dict, stage: str, info: dict) -> None:
-        if (
-            stage in ("merge_adapter", "merge_and_unload", "reload")
-            and row["against"] != "merged before save"
-        ):
+        if row["against"] == "merged before save":
+            return
+        if stage in ("merge_adapter", "safe_merge", "merge_and_unload", "reload"):
             tied = info.get("tied", [])
             if tied:
                 pairs = "; ".join(f["pair"] for f in tied)
@@ -504,14 +560,20 @@ class MergeCheck(Check):
                     f"tied weights {pairs} changed by the merge · {row.get('explanation', '')}"
                 )
                 add_note(row, UNTIE)
-            errors = info.get("safe_merge_errors", {})
-            if errors:
-                row["verdict"] = "broken"
-                add_note(
-                    row, f"safe_merge refused: {', '.join(errors)} (NaN/Inf); those modules stayed unmerged"
-                )
+        errors = info.get("safe_merge_errors", {})
+        if stage == "safe_merge" and errors:
+            row["verdict"] = "broken"
+            add_note(row, f"safe_merge refused: {', '.join(errors)} (NaN/Inf); those modules stayed unmerged")
+        nonfinite = info.get("nonfinite_merged", {})
+        if stage in ("merge_adapter", "unmerge_adapter", "merge_and_unload", "reload") and nonfinite:
+            row["verdict"] = "broken"
+            add_note(
+                row,
+                f"PEFT's default merge (safe_merge=False) wrote NaN/Inf into W of {', '.join(nonfinite)}"
+                + ("; unmerge_adapter() cannot take it out again" if stage == "unmerge_adapter" else ""),
+            )
         if stage == "merge_and_unload" and info.get("merge_and_unload_error"):
-            add_note(row, f"merge_and_unload(safe_merge=True) refused: {info['merge_and_unload_error']}")
+            add_note(row, f"merge_and_unload() refused: {info['merge_and_unload_error']}")
 
     # ------------------------------------------------------------------------------------------
     # extra tables
@@ -618,7 +680,8 @@ def save_table(captures: list[Capture]) -> pd.DataFrame:
 
 
 def findings_table(captures: list[Capture]) -> pd.DataFrame:
-    """Tied adapted modules, safe-merge refusals and stages that could not apply, per target and adapter."""
+    """Tied adapted modules, NaN/Inf merged in, safe-merge refusals, stages that could not apply or start
+    from the loaded W, per target and adapter."""
     rows = []
     for c in captures:
         merge_meta = c.meta.get("merge", {})
@@ -633,6 +696,17 @@ def findings_table(captures: list[Capture]) -> pd.DataFrame:
                         "detail": f"{f['pair']}: merging changes {', '.join(f['tied_to'])} too; {UNTIE}",
                     }
                 )
+            for module, n in info.get("nonfinite_merged", {}).items():
+                rows.append(
+                    {
+                        "target": c.target,
+                        "adapter": adapter,
+                        "finding": "nonfinite_merge",
+                        "module": module,
+                        "detail": f"merge_adapter() with PEFT's default safe_merge=False wrote {n} NaN/Inf into W "
+                        "(merge_and_unload() runs the same merge; safe_merge=True refuses this module)",
+                    }
+                )
             for module, error in info.get("safe_merge_errors", {}).items():
                 rows.append(
                     {
@@ -643,16 +717,38 @@ def findings_table(captures: list[Capture]) -> pd.DataFrame:
                         "detail": error,
                     }
                 )
-            if info.get("merge_and_unload_error"):
+            for stage in ("merge_adapter", "merge_and_unload"):
+                if info.get(f"{stage}_error"):
+                    rows.append(
+                        {
+                            "target": c.target,
+                            "adapter": adapter,
+                            "finding": stage,
+                            "module": "",
+                            "detail": info[f"{stage}_error"],
+                        }
+                    )
+            for module in info.get("restore_mismatch", []):
                 rows.append(
                     {
                         "target": c.target,
                         "adapter": adapter,
-                        "finding": "merge_and_unload",
-                        "module": "",
-                        "detail": info["merge_and_unload_error"],
+                        "finding": "restore",
+                        "module": module,
+                        "detail": "its parameters could not be restored bit for bit to the loaded ones: the stages "
+                        "after the first merge do not start from the loaded W",
                     }
                 )
+        for module in merge_meta.get("subset_restore_mismatch", []):
+            rows.append(
+                {
+                    "target": c.target,
+                    "adapter": _subset_label(merge_meta.get("subset", [])),
+                    "finding": "restore",
+                    "module": module,
+                    "detail": "not restored bit for bit before the combined merge",
+                }
+            )
         for field in ("subset_note", "subset_together_error"):
             if merge_meta.get(field):
                 rows.append(

@@ -8,9 +8,12 @@ import streamlit as st
 from core import report
 from dashboard.figures import METRIC_LABELS, METRICS, VERDICT_SYMBOLS, drift_heatmap
 from dashboard.figures_merge import (
+    LEGACY_STAGES,
     method_summary,
     output_rows,
+    relabel_legacy,
     stage_bars,
+    stage_legend,
     stage_table,
     weight_rows,
     worst_modules,
@@ -33,6 +36,15 @@ rows = table[table["check"] == "merge"] if len(table) else table
 if rows.empty:
     st.info("This run did not run the `merge` check (CLI: `--check merge`).")
     st.stop()
+rows, legacy = relabel_legacy(rows)
+if legacy:
+    st.info(
+        "This run was stored before PEFT's default merge and safe_merge were measured apart: all its merges "
+        "used safe_merge=True, and its merge_and_unload ran on weights already merged and unmerged. Its "
+        "stages are shown under what they ran: "
+        + " · ".join(f"{old} → {new}" for old, new in LEGACY_STAGES.items()),
+        icon=":material/history:",
+    )
 
 
 def severity(part: pd.DataFrame) -> tuple[int, float]:
@@ -47,8 +59,10 @@ st.subheader("Every adapter and target at a glance")
 save = run_table(record, "merge_save")
 summary = method_summary(rows[rows["adapter"].isin([a.name for a in record.spec.adapters])], save)
 st.caption(
-    "Worst first. **weights**: the worst merged module against W + ΔW in float64 (ulps at the tensor's "
-    "scale, and max |Δ|) · **merged vs unmerged / vs fp64**: max |Δ| of merge_and_unload's outputs · "
+    "Worst first. **weights**: the worst module merged by merge_adapter(), PEFT's default path "
+    "(safe_merge=False), against W + ΔW in float64 (ulps at the tensor's scale, and max |Δ|) · "
+    "**safe_merge weights**: the same for layer.merge(safe_merge=True) · **merged vs unmerged / vs fp64**: "
+    "max |Δ| of the outputs of merge_and_unload() with PEFT's defaults, on the loaded weights · "
     "**roundtrip**: what unmerge_adapter() left on W · **reload identical**: the model saved and loaded "
     "again gives bitwise the same outputs."
 )
@@ -58,6 +72,7 @@ st.dataframe(
     column_config={
         "weights_scale_ulp": st.column_config.NumberColumn("weights (ulps at scale)", format="%.3g"),
         "weights_max_abs": st.column_config.NumberColumn("weights max |Δ|", format="%.3e"),
+        "safe_merge_max_abs": st.column_config.NumberColumn("safe_merge weights max |Δ|", format="%.3e"),
         "merged_vs_unmerged": st.column_config.NumberColumn("merged vs unmerged", format="%.3e"),
         "merged_vs_fp64": st.column_config.NumberColumn("merged vs fp64", format="%.3e"),
         "peft_verdict": st.column_config.TextColumn("at PEFT's tolerance"),
@@ -66,6 +81,12 @@ st.dataframe(
     },
 )
 csv_download(summary, f"{record.run_id}-merge-summary", key="merge.summary.csv")
+with st.expander("What each stage runs", expanded=False):
+    st.caption(
+        "Each stage starts from the state its name says: the loaded weights are cloned first and restored "
+        "bit for bit (verified) before safe_merge and before merge_and_unload."
+    )
+    st.dataframe(stage_legend(output_rows(rows)["stage"]), hide_index=True)
 
 # The run's own adapters (several merged together are shown in their own section below).
 names = [a.name for a in record.spec.adapters] if record.spec else []
@@ -97,29 +118,48 @@ mine = rows[rows["adapter"] == adapter]
 # Findings first: what is broken and what to do.
 findings = run_table(record, "merge_findings")
 findings = findings[findings["adapter"] == adapter] if len(findings) else findings
+# The detail is the library's own text (an exception message): shown as text, never as Markdown.
+FINDING_TITLES = {
+    "tied": "Tied weights",
+    "nonfinite_merge": "NaN/Inf merged into W by PEFT's default merge",
+    "safe_merge": "safe_merge refused",
+    "merge_adapter": "merge_adapter() refused",
+    "merge_and_unload": "merge_and_unload() refused",
+    "restore": "Weights not restored bit for bit",
+}
 for _, f in findings.iterrows():
-    if f["finding"] == "tied":
-        st.error(f"**Tied weights** on {f['target']}: {f['detail']}", icon=":material/link:")
-    elif f["finding"] in ("safe_merge", "merge_and_unload"):
-        where = f" in `{f['module']}`" if f["module"] else ""
-        st.error(
-            f"**{f['finding']}** refused{where} on {f['target']}: {f['detail']}", icon=":material/error:"
-        )
+    title = FINDING_TITLES.get(f["finding"])
+    if title is None:
+        st.info(f"{f['finding']} on {f['target']}:", icon=":material/info:")
     else:
-        st.info(f"{f['detail']} ({f['target']})")
+        where = f" in `{f['module']}`" if f["module"] else ""
+        icon = ":material/link:" if f["finding"] == "tied" else ":material/error:"
+        st.error(f"**{title}**{where} on {f['target']}:", icon=icon)
+    st.text(f["detail"])
 
 st.subheader("Weight residual: merged W against W + ΔW (float64, from the checkpoints)")
-merged = weight_rows(mine)
-tied = weight_rows(mine, role="tied")
+paths = [s for s in ("merge_adapter", "safe_merge") if s in set(weight_rows(mine)["stage"])]
+path = bound_select(
+    "Merge path",
+    "stage",
+    paths,
+    default=paths[0] if paths else None,
+    help="**merge_adapter**: PEFT's default (safe_merge=False), what merge_adapter() and merge_and_unload() "
+    "do · **safe_merge**: layer.merge(safe_merge=True), which refuses NaN/Inf. For LoRA on a bfloat16 or "
+    "float16 base, whose adapter PEFT keeps in float32, safe_merge rounds ΔW to W's dtype before adding "
+    "it; the default path adds the float32 ΔW and rounds once.",
+)
+merged = weight_rows(mine, stage=path)
+tied = weight_rows(mine, role="tied", stage=path)
 shown = pd.concat([merged, tied]) if len(tied) else merged
 st.caption(
-    f"{len(merged)} merged modules · colour: log₁₀ {METRIC_LABELS[metric]} in the target dtype "
+    f"{merged['tensor'].nunique()} modules merged by {path} · colour: log₁₀ {METRIC_LABELS[metric]} in the target dtype "
     "(ulps at the tensor's scale: up to a few is the rounding of the merge's own sums and products, "
     "tens or more an error) · symbols: " + " ".join(f"{VERDICT_SYMBOLS[v]} {v}" for v in report.VERDICT_ORDER)
 )
-fig = drift_heatmap(shown, metric, title=f"merge · {adapter} · {METRIC_LABELS[metric]}")
+fig = drift_heatmap(shown, metric, title=f"{path} · {adapter} · {METRIC_LABELS[metric]}")
 st.plotly_chart(fig, key="merge.heatmap")
-downloads(fig, shown, f"{record.run_id}-merge-{adapter}-{metric}", key="merge.heatmap")
+downloads(fig, shown, f"{record.run_id}-merge-{adapter}-{path}-{metric}", key="merge.heatmap")
 
 with st.expander("Worst modules, PEFT ΔW against the float64 formula, unmerge round trip", expanded=False):
     st.markdown("**Worst merged modules**")
@@ -131,7 +171,8 @@ with st.expander("Worst modules, PEFT ΔW against the float64 formula, unmerge r
         ),
         (
             "roundtrip",
-            "W after merge_adapter() + unmerge_adapter() against W before: the round trip residual",
+            "W after merge_adapter() + unmerge_adapter() (PEFT's default path) against W before: the round "
+            "trip residual",
         ),
     ):
         part = weight_rows(mine, role=role)
@@ -150,6 +191,7 @@ downloads(bars, listed, f"{record.run_id}-merge-{adapter}-stages", key="merge.st
 subset = rows[rows["stage"].astype(str).str.startswith("subset")]
 if len(subset):
     st.subheader("Several adapters: one after another against all at once")
+    st.dataframe(stage_legend(subset["stage"]), hide_index=True)
     st.dataframe(stage_table(subset), column_config=METRIC_COLUMN_CONFIG, hide_index=True)
     csv_download(stage_table(subset), f"{record.run_id}-merge-subset", key="merge.subset.csv")
 
@@ -158,18 +200,24 @@ mine_saved = save[save["adapter"] == adapter] if len(save) else save
 if mine_saved.empty:
     st.info("No save round trip for this adapter (merge_and_unload was refused, or only cpu/float64 ran).")
 else:
+    st.caption(
+        "The model merge_and_unload() returned (PEFT's defaults), saved, then loaded again on its target."
+    )
     for _, s in mine_saved.iterrows():
-        box = st.success if s["ok"] else st.warning
-        text = f"**{s['method']}** on {s['target']}: " + ("saved" if s["ok"] else f"failed — {s['error']}")
-        if s["ok"] and s.get("files"):
-            text += f" ({s['files']})"
+        # Library errors, file and tensor names are shown as text, never as Markdown.
+        if s["ok"]:
+            st.success(f"**{s['method']}** on {s['target']}: saved", icon=":material/check:")
+        else:
+            st.warning(f"**{s['method']}** on {s['target']}: failed", icon=":material/warning:")
+        lines = [s["error"]] if not s["ok"] else ([f"files: {s['files']}"] if s.get("files") else [])
         if s.get("reload_error"):
-            text += f" · reload failed: {s['reload_error']}"
+            lines.append(f"reload failed: {s['reload_error']}")
         if s["shared_tensors"]:
-            text += f"\n\nShared tensors: `{s['shared_tensors']}`"
+            lines.append(f"shared tensors: {s['shared_tensors']}")
         if s["fix"]:
-            text += f"\n\nFix: {s['fix']}"
-        box(text)
+            lines.append(f"fix: {s['fix']}")
+        if lines:
+            st.text("\n".join(lines))
     csv_download(mine_saved, f"{record.run_id}-merge-save", key="merge.save.csv")
 
 st.subheader("Inspect one module's residual")
@@ -192,9 +240,9 @@ box = {"identical": st.success, "within tolerance": st.info, "drift": st.warning
     row["verdict"]
 ]
 box(
-    f"**{row['verdict']}** · `{tensor}` on **{target}** vs {row['reference']} · {row['dtype']} {row['shape']}\n\n"
-    f"{row['explanation']}" + (f"\n\nWhy: {row['note']}" if row.get("note") else "")
+    f"**{row['verdict']}** · `{tensor}` on **{target}** vs {row['reference']} · {row['dtype']} {row['shape']}"
 )
+st.text(f"{row['explanation']}" + (f"\nWhy: {row['note']}" if row.get("note") else ""))
 
 
 element_diff_view(
