@@ -902,4 +902,3 @@ def health(t: torch.Tensor) -> Health:
         any_nonzero = any_nonzero or bool((b != 0).any())
         identical = identical and bool(eq.all())
     return Health(n_nan=n_nan, n_inf=n_inf, all_zero=not any_nonzero, identical_rows=identical)
-

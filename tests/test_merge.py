@@ -343,12 +343,15 @@ def minilm_run(minilm, tmp_path_factory):
 
 
 def _stats(target: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> dict:
-    """max |Δ|, mismatched elements at the dtype default (|Δ| > atol + rtol·|ref|), numel, bitwise."""
+    """max |Δ|, mismatched elements at the dtype default (assert_close's rule), numel, bitwise."""
     rtol, atol = _DTYPE_TOL[dtype]
     d = (target.double() - ref.double()).abs()
+    # assert_close's rule: both promoted to one dtype (bfloat16 pairs stay bfloat16), then isclose there
+    common = torch.promote_types(target.dtype, ref.dtype)
+    close = torch.isclose(target.to(common), ref.to(common), rtol=rtol, atol=atol, equal_nan=True)
     return {
         "max_abs": float(d.max()),
-        "n_mismatch": int((d > atol + rtol * ref.double().abs()).sum()),
+        "n_mismatch": int((~close).sum()),
         "numel": target.numel(),
         "bitwise_equal": target.dtype == ref.dtype and torch.equal(target, ref),
     }

@@ -33,10 +33,12 @@ import torch
 
 from core import formulas, merging, metrics
 from core.capture import Capture, TensorKey
+from core.checkpoint import Checkpoint
 from core.checks.base import CaptureContext, Check, Reference, add_note, layer_of, tolerance
 from core.checks.outputs import forward_output, nonfinite_output
 from core.loading import Loaded, attach_adapter, load_base, read_adapter_config, read_checkpoint, torch_dtype
-from core.spec import REFERENCE_TARGET, AdapterRef, ProbeSpec, Target
+from core.spec import AdapterRef, ProbeSpec, Target
+from core.validate import TIED_EMBEDDING_NAMES
 
 # What each stage runs, in order; the page lists these texts beside its numbers. For LoRA, PEFT's
 # default path adds ΔW as computed (float32 where PEFT upcast a bfloat16/float16 adapter) and rounds
@@ -175,7 +177,7 @@ class MergeCheck(Check):
             meta["merge_and_unload_error"] = merging.error_text(e)
             return
         output("merge_and_unload", merged)
-        if ctx.target.is_reference:
+        if ctx.target == ctx.spec.reference:
             return  # the exact model's save round trip is nobody's question: saves a second model
         meta["save"] = self._save_round_trip(ctx, merged, adapter, out, output)
 
@@ -315,9 +317,12 @@ class MergeCheck(Check):
         parsed = [(k, *parse_name(k.name)) for k in keys]
         weight_keys = [p for p in parsed if p[1] in ("merged", "delta", "tied")]
         if weight_keys:
-            names = None
-            if only_keys:
-                names = {f"{p[3]}.weight" for p in weight_keys} | {"model.embed_tokens.weight"}
+            # the adapted modules' base weights and the embedding a tied head shares, never the whole base
+            names = {f"{p[3]}.weight" for p in weight_keys}
+            if "lm_head.weight" in names:  # a tied head is stored once, as the input embedding
+                names |= {
+                    n for n in Checkpoint.open(spec.base.path).names() if n.endswith(TIED_EMBEDDING_NAMES)
+                }
             base = read_checkpoint(spec.base.path, names=names)
             base = _with_tied_aliases(spec, base)
             by_name = {a.name: a for a in spec.adapters}
@@ -527,9 +532,10 @@ class MergeCheck(Check):
         if stage == "reload":
             pre = capture.get(TensorKey(self.name, key.adapter, key_name("output", "merge_and_unload", name)))
             comparisons.append(("merged before save", pre, "must be identical: same weights, same target"))
-        comparisons.append((str(REFERENCE_TARGET), reference.tensors.get(key.encode()), ""))
+        exact = str(spec.reference)
+        comparisons.append((exact, reference.tensors.get(key.encode()), ""))
         for label, ref, note in comparisons:
-            if ref is None and label == str(REFERENCE_TARGET) and capture.target == str(REFERENCE_TARGET):
+            if ref is None and label == exact and capture.target == exact:
                 continue
             row = self._row(
                 spec, capture, key, tensor, ref, label, note or reference.notes.get(key.encode(), ""), dtype
@@ -628,9 +634,7 @@ def _with_tied_aliases(spec: ProbeSpec, base: dict[str, torch.Tensor]) -> dict[s
         tie = text.get("tie_word_embeddings", False)
     if not tie or "lm_head.weight" in base:
         return base
-    embed = next(
-        (k for k in base if k.endswith(("embed_tokens.weight", "wte.weight", "word_embeddings.weight"))), None
-    )
+    embed = next((k for k in base if k.endswith(TIED_EMBEDDING_NAMES)), None)
     if embed is None:
         return base
     return {**base, "lm_head.weight": base[embed]}
