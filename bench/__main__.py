@@ -192,7 +192,7 @@ def e2e_table(results: list[dict[str, Any]]) -> str:
         )
         imports = " / ".join(f"{b['import_s']:.1f}" for b in r["baselines"] if "import_s" in b)
         lines.append(
-            f"| {r['size']} | {c['n_params'] / 1e6:.0f}M | {_gb(c['model_bytes'])} ({r['storage_dtype']}, "
+            f"| {r['size']} | {c['n_params'] / 1e6:.3g}M | {_gb(c['model_bytes'])} ({r['storage_dtype']}, "
             f"{c['shards']} shard{'s' if c['shards'] > 1 else ''}) | {per} = {_x(r['baseline_load_forward_sum_s'], 1)} | "
             f"{imports} | {run['wall_s']:.1f} | {_x(q['run_over_baseline'])} | {_gb(run['peak_rss_tree'])} | "
             f"{_x(q['peak_rss_over_checkpoint'])} | "
@@ -221,11 +221,8 @@ def e2e_notes(results: list[dict[str, Any]]) -> str:
                 + ", ".join(f"{s['task']} · {s['stage']} {s['duration_s']:.1f} s" for s in stages[:6])
             )
         if not r["run"]["ok"]:
-            out.append(
-                "  - run failed: " + r["run"]["stderr_tail"].strip().splitlines()[-1:][0]
-                if r["run"]["stderr_tail"].strip()
-                else "  - run failed"
-            )
+            last = r["run"]["stderr_tail"].strip().splitlines()[-1:]
+            out.append("  - run failed" + (f": {last[0]}" if last else ""))
     return "\n".join(out)
 
 
