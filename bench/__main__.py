@@ -182,8 +182,9 @@ def e2e_table(results: list[dict[str, Any]]) -> str:
     """Markdown: one row per checkpoint size, baseline and run side by side with the ratios."""
     lines = [
         "| size | params | checkpoint GB | baseline load+fwd s (per dtype) | imports s | "
-        "run wall s | run / baseline | peak RSS GB | RSS / ckpt | run folder MB | folder / ckpt | exit |",
-        "|" + "---|" * 12,
+        "run wall s | run / baseline | peak RSS GB (tree, sampled) | largest process peak GB | RSS / ckpt | "
+        "run folder MB | folder / ckpt | exit |",
+        "|" + "---|" * 13,
     ]
     for r in results:
         c, run, q = r["checkpoint"], r["run"], r["ratios"]
@@ -195,6 +196,7 @@ def e2e_table(results: list[dict[str, Any]]) -> str:
             f"| {r['size']} | {c['n_params'] / 1e6:.3g}M | {_gb(c['model_bytes'])} ({r['storage_dtype']}, "
             f"{c['shards']} shard{'s' if c['shards'] > 1 else ''}) | {per} = {_x(r['baseline_load_forward_sum_s'], 1)} | "
             f"{imports} | {run['wall_s']:.1f} | {_x(q['run_over_baseline'])} | {_gb(run['peak_rss_tree'])} | "
+            f"{_gb(run['max_process_hwm'])}{' (sampler missed it)' if run['sampler_missed_peak'] else ''} | "
             f"{_x(q['peak_rss_over_checkpoint'])} | "
             f"{_x(run['run_bytes'] / 1e6 if 'run_bytes' in run else None, 1)} | "
             f"{_x(q['run_size_over_checkpoint'], 4)} | {run['returncode']}{' (timeout)' if run['timed_out'] else ''} |"
@@ -211,6 +213,19 @@ def e2e_notes(results: list[dict[str, Any]]) -> str:
             where = "" if t["issue_sets_it_here"] else " (issue sets it at another size)"
             marks.append(f"{name}: {_x(t['value'], 3)} {_ok(t['met'])}{where}")
         out.append(f"- **{r['size']}**: " + " · ".join(marks))
+        base_peaks = ", ".join(
+            f"{b['dtype']} {_gb(b.get('peak_rss_bytes'))} GB"
+            for b in r["baselines"]
+            if b.get("peak_rss_bytes")
+        )
+        if base_peaks:
+            out.append(f"  - baseline peak RSS (VmHWM): {base_peaks}")
+        procs = sorted(r["run"].get("processes") or [], key=lambda p: -p["hwm"])[:4]
+        if procs:
+            out.append(
+                "  - run's process peaks (VmHWM): "
+                + ", ".join(f"`{p['cmd']}` {_gb(p['hwm'])} GB" for p in procs)
+            )
         tasks = r["run"].get("task_durations_s") or {}
         if tasks:
             out.append("  - engine tasks (s): " + ", ".join(f"{k} {v:.1f}" for k, v in tasks.items()))

@@ -14,10 +14,21 @@ _T0 = time.perf_counter()  # before the heavy imports below, so that they can be
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import resource  # noqa: E402
 import sys  # noqa: E402
 
 PROBE_BATCH, PROBE_SEQ_LEN, PROBE_SEED = 2, 16, 0  # core.spec.ProbeInputs' defaults, run seed 0
+
+
+def _vm_hwm() -> int | None:
+    """This process's peak RSS in bytes (Linux /proc), or None elsewhere."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         "logits_shape": list(logits.shape),
         "logits_finite": bool(torch.isfinite(logits).all()),
         "torch_threads": torch.get_num_threads(),
-        "ru_maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # KiB on Linux
+        # VmHWM, not ru_maxrss: after fork + exec ru_maxrss still holds the forking parent's peak
+        "peak_rss_bytes": _vm_hwm(),
     }
     print(json.dumps(out))
     return 0

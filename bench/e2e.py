@@ -54,13 +54,35 @@ class TreeSample:
     n: int  # processes in the tree
 
 
+def vm_hwm(pid: int) -> int | None:
+    """The kernel's peak RSS of one process (VmHWM, bytes), exact however short the peak; Linux only.
+
+    Unlike ``ru_maxrss``, it starts afresh at exec: a child forked from a large parent does not
+    inherit the parent's peak.
+    """
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 @dataclass
 class TreeSampler:
-    """Samples the summed RSS of a process and all its descendants on a background thread."""
+    """Samples the summed RSS of a process and all its descendants on a background thread.
+
+    The sampled sum can miss a peak shorter than the interval, so each process's own peak
+    (VmHWM, as last read before it exited) is kept too: when one process alone peaked above
+    the sampled tree peak, the sampler missed it, and the report says so.
+    """
 
     pid: int
     interval: float = 0.1
     samples: list[TreeSample] = field(default_factory=list)
+    processes: dict[int, dict[str, Any]] = field(default_factory=dict)  # pid -> {"cmd", "hwm"}
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -78,8 +100,14 @@ class TreeSampler:
             try:
                 rss += p.memory_info().rss
                 n += 1
+                seen = self.processes.get(p.pid)
+                if seen is None:
+                    seen = self.processes[p.pid] = {"cmd": " ".join(p.cmdline()[1:5])[:120], "hwm": 0}
             except psutil.NoSuchProcess:  # exited between the listing and the read
                 continue
+            hwm = vm_hwm(p.pid)
+            if hwm is not None:
+                seen["hwm"] = max(seen["hwm"], hwm)
         return TreeSample(t=0.0, rss=rss, n=n)
 
     def _loop(self) -> None:
@@ -109,6 +137,11 @@ class TreeSampler:
     def max_procs(self) -> int:
         return max((s.n for s in self.samples), default=0)
 
+    @property
+    def max_process_hwm(self) -> int:
+        """The largest single-process peak RSS seen (a lower bound of the tree's true peak)."""
+        return max((p["hwm"] for p in self.processes.values()), default=0)
+
 
 @dataclass
 class Measured:
@@ -118,6 +151,8 @@ class Measured:
     wall_s: float
     peak_rss: int
     max_procs: int
+    max_process_hwm: int
+    processes: list[dict[str, Any]]
     stdout: str
     stderr: str
     samples: list[TreeSample]
@@ -149,6 +184,8 @@ def run_sampled(
             wall_s=wall,
             peak_rss=sampler.peak_rss,
             max_procs=sampler.max_procs,
+            max_process_hwm=sampler.max_process_hwm,
+            processes=list(sampler.processes.values()),
             stdout=out.read(),
             stderr=err.read(),
             samples=sampler.samples,
@@ -189,6 +226,7 @@ def baseline(checkpoint: Checkpoint, dtype: str, interval: float, timeout: float
         "returncode": m.returncode,
         "process_wall_s": m.wall_s,
         "peak_rss_tree": m.peak_rss,
+        "max_process_hwm": m.max_process_hwm,
     }
     if m.returncode != 0:
         result["error"] = m.stderr[-2000:]
@@ -280,6 +318,10 @@ def core_run(
             "wall_s": m.wall_s,
             "peak_rss_tree": m.peak_rss,
             "max_procs": m.max_procs,
+            # exact per-process peaks; one above peak_rss_tree means the sampler missed a peak
+            "max_process_hwm": m.max_process_hwm,
+            "sampler_missed_peak": m.max_process_hwm > m.peak_rss,
+            "processes": m.processes,
             "rss_timeline": [
                 [round(s.t, 2), s.rss, s.n] for s in m.samples[:: max(1, len(m.samples) // 600)]
             ],

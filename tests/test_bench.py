@@ -176,6 +176,7 @@ def test_tree_sampler_sees_children() -> None:
     assert m.returncode == 0
     assert m.max_procs >= 2
     assert m.peak_rss > 200_000_000
+    assert m.max_process_hwm > 200_000_000
 
 
 def test_stage_timeline_parses_the_cli_progress_lines() -> None:
