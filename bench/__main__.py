@@ -224,7 +224,9 @@ def e2e_notes(results: list[dict[str, Any]]) -> str:
         if procs:
             out.append(
                 "  - run's process peaks (VmHWM): "
-                + ", ".join(f"`{p['cmd']}` {_gb(p['hwm'])} GB" for p in procs)
+                + ", ".join(
+                    f"`{p['cmd']}` ({p['first_s']:.0f}–{p['last_s']:.0f} s) {_gb(p['hwm'])} GB" for p in procs
+                )
             )
         tasks = r["run"].get("task_durations_s") or {}
         if tasks:

@@ -86,8 +86,8 @@ class TreeSampler:
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
-    def sample(self) -> TreeSample | None:
-        """One sample now; None once the root process is gone."""
+    def sample(self, now: float = 0.0) -> TreeSample | None:
+        """One sample now (`now`: seconds since the sampler started); None once the root is gone."""
         import psutil
 
         try:
@@ -102,20 +102,21 @@ class TreeSampler:
                 n += 1
                 seen = self.processes.get(p.pid)
                 if seen is None:
-                    seen = self.processes[p.pid] = {"cmd": " ".join(p.cmdline()[1:5])[:120], "hwm": 0}
+                    cmd = " ".join(p.cmdline()[1:5])[:120]
+                    seen = self.processes[p.pid] = {"cmd": cmd, "hwm": 0, "first_s": now, "last_s": now}
+                seen["last_s"] = now  # lifetimes tell which task a worker ran (match the stages)
             except psutil.NoSuchProcess:  # exited between the listing and the read
                 continue
             hwm = vm_hwm(p.pid)
             if hwm is not None:
                 seen["hwm"] = max(seen["hwm"], hwm)
-        return TreeSample(t=0.0, rss=rss, n=n)
+        return TreeSample(t=now, rss=rss, n=n)
 
     def _loop(self) -> None:
         started = time.perf_counter()
         while not self._stop.is_set():
-            s = self.sample()
+            s = self.sample(round(time.perf_counter() - started, 2))
             if s is not None:
-                s.t = time.perf_counter() - started
                 self.samples.append(s)
             self._stop.wait(self.interval)
 
