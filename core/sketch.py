@@ -111,8 +111,15 @@ class Sketch:
     top_reference: list[float] = field(default_factory=list)
 
     def arrays(self) -> dict[str, np.ndarray]:
-        """The array parts, to be stored in a safetensors file."""
-        return {part: getattr(self, part) for part in self.ARRAY_PARTS}
+        """The array parts, to be stored in a safetensors file, at half the size in memory.
+
+        The map is stored as float32 (it is drawn; the row holds the exact maximum) and the failing
+        counts as int32, as an empty array when no element fails (the common case for a whole model).
+        """
+        out = {part: getattr(self, part) for part in self.ARRAY_PARTS}
+        out["pooled"] = self.pooled.astype(np.float32)
+        out["failing"] = self.failing.astype(np.int32) if self.failing.any() else np.zeros((0, 0), np.int32)
+        return out
 
     def meta(self) -> dict[str, Any]:
         """The JSON parts."""
@@ -129,7 +136,11 @@ class Sketch:
 
     @staticmethod
     def from_parts(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> Sketch:
-        """Rebuild a sketch from `meta()` and `arrays()`."""
+        """Rebuild a sketch from `meta()` and `arrays()` (stored sizes widened back)."""
+        arrays = dict(arrays)
+        arrays["pooled"] = np.asarray(arrays["pooled"], dtype=np.float64)
+        failing = np.asarray(arrays["failing"], dtype=np.int64)
+        arrays["failing"] = failing if failing.size else np.zeros(arrays["pooled"].shape, np.int64)
         return Sketch(
             shape=tuple(meta["shape"]),
             rows=int(meta["rows"]),

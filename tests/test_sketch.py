@@ -69,7 +69,9 @@ def test_round_trip_and_hash():
     s = make_sketch(t, t.double(), _rule)
     again = Sketch.from_parts(s.meta(), s.arrays())
     assert again.meta() == s.meta()
-    np.testing.assert_array_equal(again.pooled, s.pooled)
+    # stored at float32 (drawn, not measured: the row holds the exact max), failing counts exact
+    np.testing.assert_array_equal(again.pooled, s.pooled.astype(np.float32))
+    np.testing.assert_array_equal(again.failing, s.failing)
     assert content_hash(t) == content_hash(t.clone()) != content_hash(t.double())
     assert content_hash(t) != content_hash(t.reshape(1600))  # shape is part of the content
     u = t.clone()
