@@ -28,7 +28,7 @@ from typing import Any
 from core.capture import capture_folder_name
 from core.spec import ProbeSpec, SpecError, Target
 from core.store import Store
-from core.worker import EXIT_CANCELLED, Cancelled, Task, run_task, task_json
+from core.worker import EXIT_CANCELLED, PREIMPORT_ENV, Cancelled, Task, run_task, task_json
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,6 +50,14 @@ class Runner(ABC):
     def run(
         self, task: Task, on_event: Callable[[dict], None], cancel: threading.Event, log_path: Path
     ) -> Outcome: ...
+
+    def prepare(self, task: Task, log_path: Path) -> None:
+        """Get ready for `task` while another task still runs (a runner with workers starts one)."""
+        return None
+
+    def discard(self, task: Task) -> None:
+        """Give up what `prepare` got ready for `task`, which will not run."""
+        return None
 
 
 class InProcessRunner(Runner):
@@ -87,13 +95,31 @@ class ProcessRunner(Runner):
     def __init__(self, grace_s: float = 10.0, python: str | None = None):
         self.grace_s = grace_s
         self.python = python or sys.executable
+        self._prepared: dict[tuple[str, str], subprocess.Popen] = {}
+        self._lock = threading.Lock()
 
-    def run(self, task, on_event, cancel, log_path) -> Outcome:
+    def prepare(self, task: Task, log_path: Path) -> None:
+        """Start `task`'s worker now: it imports torch, transformers and PEFT, then waits for its task,
+        so those seconds overlap the task before it on the same device."""
+        with self._lock:
+            if (task.run_dir, task.label) not in self._prepared:
+                self._prepared[(task.run_dir, task.label)] = self._spawn(task, log_path)
+
+    def discard(self, task: Task) -> None:
+        with self._lock:
+            proc = self._prepared.pop((task.run_dir, task.label), None)
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+
+    def _spawn(self, task: Task, log_path: Path) -> subprocess.Popen:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        # A memory timeline measures what importing the libraries costs: its worker imports them itself.
+        env[PREIMPORT_ENV] = "" if task.own_check == "memory" else "1"
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen(
+            return subprocess.Popen(
                 [self.python, "-m", "core.worker"],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
@@ -102,6 +128,12 @@ class ProcessRunner(Runner):
                 env=env,
                 start_new_session=True,  # a Ctrl-C in the terminal goes to us, not straight to workers
             )
+
+    def run(self, task, on_event, cancel, log_path) -> Outcome:
+        with self._lock:
+            proc = self._prepared.pop((task.run_dir, task.label), None)
+        if proc is None or proc.poll() is not None:
+            proc = self._spawn(task, log_path)
         last: dict[str, Any] = {"final": None}
 
         def read_events():
@@ -314,10 +346,14 @@ class Engine:
             },
         )
 
-    def _run_task(self, job: Job, task: Task) -> Outcome:
+    def _run_task(self, job: Job, task: Task, on_start: Callable[[], None] | None = None) -> Outcome:
         progress = job.tasks[task.label]
+        started = threading.Event()
 
         def on_event(event: dict) -> None:
+            if on_start is not None and not started.is_set():
+                started.set()
+                on_start()
             if event.get("type") == "progress":
                 with job.lock:
                     progress.stage, progress.step, progress.of = event["stage"], event["step"], event["of"]
@@ -325,13 +361,7 @@ class Engine:
 
         with job.lock:
             progress.state, progress.started = "running", time.time()
-        folder = (
-            capture_folder_name(Target.parse(task.target).slug, task.own_check or "", task.variant or "")
-            if task.target
-            else "compare"
-        )
-        log = job.run_dir / "logs" / f"{folder}.log"
-        outcome = self.runner.run(task, on_event, job.cancel_event, log)
+        outcome = self.runner.run(task, on_event, job.cancel_event, self._log_path(job, task))
         with job.lock:
             progress.finished = time.time()
             progress.state = "succeeded" if outcome.ok else "cancelled" if outcome.cancelled else "failed"
@@ -345,20 +375,31 @@ class Engine:
         self._persist(job)
         return outcome
 
+    @staticmethod
+    def _log_path(job: Job, task: Task) -> Path:
+        folder = (
+            capture_folder_name(Target.parse(task.target).slug, task.own_check or "", task.variant or "")
+            if task.target
+            else "compare"
+        )
+        return job.run_dir / "logs" / f"{folder}.log"
+
     def _drive(self, job: Job) -> None:
         try:
             with job.lock:
                 job.state, job.started = "running", time.time()
             self._persist(job)
-            outcomes = self._run_captures(job)
+            compare = Task(kind="compare", run_dir=str(job.run_dir), spec=job.spec.to_dict())
+            outcomes = self._run_captures(job, compare)
             failed = [o for o in outcomes if not o.ok and not o.cancelled]
             if failed:
+                self.runner.discard(compare)
                 self._finish(job, "failed", failed[0].error)
                 return
             if job.cancel_event.is_set() or any(o.cancelled for o in outcomes):
+                self.runner.discard(compare)
                 self._finish(job, "cancelled", "cancelled by the user")
                 return
-            compare = Task(kind="compare", run_dir=str(job.run_dir), spec=job.spec.to_dict())
             outcome = self._run_task(job, compare)
             if outcome.ok:
                 self._finish(job, "succeeded", None)
@@ -367,24 +408,37 @@ class Engine:
         except Exception as e:  # the engine must outlive any job
             self._finish(job, "failed", f"engine error: {type(e).__name__}: {e}")
 
-    def _run_captures(self, job: Job) -> list[Outcome]:
+    def _run_captures(self, job: Job, compare: Task) -> list[Outcome]:
         by_device: dict[str, list[Task]] = {}
         for task in self._capture_tasks(job):
             by_device.setdefault(Target.parse(task.target).device, []).append(task)
         outcomes: list[Outcome] = []
 
         def device_queue(device: str, tasks: list[Task]) -> None:
-            for task in tasks:
+            for i, task in enumerate(tasks):
                 with self._device_lock(device):
                     if job.cancel_event.is_set():
                         with job.lock:
                             job.tasks[task.label].state = "cancelled"
                         outcomes.append(Outcome(ok=False, cancelled=True))
                         continue
-                    outcome = self._run_task(job, task)
+                    # Once this task's worker is at work, the next one (or, after the last, the compare
+                    # task's) is started, so its imports overlap this task. Not a memory timeline's:
+                    # its process must start when its task does.
+                    following = tasks[i + 1] if i + 1 < len(tasks) else compare
+                    if following.own_check == "memory":
+                        following = None
+
+                    def prepare(following=following) -> None:
+                        if following is not None and not job.cancel_event.is_set():
+                            self.runner.prepare(following, self._log_path(job, following))
+
+                    outcome = self._run_task(job, task, on_start=prepare)
                 outcomes.append(outcome)
                 if not outcome.ok and not outcome.cancelled:
                     job.cancel_event.set()  # one failed target fails the job: stop the others early
+                if following is not None and job.cancel_event.is_set():
+                    self.runner.discard(following)
 
         threads = [
             threading.Thread(target=device_queue, args=(d, ts), daemon=True, name=f"{job.run_id}-{d}")

@@ -21,6 +21,10 @@ from typing import Any
 Event = dict[str, Any]
 Emit = Callable[[Event], None]
 
+# Set by the process runner for a worker started ahead of its task: import the libraries before
+# waiting for the task, so that the import overlaps the task before it.
+PREIMPORT_ENV = "WEIGHTDRIFT_PREIMPORT"
+
 EXIT_OK = 0
 EXIT_CRASH = 1
 EXIT_USER_ERROR = 3
@@ -252,6 +256,9 @@ def main() -> int:
     import torch  # noqa: F401  (imported here so the memory timeline can say what importing it costs)
 
     _sample_process("import torch")
+    if os.environ.get(PREIMPORT_ENV):
+        import peft  # noqa: F401
+        import transformers  # noqa: F401
     events = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # anything a library prints goes to the log, not into the event stream
     cancel = {"requested": False}
