@@ -7,7 +7,9 @@ Exit codes: 0 every row identical or within tolerance · 1 any row drift or brok
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
 import threading
 import time
@@ -32,6 +34,33 @@ EXIT_OK, EXIT_DRIFT, EXIT_ERROR = 0, 1, 2
 
 class UsageError(Exception):
     """A command line that cannot be run; the message says why."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (`timeout`, a CI cancel, a container stop, a closed terminal): handled
+    exactly like Ctrl-C."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signame = signal.Signals(signum).name
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def terminate_like_interrupt():
+    """Within the block, SIGTERM and SIGHUP raise `Terminated` in the main thread, like Ctrl-C."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -123,6 +152,8 @@ def build_parser() -> ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from core.store import StoreError
+
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:
         args = build_parser().parse_args(argv)
@@ -133,11 +164,15 @@ def main(argv: list[str] | None = None) -> int:
             "scenarios": cmd_scenarios,
             "devices": cmd_devices,
         }
-        return commands[args.command](args)
-    except (UsageError, SpecError) as e:
+        with terminate_like_interrupt():
+            return commands[args.command](args)
+    except (UsageError, SpecError, StoreError) as e:
         print(f"error: {e}", file=sys.stderr)
         if debug:
             traceback.print_exc()
+        return EXIT_ERROR
+    except Terminated as e:
+        print(f"interrupted: received {e.signame}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -286,6 +321,7 @@ def watch(job, stream=sys.stderr, interval: float = 0.25) -> None:
 def cmd_run(args) -> int:
     from core import report
     from core.engine import Engine, InProcessRunner, ProcessRunner
+    from core.store import RunRecord
 
     home = weightdrift_home(args.home)
     spec = spec_from_args(args, home)
@@ -298,13 +334,24 @@ def cmd_run(args) -> int:
     watcher.start()
     try:
         job.wait()
-    except KeyboardInterrupt:
-        job.cancel()
-        job.wait(30)
+    except KeyboardInterrupt as e:
+        why = f"received {e.signame}" if isinstance(e, Terminated) else "received SIGINT (Ctrl-C)"
+        print(f"cancelling run {job.run_id}: {why}; stopping its workers", file=sys.stderr, flush=True)
+        # A second signal while the workers stop must not leave them behind: shutdown kills them.
+        with _ignoring_signals():
+            engine.shutdown(f"cancelled: the CLI {why}")
     watcher.join(timeout=2)
-    record = engine.store.open(job.run_id)
-    table = record.metrics() if record.status == "succeeded" else None
+    snap = job.snapshot()
+    try:
+        record = engine.store.open(job.run_id)
+    except KeyError:  # its folder was removed from outside while it ran
+        record = RunRecord(
+            job.run_id, job.run_dir, {"status": "failed", "error": f"{job.run_dir} was removed"}
+        )
     status, error = record.status, record.error
+    if snap["store_error"] is not None:  # run.json could not be kept: the job knows better
+        status, error = snap["state"], snap["error"]
+    table = record.metrics() if status == "succeeded" else None
     duration = record.info.get("duration_s")
     if table is None:
         if args.json:
@@ -348,6 +395,20 @@ def cmd_run(args) -> int:
         for note in record.notes():
             print(f"note: {note}")
     return code
+
+
+@contextlib.contextmanager
+def _ignoring_signals():
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def print_summary(run_id: str, run_dir: Path, duration: float | None, table, top: int) -> None:
@@ -398,7 +459,8 @@ def cmd_runs(args) -> int:
         print(f"no runs in {store.runs_dir}")
     for r in runs:
         targets = ", ".join(str(t) for t in r.spec.targets) if r.spec else "?"
-        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.info.get("created") or 0))
+        when = r.info.get("created")
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when)) if when else "unknown".ljust(19)
         dur = r.info.get("duration_s")
         line = f"{r.run_id}  {r.status:10s} {created}  {'' if dur is None else f'{dur:.1f} s':>8s}  {targets}"
         if r.error:

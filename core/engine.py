@@ -27,7 +27,7 @@ from typing import Any
 
 from core.capture import capture_folder_name
 from core.spec import ProbeSpec, SpecError, Target
-from core.store import Store
+from core.store import Store, StoreError
 from core.worker import EXIT_CANCELLED, PREIMPORT_ENV, Cancelled, Task, run_task, task_json
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -57,6 +57,10 @@ class Runner(ABC):
 
     def discard(self, task: Task) -> None:
         """Give up what `prepare` got ready for `task`, which will not run."""
+        return None
+
+    def kill_all(self) -> None:
+        """Kill every worker this runner started that is still alive (the process is going away)."""
         return None
 
 
@@ -96,7 +100,19 @@ class ProcessRunner(Runner):
         self.grace_s = grace_s
         self.python = python or sys.executable
         self._prepared: dict[tuple[str, str], subprocess.Popen] = {}
+        self._live: set[subprocess.Popen] = set()  # every worker started and not yet reaped
         self._lock = threading.Lock()
+        self._live_lock = threading.Lock()  # apart: _spawn runs under _lock in prepare
+
+    def kill_all(self) -> None:
+        with self._lock:
+            self._prepared.clear()
+        with self._live_lock:
+            procs = list(self._live)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
 
     def prepare(self, task: Task, log_path: Path) -> None:
         """Start `task`'s worker now: it imports torch, transformers and PEFT, then waits for its task,
@@ -119,7 +135,7 @@ class ProcessRunner(Runner):
         # A memory timeline measures what importing the libraries costs: its worker imports them itself.
         env[PREIMPORT_ENV] = "" if task.own_check == "memory" else "1"
         with open(log_path, "ab") as log:
-            return subprocess.Popen(
+            proc = subprocess.Popen(
                 [self.python, "-m", "core.worker"],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
@@ -128,6 +144,9 @@ class ProcessRunner(Runner):
                 env=env,
                 start_new_session=True,  # a Ctrl-C in the terminal goes to us, not straight to workers
             )
+        with self._live_lock:
+            self._live = {p for p in self._live if p.poll() is None} | {proc}
+        return proc
 
     def run(self, task, on_event, cancel, log_path) -> Outcome:
         with self._lock:
@@ -215,9 +234,14 @@ class Job:
     cancel_event: threading.Event = field(default_factory=threading.Event)
     done_event: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    cancel_reason: str = "cancelled by the user"
+    # why run.json could not be written (disk full, read-only home); the job's own state stays right
+    store_error: str | None = None
 
-    def cancel(self) -> None:
-        """Ask every worker of this job to stop at its next stage boundary."""
+    def cancel(self, reason: str | None = None) -> None:
+        """Ask every worker of this job to stop at its next stage boundary (`reason` is stored)."""
+        if reason is not None and not self.cancel_event.is_set():
+            self.cancel_reason = reason
         self.cancel_event.set()
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -237,6 +261,7 @@ class Job:
                 "run_dir": str(self.run_dir),
                 "state": self.state,
                 "error": self.error,
+                "store_error": self.store_error,
                 "created": self.created,
                 "started": self.started,
                 "finished": self.finished,
@@ -251,6 +276,7 @@ class Engine:
         from core.targets import discover_devices
 
         self.store = Store(home)
+        self.store.sweep()  # what killed processes left behind
         self.runner = runner or ProcessRunner()
         self.devices = devices if devices is not None else discover_devices()
         self._device_locks: dict[str, threading.Lock] = {}
@@ -332,8 +358,28 @@ class Engine:
         with self._locks_guard:
             return self._device_locks.setdefault(device, threading.Lock())
 
+    def shutdown(self, reason: str, timeout: float = 15.0) -> None:
+        """Cancel every active job with `reason`, wait for them to end (each marked cancelled), then
+        kill any worker still alive: no worker outlives this process."""
+        active = [j for j in self._jobs.values() if not j.done_event.is_set()]
+        for job in active:
+            job.cancel(reason)
+        deadline = time.monotonic() + timeout
+        for job in active:
+            job.wait(max(0.0, deadline - time.monotonic()))
+        self.runner.kill_all()
+
     def _persist(self, job: Job) -> None:
+        """Write the job's state to run.json; a failed write is kept on the job, never raised (the
+        job goes on, and ends failed with that reason)."""
         snap = job.snapshot()
+        try:
+            self._write_state(job, snap)
+        except StoreError as e:
+            with job.lock:
+                job.store_error = job.store_error or str(e)
+
+    def _write_state(self, job: Job, snap: dict[str, Any]) -> None:
         self.store.update(
             job.run_id,
             status=snap["state"],
@@ -398,13 +444,18 @@ class Engine:
                 return
             if job.cancel_event.is_set() or any(o.cancelled for o in outcomes):
                 self.runner.discard(compare)
-                self._finish(job, "cancelled", "cancelled by the user")
+                self._finish(job, "cancelled", job.cancel_reason)
                 return
             outcome = self._run_task(job, compare)
             if outcome.ok:
                 self._finish(job, "succeeded", None)
             else:
-                self._finish(job, "cancelled" if outcome.cancelled else "failed", outcome.error)
+                cancelled = outcome.cancelled
+                self._finish(
+                    job,
+                    "cancelled" if cancelled else "failed",
+                    job.cancel_reason if cancelled else outcome.error,
+                )
         except Exception as e:  # the engine must outlive any job
             self._finish(job, "failed", f"engine error: {type(e).__name__}: {e}")
 
@@ -452,6 +503,9 @@ class Engine:
 
     def _finish(self, job: Job, state: str, error: str | None) -> None:
         with job.lock:
+            if job.store_error is not None and state != "cancelled":
+                # a run whose record could not be kept is no result, whatever its workers did
+                state, error = "failed", job.store_error
             job.state, job.error, job.finished = state, error, time.time()
             if job.started is None:
                 job.started = job.finished
@@ -461,4 +515,5 @@ class Engine:
         try:
             self._persist(job)
         finally:
+            self.store.release(job.run_id)
             job.done_event.set()

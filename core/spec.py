@@ -61,15 +61,30 @@ class AdapterRef:
 
     @staticmethod
     def parse(text: str) -> AdapterRef:
-        """Parse `PATH` or `PATH=NAME`; the name defaults to the folder's name."""
-        path, _, name = text.rpartition("=") if "=" in text else (text, "", "")
+        """Parse `PATH` or `PATH=NAME`; the name defaults to the folder's name.
+
+        A path may hold `=` (`runs/lr=1e-4/lora`): the text is split at its last `=` only where what
+        follows is a valid name and the whole text is not an existing path.
+        """
+        path, name = text, ""
+        head, sep, tail = text.rpartition("=")
+        if sep and head.strip() and _valid_name(tail.strip()) and not Path(text).expanduser().exists():
+            path, name = head, tail
         path = path.strip()
         name = name.strip() or Path(path.rstrip("/")).name
         if not path:
             raise SpecError(f"adapter {text!r}: empty path")
-        if not name.replace("-", "_").replace(".", "_").isidentifier():
-            raise SpecError(f"adapter {text!r}: name {name!r} must be letters, digits, '-', '_' or '.'")
+        if not _valid_name(name):
+            raise SpecError(
+                f"adapter {text!r}: name {name!r} must be letters, digits, '-', '_' or '.' "
+                "(give one as PATH=NAME)"
+            )
         return AdapterRef(path=path, name=name)
+
+
+def _valid_name(name: str) -> bool:
+    """An adapter name PEFT accepts: letters, digits, '-', '_' or '.', not starting with a digit."""
+    return name.replace("-", "_").replace(".", "_").isidentifier()
 
 
 @dataclass(frozen=True)

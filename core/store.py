@@ -9,12 +9,26 @@
     <run_id>/<name>.parquet            a check's own tables (memory_timeline, placement, …)
 
 Every file is written to a temporary name and renamed into place, so a reader sees either the
-old or the new content. A run whose owning process is gone while it was still queued or running
-reads as failed: a half-written run is never shown as a result.
+old or the new content; a failed write removes its temporary file, and `Store.sweep()` removes what
+a killed process left. A run folder is made under a hidden name and renamed into place once its
+spec and run.json are written.
+
+The process that executes a run holds an exclusive lock on `<run_id>/.owner.lock` until the run
+ends (`fcntl.flock`: the OS drops it when that process dies, whatever kills it). So any process
+on this machine can tell a run being executed from one whose owner is gone, and a run being
+executed cannot be deleted. A run whose owner is gone while it was still queued or running reads
+as failed: a half-written run is never shown as a result.
+
+Reading never fails because of one run folder: a run.json that is not a run's record, a spec that
+does not parse or a metrics table that does not open reads as `damaged`, with the reason; such a
+run can still be opened (to see why) and deleted.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
 import os
 import secrets
@@ -26,21 +40,51 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import pyarrow.parquet as pq
 
 from core.spec import ProbeSpec
 
 ACTIVE_STATES = ("queued", "running")
+STATES = (*ACTIVE_STATES, "succeeded", "failed", "cancelled")
+DAMAGED = "damaged"  # read back only: the folder does not hold a readable run
+LOCK_NAME = ".owner.lock"
+# Leftovers (temporary files, half-made run folders) younger than this may belong to a write in
+# progress in a process that does not hold the run's lock (a worker): the sweep leaves them.
+LEFTOVER_AGE_S = 300.0
+
+
+class StoreError(Exception):
+    """A run that cannot be written or deleted; the message names the file and what to do."""
+
+
+def io_advice(e: OSError) -> str:
+    """What to do about a failed write, in words (empty when there is nothing general to say)."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "the disk is full: free some space"
+    if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return "the folder is not writable: make it writable, or choose another home (--home or WEIGHTDRIFT_HOME)"
+    return "check the folder and the disk"
+
+
+def _cant(what: str, path: Path, e: OSError) -> StoreError:
+    return StoreError(f"cannot {what} {path}: {e.strerror or e} ({io_advice(e)})")
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `data` to `path` through a temporary file in the same folder and a rename."""
+    """Write `data` to `path` through a temporary file in the same folder and a rename; a failed
+    write leaves neither the temporary file nor a changed `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
@@ -54,6 +98,8 @@ def new_run_id() -> str:
 
 
 def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -61,6 +107,96 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def lock_held(run_dir: Path) -> bool | None:
+    """Whether some process holds the run's owner lock; None for a run without a lock file
+    (stored before locks, or never started)."""
+    try:
+        fd = os.open(run_dir / LOCK_NAME, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return True  # cannot tell: err on the side of "in use"
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops the lock we may have taken
+    return False
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def info_problem(info: Any) -> str | None:
+    """Why a parsed run.json is not a run's record (None when it is one)."""
+    if not isinstance(info, dict):
+        return f"holds a JSON {type(info).__name__}, not an object"
+    if info.get("status") not in STATES:
+        return f"status {info.get('status')!r} is not one of {', '.join(STATES)}"
+    for key in ("created", "started", "finished", "duration_s"):
+        if info.get(key) is not None and not _is_number(info[key]):
+            return f"{key!r} is {info[key]!r}, not a number"
+    if info.get("error") is not None and not isinstance(info["error"], str):
+        return f"'error' is {info['error']!r}, not text"
+    owner = info.get("owner")
+    if owner is not None:
+        if not isinstance(owner, dict):
+            return f"'owner' is {owner!r}, not an object"
+        if owner.get("pid") is not None and (
+            not isinstance(owner["pid"], int) or isinstance(owner["pid"], bool)
+        ):
+            return f"'owner.pid' is {owner['pid']!r}, not a process id"
+    targets = info.get("targets")
+    if targets is not None:
+        if not isinstance(targets, dict) or not all(isinstance(t, dict) for t in targets.values()):
+            return "'targets' is not an object of per-target objects"
+        for name, t in targets.items():
+            if not isinstance(t.get("state", ""), str):
+                return f"'targets.{name}.state' is not text"
+            for key in ("step", "of"):
+                if t.get(key) is not None and not _is_number(t[key]):
+                    return f"'targets.{name}.{key}' is {t[key]!r}, not a number"
+    return None
+
+
+def damaged_info(run_id: str, reason: str) -> dict[str, Any]:
+    """What a run folder that holds no readable run reads as: `damaged`, with what to do."""
+    return {
+        "run_id": run_id,
+        "status": DAMAGED,
+        "created": None,
+        "started": None,
+        "finished": None,
+        "duration_s": None,
+        "error": f"{reason}. Delete the run (Runs page, or remove its folder) or restore the file.",
+        "targets": {},
+    }
+
+
+_VERIFIED: dict[tuple[str, int, int], str | None] = {}
+
+
+def table_problem(path: Path) -> str | None:
+    """Why a stored Parquet table does not open (None when it does). Read whole, with the page
+    checksums the store writes, once per file version: a truncated, emptied or bit-flipped file
+    is found here, not in a page."""
+    try:
+        st = path.stat()
+    except OSError as e:
+        return f"{path.name} cannot be read: {e.strerror or e}"
+    key = (str(path), st.st_mtime_ns, st.st_size)
+    if key not in _VERIFIED:
+        try:
+            pq.read_table(path, page_checksum_verification=True)
+            _VERIFIED[key] = None
+        except Exception as e:  # pyarrow raises several kinds for a damaged file
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            _VERIFIED[key] = f"{path.name} is damaged ({st.st_size} bytes; {first})"
+    return _VERIFIED[key]
 
 
 @dataclass
@@ -81,38 +217,47 @@ class RunRecord:
         return self.info.get("error")
 
     def metrics(self) -> pd.DataFrame:
-        """The metrics table (empty if the run has none)."""
-        path = self.run_dir / "metrics.parquet"
-        if not path.exists():
-            return pd.DataFrame()
-        return pd.read_parquet(path)
+        """The metrics table (empty if the run has none); StoreError if it does not open."""
+        return self.table("metrics")
 
     def table(self, name: str) -> pd.DataFrame:
-        """A check's own table `<name>.parquet` (empty if the run has none)."""
+        """A table of the run, `<name>.parquet` (empty if the run has none); StoreError, naming the
+        file, if it does not open."""
         path = self.run_dir / f"{name}.parquet"
         if not path.exists():
             return pd.DataFrame()
+        problem = table_problem(path)
+        if problem is not None:
+            raise StoreError(f"run {self.run_id}: {problem}; delete the run or run it again")
         return pd.read_parquet(path)
+
+    def _capture_docs(self) -> list[tuple[Path, dict[str, Any]]]:
+        docs = []
+        for path in sorted((self.run_dir / "captures").glob("*/capture.json")):
+            try:
+                doc = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(doc, dict):
+                docs.append((path, doc))
+        return docs
 
     def environments(self) -> dict[str, dict[str, Any]]:
         """Each captured target's environment provenance (target string → dict), reading only JSON."""
         envs: dict[str, dict[str, Any]] = {}
-        for path in sorted((self.run_dir / "captures").glob("*/capture.json")):
-            try:
-                doc = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError):
-                continue
-            envs[doc.get("target", path.parent.name)] = doc.get("environment", {})
+        for path, doc in self._capture_docs():
+            env = doc.get("environment", {})
+            if isinstance(env, dict):
+                envs[str(doc.get("target", path.parent.name))] = env
         return envs
 
     def notes(self) -> list[str]:
         """What the workers noted while capturing (e.g. how a reference was made), each once."""
         notes: dict[str, None] = {}
-        for path in sorted((self.run_dir / "captures").glob("*/capture.json")):
-            try:
-                notes.update(dict.fromkeys(json.loads(path.read_text()).get("notes", [])))
-            except (OSError, json.JSONDecodeError):
-                continue
+        for _, doc in self._capture_docs():
+            found = doc.get("notes", [])
+            if isinstance(found, list):
+                notes.update(dict.fromkeys(str(n) for n in found))
         return list(notes)
 
 
@@ -122,34 +267,70 @@ class Store:
     def __init__(self, home: Path):
         self.home = Path(home)
         self.runs_dir = self.home / "runs"
-        self.runs_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.runs_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise _cant("create the runs folder", self.runs_dir, e) from e
+        self._locks: dict[str, int] = {}  # run_id → fd of the owner lock this process holds
 
     def create_run(self, spec: ProbeSpec, run_id: str | None = None) -> RunRecord:
-        """A new run folder with its spec and a `queued` run.json owned by this process."""
+        """A new run folder with its spec and a `queued` run.json, owned (locked) by this process
+        until `release`. The folder appears complete or not at all; StoreError if it cannot be made."""
         run_id = run_id or new_run_id()
         run_dir = self.runs_dir / run_id
-        run_dir.mkdir(parents=True, exist_ok=False)
-        atomic_write_bytes(run_dir / "spec.json", spec.to_json().encode())
-        info = {
-            "run_id": run_id,
-            "status": "queued",
-            "created": time.time(),
-            "started": None,
-            "finished": None,
-            "duration_s": None,
-            "error": None,
-            "owner": {"pid": os.getpid(), "host": socket.gethostname()},
-            "targets": {},
-        }
-        atomic_write_json(run_dir / "run.json", info)
+        if run_dir.exists():
+            raise StoreError(f"run {run_id} already exists in {self.runs_dir}")
+        making = self.runs_dir / f".{run_id}.creating"
+        fd = None
+        try:
+            making.mkdir(parents=True)
+            fd = os.open(making / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            atomic_write_bytes(making / "spec.json", spec.to_json().encode())
+            info = {
+                "run_id": run_id,
+                "status": "queued",
+                "created": time.time(),
+                "started": None,
+                "finished": None,
+                "duration_s": None,
+                "error": None,
+                "owner": {"pid": os.getpid(), "host": socket.gethostname()},
+                "targets": {},
+            }
+            atomic_write_json(making / "run.json", info)
+            os.rename(making, run_dir)
+        except OSError as e:
+            if fd is not None:
+                os.close(fd)
+            shutil.rmtree(making, ignore_errors=True)
+            raise _cant("create the run folder", run_dir, e) from e
+        self._locks[run_id] = fd
         return RunRecord(run_id=run_id, run_dir=run_dir, info=info, spec=spec)
 
+    def release(self, run_id: str) -> None:
+        """Give up this process's ownership of a run (it has ended)."""
+        fd = self._locks.pop(run_id, None)
+        if fd is not None:
+            os.close(fd)
+
     def update(self, run_id: str, **changes: Any) -> dict[str, Any]:
-        """Merge `changes` into run.json (atomically) and return the new info."""
+        """Merge `changes` into run.json (atomically) and return the new info; StoreError, naming
+        the file and what to do, if it cannot be read or written."""
         path = self.runs_dir / run_id / "run.json"
-        info = json.loads(path.read_text())
+        try:
+            info = json.loads(path.read_text())
+        except FileNotFoundError as e:
+            raise StoreError(f"{path} is gone (the run was deleted while it ran)") from e
+        except (OSError, ValueError) as e:
+            raise StoreError(f"cannot read {path}: {e}") from e
+        if not isinstance(info, dict):
+            raise StoreError(f"{path} {info_problem(info)}")
         info.update(changes)
-        atomic_write_json(path, info)
+        try:
+            atomic_write_json(path, info)
+        except OSError as e:
+            raise _cant("update", path, e) from e
         return info
 
     def write_metrics(self, run_id: str, table: pd.DataFrame) -> Path:
@@ -157,28 +338,45 @@ class Store:
         return self.write_table(run_id, "metrics", table)
 
     def write_table(self, run_id: str, name: str, table: pd.DataFrame) -> Path:
-        """Store a table of the run as `<name>.parquet` (atomically)."""
+        """Store a table of the run as `<name>.parquet` (atomically, with page checksums so that a
+        damaged file is found when read)."""
         path = self.runs_dir / run_id / f"{name}.parquet"
         tmp = path.with_name(f".{name}.{secrets.token_hex(4)}.tmp")
-        table.to_parquet(tmp, index=False)
-        os.replace(tmp, path)
+        try:
+            table.to_parquet(tmp, index=False, write_page_checksum=True)
+            os.replace(tmp, path)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise _cant("write", path, e) from e
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
         return path
 
     def open(self, run_id: str) -> RunRecord:
-        """Read a run back; a run abandoned mid-way (owner gone, results missing) reads as failed."""
+        """Read a run back, whatever its folder holds: a run abandoned mid-way (owner gone, results
+        missing) reads as failed, a folder that holds no readable run as damaged. KeyError only
+        when there is no such folder."""
         run_dir = self.runs_dir / run_id
-        if not (run_dir / "run.json").exists():
+        if not run_dir.is_dir():
             raise KeyError(f"no run {run_id!r} in {self.runs_dir}")
         try:
             info = json.loads((run_dir / "run.json").read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            info = {"run_id": run_id, "status": "failed", "error": f"run.json unreadable: {e}"}
+            problem = info_problem(info)
+            if problem is not None:
+                info = damaged_info(run_id, f"run.json {problem}")
+        except FileNotFoundError:
+            info = damaged_info(run_id, "run.json is missing")
+        except (OSError, ValueError) as e:
+            info = damaged_info(run_id, f"run.json is unreadable ({e})")
         try:
             spec = ProbeSpec.from_json((run_dir / "spec.json").read_text())
         except Exception as e:  # a damaged spec must not hide the run
             spec = None
-            if info.get("status") == "succeeded":
-                info = {**info, "status": "failed", "error": f"spec.json unreadable: {e}"}
+            if info["status"] != DAMAGED:
+                info = damaged_info(run_id, f"spec.json is unreadable ({type(e).__name__}: {e})")
         info = self._effective(info, run_dir)
         return RunRecord(run_id=run_id, run_dir=run_dir, info=info, spec=spec)
 
@@ -186,40 +384,107 @@ class Store:
     def _effective(info: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         status = info.get("status")
         if status in ACTIVE_STATES:
-            owner = info.get("owner") or {}
-            same_host = owner.get("host") == socket.gethostname()
-            if same_host and not _pid_alive(int(owner.get("pid", -1))):
+            held = lock_held(run_dir)
+            if held is None:  # a run stored before owner locks: its pid on this host
+                owner = info.get("owner") or {}
+                same_host = owner.get("host") == socket.gethostname()
+                held = not same_host or _pid_alive(int(owner.get("pid") or -1))
+            if not held:
                 return {
                     **info,
                     "status": "failed",
                     "error": info.get("error")
                     or "interrupted: the process that ran this job is gone (crash or shutdown); results incomplete",
                 }
-        if status == "succeeded" and not (run_dir / "metrics.parquet").exists():
-            return {
-                **info,
-                "status": "failed",
-                "error": "metrics.parquet is missing: the run did not finish writing",
-            }
+        if status == "succeeded":
+            path = run_dir / "metrics.parquet"
+            if not path.exists():
+                return {
+                    **info,
+                    "status": "failed",
+                    "error": "metrics.parquet is missing: the run did not finish writing",
+                }
+            problem = table_problem(path)
+            if problem is not None:
+                return {
+                    **damaged_info(info.get("run_id", run_dir.name), problem),
+                    "created": info.get("created"),
+                }
         return info
 
     def list_runs(self) -> list[RunRecord]:
-        """All runs, newest first; unreadable folders are listed as failed, never dropped."""
+        """All runs, newest first; a damaged folder is listed as damaged, never dropped."""
         records = []
         for run_dir in sorted(self.runs_dir.iterdir(), reverse=True):
-            if run_dir.is_dir() and not run_dir.name.startswith("."):
-                try:
-                    records.append(self.open(run_dir.name))
-                except KeyError:
-                    records.append(
-                        RunRecord(
-                            run_id=run_dir.name,
-                            run_dir=run_dir,
-                            info={"status": "failed", "error": "run.json missing"},
-                        )
-                    )
+            if run_dir.name.startswith("."):
+                continue  # a run folder being made, or left half-made (the sweep removes those)
+            with contextlib.suppress(KeyError):  # removed since iterdir
+                records.append(self.open(run_dir.name))
         return records
 
+    def in_use(self, run_id: str) -> bool:
+        """Whether a process on this machine is executing the run (it holds the run's lock)."""
+        run_dir = self.runs_dir / run_id
+        held = lock_held(run_dir)
+        if held is None:
+            return self.open(run_id).status in ACTIVE_STATES
+        return held
+
     def delete(self, run_id: str) -> None:
-        """Remove a run folder."""
-        shutil.rmtree(self.runs_dir / run_id)
+        """Remove a run folder; StoreError when a process (this one or another) is executing it."""
+        run_dir = self.runs_dir / run_id
+        if not run_dir.is_dir():
+            raise KeyError(f"no run {run_id!r} in {self.runs_dir}")
+        fd = None
+        with contextlib.suppress(FileNotFoundError):  # a run stored before owner locks
+            fd = os.open(run_dir / LOCK_NAME, os.O_RDONLY)
+        try:
+            if fd is not None:
+                try:
+                    # held while removing, so no process can take the run up meanwhile
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    owner = self.open(run_id).info.get("owner") or {}
+                    raise StoreError(
+                        f"run {run_id} is being executed by process {owner.get('pid', '?')} on "
+                        f"{owner.get('host', 'this machine')}: cancel it first (Ctrl-C or the Cancel button), "
+                        "then delete it"
+                    ) from None
+            elif self.open(run_id).status in ACTIVE_STATES:
+                raise StoreError(f"run {run_id} is still running: cancel it first, then delete it")
+            try:
+                shutil.rmtree(run_dir)
+            except OSError as e:
+                raise _cant("delete", run_dir, e) from e
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def sweep(self, min_age_s: float = LEFTOVER_AGE_S) -> list[Path]:
+        """Remove what killed or failed writes left: half-made run folders and temporary files in
+        runs no process executes, when older than `min_age_s`. Returns what was removed."""
+        removed: list[Path] = []
+        now = time.time()
+
+        def old(path: Path) -> bool:
+            try:
+                return now - path.lstat().st_mtime >= min_age_s
+            except OSError:
+                return False
+
+        try:
+            entries = list(self.runs_dir.iterdir())
+        except OSError:
+            return removed
+        for entry in entries:
+            if entry.name.startswith(".") and entry.name.endswith(".creating") and old(entry):
+                if not lock_held(entry):
+                    shutil.rmtree(entry, ignore_errors=True)
+                    removed.append(entry)
+            elif entry.is_dir() and not entry.name.startswith(".") and not lock_held(entry):
+                for tmp in entry.rglob(".*.tmp"):
+                    if old(tmp):
+                        with contextlib.suppress(OSError):
+                            tmp.unlink()
+                            removed.append(tmp)
+        return removed

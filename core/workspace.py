@@ -75,8 +75,13 @@ def find_adapters(
 
     base_path = Path(base).expanduser()
     roots = [*extra_roots]
-    if base_path.is_dir():
-        roots.insert(0, base_path.resolve().parent.parent)
+    try:
+        if base_path.is_dir():
+            grandparent = base_path.resolve().parent.parent
+            if grandparent != Path(grandparent.anchor):  # never the whole file system
+                roots.insert(0, grandparent)
+    except OSError:
+        pass
     try:
         shapes = validate_model(ModelRef(path=base))
     except InputError:
@@ -105,15 +110,28 @@ def find_adapters(
     return sorted(found.values(), key=lambda c: (not c.fits, c.name))
 
 
-def _walk(root: Path, filename: str, depth: int):
-    if depth < 0:
+# At most this many folder entries are looked at per scan: a base typed as a top-level or system
+# path must not make every form change walk a large tree.
+SCAN_BUDGET = 5000
+
+
+def _walk(root: Path, filename: str, depth: int, budget: list[int] | None = None):
+    """Files named `filename` under `root`, `depth` levels down, skipping what cannot be read."""
+    budget = [SCAN_BUDGET] if budget is None else budget
+    if depth < 0 or budget[0] <= 0:
         return
     try:
-        entries = list(root.iterdir())
+        entries = sorted(root.iterdir())
     except OSError:
         return
     for entry in entries:
-        if entry.name == filename and entry.is_file():
-            yield entry
-        elif entry.is_dir() and not entry.name.startswith("."):
-            yield from _walk(entry, filename, depth - 1)
+        budget[0] -= 1
+        if budget[0] < 0:
+            return
+        try:  # /proc, broken links, folders this user may not read: not adapters
+            if entry.name == filename and entry.is_file():
+                yield entry
+            elif not entry.name.startswith(".") and entry.is_dir():
+                yield from _walk(entry, filename, depth - 1, budget)
+        except OSError:
+            continue

@@ -19,6 +19,7 @@ import streamlit as st  # noqa: E402
 from dashboard.jobs import sidebar_jobs  # noqa: E402
 from dashboard.run_form import run_form  # noqa: E402
 from dashboard.state import home, store, sync_view_with_url  # noqa: E402
+from dashboard.text import literal  # noqa: E402
 
 VIEWS = Path(__file__).resolve().parent / "views"
 PAGES = [
@@ -58,12 +59,17 @@ def demo_manifest() -> dict | None:
     bar = st.progress(0.0, text="Building the demo workspace (tiny models and adapters, offline)…")
 
     def progress(stage: str, k: int, n: int) -> None:
-        bar.progress(k / n if n else 0.0, text=f"Building the demo workspace: {stage} · step {k} of {n}")
+        bar.progress(
+            k / n if n else 0.0, text=f"Building the demo workspace: {literal(stage)} · step {k:d} of {n:d}"
+        )
 
     try:
         manifest = build_demo(home(), progress=progress)
     except Exception as e:  # the app must still come up, e.g. to open stored runs
-        st.error(f"Could not build the demo workspace in {home() / 'demo'}: {type(e).__name__}: {e}")
+        st.error(
+            f"Could not build the demo workspace in {literal(home() / 'demo')}: {literal(type(e).__name__)}: "
+            f"{literal(e)}"
+        )
         return None
     bar.empty()
     return manifest
@@ -86,7 +92,7 @@ def main() -> None:
         st.subheader("New run")
         run_form(manifest)
         sidebar_jobs()
-        st.caption(f"Runs are stored in `{store().runs_dir}`")
+        st.caption(f"Runs are stored in {literal(store().runs_dir)}")
     page.run()
 
 

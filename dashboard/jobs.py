@@ -13,6 +13,7 @@ import streamlit as st
 
 from core.engine import Job
 from dashboard.state import engine
+from dashboard.text import literal, trusted
 
 POLL_S = 1.0
 IDLE_POLL_S = 5.0
@@ -45,16 +46,20 @@ def draw_progress(job: Job, *, compact: bool = False) -> None:
     snap = job.snapshot()
     elapsed = (snap["finished"] or time.time()) - (snap["started"] or snap["created"])
     if not compact:
-        st.markdown(f"**Run `{snap['run_id']}`** — {snap['state']} · {elapsed:.1f} s")
+        st.markdown(f"**Run {literal(snap['run_id'])}** — {literal(snap['state'])} · {elapsed:.1f} s")
     for name, task in snap["tasks"].items():
         frac = task["step"] / task["of"] if task["of"] else (1.0 if task["state"] == "succeeded" else 0.0)
         took = f"{task['elapsed_s']:.1f} s" if task["elapsed_s"] is not None else "waiting"
         stage = task["stage"] or task["state"]
         steps = f" · step {task['step']} of {task['of']}" if task["of"] else ""
-        text = f"{STATE_ICON.get(task['state'], '')} {name} · {stage}{steps} · {took}"
-        st.progress(min(max(frac, 0.0), 1.0), text=text)
+        st.progress(
+            min(max(frac, 0.0), 1.0),
+            text=trusted(STATE_ICON.get(task["state"], ""))
+            + " "
+            + literal(f"{name} · {stage}{steps} · {took}"),
+        )
     if snap["state"] == "failed" and snap["error"]:
-        st.error(f"Run failed: {snap['error']}")
+        st.error(f"Run failed: {literal(snap['error'])}")
 
 
 def job_panel(run_id: str) -> None:
@@ -71,7 +76,7 @@ def job_panel(run_id: str) -> None:
         running = job.snapshot()["state"] in ("queued", "running")
         if running and st.button("Cancel run", key=f"cancel.{run_id}", icon=":material/stop_circle:"):
             job.cancel()
-            st.toast(f"Cancelling {run_id}: workers stop at their next stage.")
+            st.toast(f"Cancelling {literal(run_id)}: workers stop at their next stage.")
         _rerun_when_finished([run_id] if active else [])
 
     panel()
@@ -86,7 +91,7 @@ def sidebar_jobs() -> None:
     def panel() -> None:
         running = active_jobs()
         for job in running:
-            st.caption(f"Running `{job.run_id}`")
+            st.caption(f"Running {literal(job.run_id)}")
             draw_progress(job, compact=True)
         _rerun_when_finished([j.run_id for j in running])
 
@@ -104,14 +109,15 @@ def stored_progress(run_id: str) -> None:
             st.rerun(scope="app")
         owner = record.info.get("owner") or {}
         st.info(
-            f"Run `{run_id}` is running in another process (pid {owner.get('pid')} on {owner.get('host')})."
+            f"Run {literal(run_id)} is running in another process "
+            f"(pid {literal(owner.get('pid'))} on {literal(owner.get('host'))})."
         )
         for name, task in (record.info.get("targets") or {}).items():
-            frac = task["step"] / task["of"] if task.get("of") else 0.0
+            frac = (task.get("step") or 0) / task["of"] if task.get("of") else 0.0
+            state = task.get("state") or "queued"
+            line = f"{name} · {task.get('stage') or state} · step {task.get('step') or 0} of {task.get('of') or 0}"
             st.progress(
-                min(max(frac, 0.0), 1.0),
-                text=f"{STATE_ICON.get(task['state'], '')} {name} · {task.get('stage') or task['state']} · "
-                f"step {task.get('step', 0)} of {task.get('of', 0)}",
+                min(max(frac, 0.0), 1.0), text=trusted(STATE_ICON.get(state, "")) + " " + literal(line)
             )
 
     panel()

@@ -34,6 +34,7 @@ from core.workspace import (
     recent_bases,
 )
 from dashboard.state import engine, result_page, start_run, store
+from dashboard.text import literal
 
 DTYPES = ("float32", "bfloat16", "float16")
 ROLES = ("*", "base", "lora_A", "lora_B", "delta", "output")
@@ -130,7 +131,7 @@ def target_options(devices: list[Device]) -> list[str]:
 
 def _show(errors: list[str]) -> None:
     for message in errors:
-        st.error(message, icon=":material/error:")
+        st.error(literal(message), icon=":material/error:")
 
 
 def _demo_paths(manifest: dict | None) -> dict[str, str]:
@@ -334,4 +335,4 @@ def _target_builder(devices: list[Device]) -> None:
             if spec not in current:
                 st.session_state["form.targets"] = [*current, spec]
 
-        st.button(f"Add {spec}", on_click=add, key="form.new.add", width="stretch")
+        st.button(f"Add {literal(spec)}", on_click=add, key="form.new.add", width="stretch")

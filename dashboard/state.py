@@ -18,7 +18,8 @@ import streamlit as st
 
 from core.engine import Engine, InProcessRunner, ProcessRunner
 from core.spec import ProbeSpec, SpecError, weightdrift_home
-from core.store import RunRecord, Store
+from core.store import RunRecord, Store, StoreError
+from dashboard.text import literal
 
 # Query parameters that make up a view; anything else in the URL is left alone.
 VIEW_KEYS = ("run", "check", "adapter", "target", "metric", "stage", "tensor")
@@ -169,7 +170,9 @@ def open_run(name: str = "run", *, container: Any = None, check: str | None = No
     by_id = {r.run_id: r for r in records}
     wanted = view(name)
     if wanted is not None and wanted not in by_id:
-        st.warning(f"Run `{wanted}` is not in {store().runs_dir} (deleted, or made with another home).")
+        st.warning(
+            f"Run {literal(wanted)} is not in {literal(store().runs_dir)} (deleted, or made with another home)."
+        )
     done = [r for r in records if r.status == "succeeded"]
     with_check = [r for r in done if check is not None and r.spec is not None and check in r.spec.checks]
     newest_done = (with_check or done or records)[0].run_id
@@ -217,8 +220,8 @@ def start_run(spec: ProbeSpec, page: str) -> None:
     """
     try:
         job = engine().submit(spec)
-    except SpecError as e:
-        st.error(str(e))
+    except (SpecError, StoreError) as e:  # a refused spec; a home that is full or read-only
+        st.error(literal(e), icon=":material/error:")
         return
     for name in VIEW_KEYS:
         set_view(name, None)

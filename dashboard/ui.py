@@ -9,10 +9,11 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from core.spec import SpecError
-from core.store import RunRecord
+from core.store import DAMAGED, RunRecord
 from dashboard.figures import diff_heatmap, diff_histogram, figure_html, sketch_heatmap, sketch_histogram
 from dashboard.jobs import job_panel
 from dashboard.state import engine, home, open_run, start_run, store
+from dashboard.text import literal, spreadsheet_safe, trusted
 
 # How the metric columns read in every table: exponent form, so 1e-7 and 1e-3 are told apart.
 METRIC_COLUMN_CONFIG = {
@@ -29,10 +30,10 @@ def _slug(text: str) -> str:
 
 
 def csv_download(table: pd.DataFrame, name: str, *, key: str) -> None:
-    """A button that downloads `table` as CSV (`name`.csv)."""
+    """A button that downloads `table` as CSV (`name`.csv), formulas neutralised."""
     st.download_button(
         "Download CSV",
-        data=table.to_csv(index=False).encode(),
+        data=spreadsheet_safe(table).to_csv(index=False).encode(),
         file_name=f"{_slug(name)}.csv",
         mime="text/csv",
         key=key,
@@ -71,20 +72,43 @@ def run_header(record: RunRecord) -> bool:
     spec = record.spec
     if spec is not None:
         adapters = ", ".join(a.name for a in spec.adapters) or "none (base model only)"
+        targets = ", ".join(t.label for t in spec.targets)
         st.caption(
-            f"Base `{spec.base.path}` · adapters {adapters} · targets "
-            f"{', '.join(t.label for t in spec.targets)} · checks {', '.join(spec.checks)}"
+            f"Base {literal(spec.base.path)} · adapters {literal(adapters)} · targets {literal(targets)} · "
+            f"checks {literal(', '.join(spec.checks))}"
         )
     if record.status in ("queued", "running"):
         job_panel(record.run_id)
         return False
     if record.status == "failed":
-        st.error(f"Run `{record.run_id}` failed: {record.error}", icon=":material/error:")
+        st.error(f"Run {literal(record.run_id)} failed: {literal(record.error)}", icon=":material/error:")
+        return False
+    if record.status == DAMAGED:
+        st.error(
+            f"Run {literal(record.run_id)} is damaged: {literal(record.error)}",
+            icon=":material/broken_image:",
+        )
         return False
     if record.status == "cancelled":
-        st.warning(f"Run `{record.run_id}` was cancelled before it finished; it has no results.")
+        st.warning(
+            f"Run {literal(record.run_id)} was cancelled before it finished; it has no results"
+            + (f": {literal(record.error)}" if record.error else ".")
+        )
         return False
     return True
+
+
+def verdict_box(verdict: str, text: str) -> None:
+    """A row's verdict in the box of its severity, then `text` (plain text: tensor names, the
+    explanation and its reason come from the run's files)."""
+    if verdict == "identical":
+        st.success(f"**{literal(verdict)}** · {literal(text)}")
+    elif verdict == "within tolerance":
+        st.info(f"**{literal(verdict)}** · {literal(text)}")
+    elif verdict == "drift":
+        st.warning(f"**{literal(verdict)}** · {literal(text)}")
+    else:
+        st.error(f"**{literal(verdict)}** · {literal(text)}")
 
 
 def finished_run(check: str | None = None) -> RunRecord:
@@ -116,18 +140,18 @@ def scenario_buttons(page: str, *, expanded: bool = False) -> None:
         for i, scenario in enumerate(scenarios):
             with columns[i % len(columns)]:
                 clicked = st.button(
-                    scenario.title,
+                    trusted(scenario.title),
                     key=f"scenario.{scenario.name}",
-                    help=scenario.description,
+                    help=trusted(scenario.description),
                     icon=":material/play_arrow:",
                     use_container_width=True,
                 )
-                st.caption(scenario.description)
+                st.caption(trusted(scenario.description))
                 if clicked:
                     try:
                         spec = scenario_spec(scenario.name, manifest, engine().devices)
                     except SpecError as e:
-                        st.error(str(e))
+                        st.error(literal(e))
                         continue
                     start_run(spec, page)
 
@@ -168,16 +192,22 @@ def element_diff_view(
 ) -> None:
     """One tensor's element-wise difference from its reference: map and histogram with downloads.
 
-    `exact` is what is said when every element equals the reference; a tensor that cannot be read
-    is explained, not raised.
+    `exact` (plain text) is what is said when every element equals the reference; a tensor that
+    cannot be read (run folder damaged, base model or adapter moved since the run) is explained, not
+    raised.
     """
     try:
         figures = _diff_figures(record.run_id, check, target, adapter, tensor, title)
-    except (KeyError, ValueError, OSError) as e:
-        st.error(f"Cannot show the element-wise difference: {e}")
+    except Exception as e:  # whatever reading the files raises (LoadError, OSError, …): said, not raised
+        st.error(
+            f"Cannot show the element-wise difference of {literal(tensor)} on {literal(target)}: "
+            f"{literal(e)}. If the run's base model or adapters moved since it ran, put them back or run "
+            "it again.",
+            icon=":material/error:",
+        )
         return
     if figures is None:
-        st.success(exact)
+        st.success(literal(exact))
         return
     heat, hist = figures
     left, right = st.columns([3, 2])

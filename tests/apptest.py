@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from dashboard.text import unescape
+
 APP = str(Path(__file__).resolve().parent.parent / "dashboard" / "app.py")
 
 
@@ -20,11 +22,16 @@ def make_app(home: Path, monkeypatch: pytest.MonkeyPatch, **params: str) -> AppT
     return at
 
 
+def shown(element) -> str:
+    """What an element's Markdown body reads as on screen (untrusted text is sent escaped)."""
+    return unescape(str(element.value))
+
+
 def texts(at: AppTest) -> str:
-    """Every message, markdown, caption and metric label on the page, as one string."""
+    """Every message, markdown, caption and metric label on the page, as one string, as it reads."""
     parts = []
     for kind in ("error", "warning", "info", "success", "markdown", "caption", "title", "subheader"):
-        parts += [str(e.value) for e in getattr(at, kind)]
+        parts += [shown(e) for e in getattr(at, kind)]
     parts += [str(e.label) for e in at.metric]
     return "\n".join(parts)
 

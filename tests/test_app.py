@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from apptest import make_app, no_exceptions, texts
+from apptest import make_app, no_exceptions, shown, texts
 
 from core.demo import build_demo, load_manifest
 from core.engine import Engine, InProcessRunner
@@ -137,12 +137,12 @@ def test_the_form_explains_invalid_input_next_to_the_field(run_home, monkeypatch
     at.session_state["form.targets"] = ["cpu/float32", "cuda:7/float32"]
     at.run()
     no_exceptions(at)
-    errors = [str(e.value) for e in at.sidebar.error]
+    errors = [shown(e) for e in at.sidebar.error]
     assert any("no such folder" in e for e in errors), errors
     assert any("cuda:7 does not exist on this machine" in e for e in errors), errors
     runs_before = len(Store(home).list_runs())
     at.sidebar.button(key="form.run").click().run()
-    assert any("Fix the fields" in str(e.value) for e in at.sidebar.error)
+    assert any("Fix the fields" in shown(e) for e in at.sidebar.error)
     assert len(Store(home).list_runs()) == runs_before  # nothing was submitted
 
     # An adapter made for another base is refused with the reason.
@@ -152,7 +152,7 @@ def test_the_form_explains_invalid_input_next_to_the_field(run_home, monkeypatch
     at.run()
     at.session_state["form.adapters"] = [manifest["adapters"]["bert-lora"]["path"]]
     at.run()
-    errors = [str(e.value) for e in at.sidebar.error]
+    errors = [shown(e) for e in at.sidebar.error]
     assert any("made for a different base model" in e for e in errors), errors
 
 
@@ -196,8 +196,9 @@ def test_a_failed_run_shows_its_reason_on_every_result_page(run_home, monkeypatc
     for page in PAGES[:3]:
         at.switch_page(page).run()
         no_exceptions(at)
-        assert any(reason in str(e.value) for e in at.error), page
+        assert any(reason in shown(e) for e in at.error), page
         assert not at.get("plotly_chart"), page
+    store.release(record.run_id)
     store.delete(record.run_id)
 
 
@@ -212,6 +213,7 @@ def test_a_run_owned_by_another_process_shows_its_stored_progress(run_home, monk
     no_exceptions(at)
     assert "is running in another process" in texts(at)
     assert any("capture lora · step 7 of 21" in str(p.proto.text) for p in at.get("progress"))
+    store.release(record.run_id)
     store.delete(record.run_id)
 
 
@@ -242,3 +244,88 @@ def test_the_form_sends_strategies_and_merge_subset_and_opens_the_first_checks_p
     while store.open(new[0].run_id).status in ("queued", "running") and time.time() < deadline:
         time.sleep(0.5)
     assert store.open(new[0].run_id).status == "succeeded", store.open(new[0].run_id).error
+
+
+# --- faults and untrusted text (issue 15) -----------------------------------------------------
+
+CRAFTED = (
+    "Session expired - [click to sign in again](http://evil.example/login) ![x](http://evil.example/p.png)"
+)
+
+
+def test_a_crafted_run_url_is_shown_as_text(run_home, monkeypatch):
+    home, _ = run_home
+    at = make_app(home, monkeypatch, run=CRAFTED)
+    at.switch_page("views/drift.py").run()
+    no_exceptions(at)
+    warning = next(w for w in at.warning if "is not in" in shown(w))
+    assert shown(warning).startswith(f"Run {CRAFTED} is not in ")
+    # sent escaped: Markdown draws neither the link nor the image
+    assert "](http" not in str(warning.value) and "![" not in str(warning.value)
+
+
+def _damaged_copy(store: Store, good: str, damage) -> str:
+    """A copy of the finished run `good`, then damaged by `damage(run_dir)`; returns its id."""
+    import shutil
+
+    from core.store import new_run_id
+
+    run_id = new_run_id()
+    shutil.copytree(store.runs_dir / good, store.runs_dir / run_id)
+    damage(store.runs_dir / run_id)
+    return run_id
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (lambda d: (d / "run.json").write_text("[]"), "run.json holds a JSON list, not an object"),
+        (lambda d: (d / "metrics.parquet").write_bytes(b""), "metrics.parquet is damaged (0 bytes"),
+    ],
+    ids=["run.json", "metrics.parquet"],
+)
+def test_a_damaged_run_shows_why_and_can_be_deleted(run_home, monkeypatch, damage, reason):
+    home, good = run_home
+    store = Store(home)
+    run_id = _damaged_copy(store, good, damage)
+    at = make_app(home, monkeypatch, run=run_id)
+    for page in PAGES[:3]:
+        at.switch_page(page).run()
+        no_exceptions(at)
+        assert any(f"Run {run_id} is damaged: {reason}" in shown(e) for e in at.error), page
+    at.switch_page("views/runs.py").run()
+    no_exceptions(at)
+    table = at.dataframe(key="runs.table").value
+    row = table[table["run"] == run_id].iloc[0]
+    assert row["status"] == "damaged" and row["error"].startswith(reason)
+    assert store.open(run_id).status == "damaged"
+    store.delete(run_id)  # what the page's delete button calls: allowed, nobody runs it
+
+
+def test_run_on_a_home_that_cannot_be_written_says_so(run_home, monkeypatch):
+    import errno
+
+    from core import store as store_module
+
+    home, _ = run_home
+    at = make_app(home, monkeypatch)
+    at.run()
+    manifest = load_manifest(home)
+    at.session_state["form.adapters"] = [manifest["adapters"]["lora"]["path"]]
+    at.run()
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(store_module.os, "fsync", read_only)
+    before = {r.run_id for r in Store(home).list_runs()}
+    at.sidebar.button(key="form.run").click().run()
+    no_exceptions(at)
+    message = [shown(e) for e in at.sidebar.error]
+    assert any(
+        m.startswith("cannot create the run folder ")
+        and "Read-only file system (the folder is not writable: make it writable, or choose another home" in m
+        for m in message
+    ), message
+    monkeypatch.undo()
+    assert {r.run_id for r in Store(home).list_runs()} == before

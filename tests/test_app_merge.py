@@ -7,7 +7,7 @@ import shutil
 
 import pandas as pd
 import pytest
-from apptest import make_app
+from apptest import make_app, shown
 
 from core.demo import build_demo
 from core.engine import Engine, InProcessRunner
@@ -28,7 +28,9 @@ def merge_home(tmp_path_factory):
 
 def _page_text(at) -> str:
     kinds = ("error", "success", "warning", "info", "subheader", "caption", "text")
-    return "\n".join(str(e.value) for kind in kinds for e in getattr(at, kind))
+    return "\n".join(
+        str(e.value) if kind == "text" else shown(e) for kind in kinds for e in getattr(at, kind)
+    )
 
 
 @pytest.mark.parametrize("adapter", ["lora_embed", "lora_nan", "lora"])
@@ -44,8 +46,10 @@ def test_merge_page_renders(merge_home, monkeypatch, adapter):
         assert "Some tensors share memory" in text  # the library's message, as text
     if adapter == "lora_nan":
         # safe_merge refuses the module; PEFT's default merge writes the NaN into W: both named
-        assert "safe_merge refused** in `model.layers.1.self_attn.v_proj`" in text
-        assert "NaN/Inf merged into W by PEFT's default merge** in `model.layers.1.self_attn.v_proj`" in text
+        assert "safe_merge refused** in model.layers.1.self_attn.v_proj on " in text
+        assert (
+            "NaN/Inf merged into W by PEFT's default merge** in model.layers.1.self_attn.v_proj on " in text
+        )
         assert "NaNs detected in the merged weights" in text
     assert any(b.label.startswith("bfloat16 merge residual") for b in at.button)
     # every stage named for what it runs, in run order, with what it runs beside it
@@ -72,7 +76,7 @@ def test_merge_page_switches_to_safe_merge(merge_home, monkeypatch):
     at = make_app(home, monkeypatch, run=run_id, adapter="lora", stage="safe_merge")
     at.switch_page("views/merge.py").run()
     assert not at.exception, [e.value for e in at.exception]
-    assert any(str(c.value).startswith("28 modules merged by safe_merge") for c in at.caption)
+    assert any(shown(c).startswith("28 modules merged by safe_merge") for c in at.caption)
     assert at.query_params["stage"] == "safe_merge"
 
 
@@ -105,8 +109,7 @@ def test_a_run_stored_before_the_split_renders_under_what_it_ran(legacy_home, mo
     at.switch_page("views/merge.py").run()
     assert not at.exception, [e.value for e in at.exception]
     assert any(
-        "stored before PEFT's default merge and safe_merge were measured apart" in str(i.value)
-        for i in at.info
+        "stored before PEFT's default merge and safe_merge were measured apart" in shown(i) for i in at.info
     )
     assert at.selectbox(key="widget.stage").options == ["safe_merge"]
     stages = list(at.dataframe[1].value.stage)

@@ -237,3 +237,90 @@ def test_adapter_that_fails_in_the_worker_fails_the_job_with_its_reason(demo_wor
     assert "Traceback" not in proc.stderr
     listed = cli("runs", "--json", home=tmp_path)
     assert json.loads(listed.stdout)[0]["status"] == "failed"
+
+
+def _workers_of(home: Path) -> list:
+    """Worker processes writing into `home` (their stderr is a log file of one of its runs)."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if "core.worker" not in " ".join(proc.info["cmdline"] or []):
+                continue
+            if any(f.path.startswith(str(home)) for f in proc.open_files()):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+@pytest.mark.e2e
+def test_sigterm_cancels_the_run_and_leaves_no_worker_and_a_running_run_cannot_be_deleted(
+    demo_workspace, tmp_path
+):
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    from core.store import Store, StoreError
+
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "core",
+            "run",
+            "--base",
+            demo_workspace["models"]["tiny-llama"],
+            "--adapter",
+            *adapter_args(demo_workspace, ["lora", "dora", "boft"]),
+            "--target",
+            "cpu/float32",
+            "cpu/bfloat16",
+            "--home",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    try:
+        store = Store(tmp_path)
+        deadline = time.monotonic() + 120
+        run_id = None
+        while time.monotonic() < deadline:
+            runs = store.list_runs()
+            if runs and runs[0].status == "running" and _workers_of(tmp_path):
+                run_id = runs[0].run_id
+                break
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        assert run_id is not None, "the run never got a worker"
+        # a second process (this one) cannot delete it while the CLI executes it
+        with pytest.raises(StoreError, match=f"run {run_id} is being executed by process {proc.pid}"):
+            store.delete(run_id)
+        assert (tmp_path / "runs" / run_id / "run.json").exists()
+
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 2, err
+    assert f"cancelling run {run_id}: received SIGTERM; stopping its workers" in err
+    assert (
+        err.strip().splitlines()[-1] == f"error: run {run_id} cancelled: cancelled: the CLI received SIGTERM"
+    )
+    assert "Traceback" not in err
+    time.sleep(0.5)
+    assert [p.pid for p in _workers_of(tmp_path) if p.status() != psutil.STATUS_ZOMBIE] == []
+    record = store.open(run_id)
+    assert record.status == "cancelled"
+    assert record.error == "cancelled: the CLI received SIGTERM"
+    store.delete(run_id)  # its owner is gone: now it can go
+    assert not os.path.exists(tmp_path / "runs" / run_id)

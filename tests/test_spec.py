@@ -87,3 +87,16 @@ def test_probe_spec_json_round_trip():
     assert again == spec
     assert again.tolerance_for("lora_B") == ToleranceOverride(atol=1e-6)
     assert again.tolerance_for("output") == ToleranceOverride(rtol=1e-3)
+
+
+def test_an_adapter_path_may_hold_an_equals_sign(tmp_path):
+    # the part after the last '=' is no name: the whole text is the path
+    assert AdapterRef.parse("runs/lr=1e-4/lora") == AdapterRef("runs/lr=1e-4/lora", "lora")
+    assert AdapterRef.parse("runs/lr=1e-4/lora=mine") == AdapterRef("runs/lr=1e-4/lora", "mine")
+    # a folder whose name ends in '=NAME' is taken whole when it exists
+    folder = tmp_path / "sweep=best"
+    folder.mkdir()
+    with pytest.raises(SpecError, match="name 'sweep=best' must be letters"):
+        AdapterRef.parse(str(folder))  # exists: not split, and its folder name is no adapter name
+    assert AdapterRef.parse(f"{folder}=best") == AdapterRef(str(folder), "best")
+    assert AdapterRef.parse(str(tmp_path / "gone=best")) == AdapterRef(str(tmp_path / "gone"), "best")

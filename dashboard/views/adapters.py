@@ -15,6 +15,7 @@ from dashboard.figures_adapters import (
     stacking_summary,
 )
 from dashboard.state import bound_select, metrics_table, run_table
+from dashboard.text import literal, trusted
 from dashboard.ui import METRIC_COLUMN_CONFIG, csv_download, downloads, finished_run, scenario_buttons
 
 st.title("Adapter consistency")
@@ -33,8 +34,9 @@ spec = record.spec
 strategies = list(dict.fromkeys([GROUND_TRUTH, *(spec.strategies if spec else [])]))
 st.caption(
     "Each strategy loads the run's adapters in order "
-    f"({', '.join(a.name for a in spec.adapters) if spec else '?'}) in a worker of its own; "
-    f"`{GROUND_TRUTH}` (a fresh base per adapter) is the ground truth. Strategies: {', '.join(strategies)}."
+    f"({literal(', '.join(a.name for a in spec.adapters) if spec else '?')}) in a worker of its own; "
+    f"{literal(GROUND_TRUTH)} (a fresh base per adapter) is the ground truth. "
+    f"Strategies: {literal(', '.join(strategies))}."
 )
 targets = list(dict.fromkeys(rows["target"]))
 target = bound_select("Target", "target", targets) if len(targets) > 1 else targets[0]
@@ -47,7 +49,8 @@ if len(drifting):
     st.error(
         "**Predictions differ from isolated:** "
         + "; ".join(
-            f"{c['adapter']} with {c['strategy']} (max |Δ| {c['max_abs']:.3g}: {c['reason'] or 'no reason found'})"
+            f"{literal(c['adapter'])} with {literal(c['strategy'])} (max |Δ| {c['max_abs']:.3g}: "
+            f"{literal(c['reason'] or 'no reason found')})"
             for c in drifting.to_dict(orient="records")
         ),
         icon=":material/warning:",
@@ -60,7 +63,9 @@ stacked_ok = stacking_summary(cells)
 if stacked_ok:
     st.info(
         "**Stacking is not the cause.** These adapters are stacked (their modules hold earlier "
-        "adapters too), yet their predictions are bitwise equal to isolated: " + ", ".join(stacked_ok) + ".",
+        "adapters too), yet their predictions are bitwise equal to isolated: "
+        + literal(", ".join(stacked_ok))
+        + ".",
         icon=":material/layers:",
     )
 flags = flag_rows(rows)
@@ -71,7 +76,7 @@ if len(not_applied):
         by_adapter.setdefault(r["adapter"], []).append(f"{r['strategy']}: {r['reason']}")
     st.warning(
         "**Not applied:** "
-        + "; ".join(f"{a} ({', '.join(where)})" for a, where in by_adapter.items())
+        + "; ".join(f"{literal(a)} ({literal(', '.join(where))})" for a, where in by_adapter.items())
         + '. Its outputs equal the base model\'s (bitwise when "not applied").',
         icon=":material/block:",
     )
@@ -119,8 +124,10 @@ disabled = flags[flags["role"] == "disabled"]
 if len(disabled):
     st.warning(
         "**`disable_adapter()` does not give the base model back** (the base weights were mutated): "
-        + ", ".join(
-            sorted({f"{r['adapter']} ({r['strategy']})" for r in disabled.to_dict(orient="records")})
+        + literal(
+            ", ".join(
+                sorted({f"{r['adapter']} ({r['strategy']})" for r in disabled.to_dict(orient="records")})
+            )
         ),
         icon=":material/toggle_off:",
     )
@@ -150,18 +157,18 @@ if len(structure):
     for i, strategy in enumerate(strategies):
         part = structure[structure["strategy"] == strategy]
         with columns[i % len(columns)]:
-            st.markdown(f"**{strategy}**")
+            st.markdown(f"**{literal(strategy)}**")
             for step, steps in part.groupby("step", sort=False):
                 error = steps["error"].iloc[0]
                 if error:
-                    st.markdown(f"- after **{step}**: :red[{error}]")
+                    st.markdown(f"- after **{literal(step)}**: :red[{literal(error)}]")
                     continue
                 groups = "; ".join(
                     f"{g['modules']} module(s) {g['structure']}" for g in steps.to_dict(orient="records")
                 )
                 changed = int(steps["base_changed"].iloc[0])
-                extra = f" · :orange[{changed} base tensor(s) changed]" if changed else ""
-                st.markdown(f"- after **{step}**: {groups}{extra}")
+                extra = f" · :orange[{changed:d} base tensor(s) changed]" if changed else ""
+                st.markdown(f"- after **{literal(step)}**: {literal(groups)}" + (trusted(extra)))
     with st.expander("Structure table"):
         st.dataframe(structure, hide_index=True, key="adapters.structure")
         csv_download(structure, f"{record.run_id}-adapters-structure", key="adapters.structure.csv")

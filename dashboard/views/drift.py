@@ -13,7 +13,8 @@ from dashboard.figures import (
     drift_heatmap,
 )
 from dashboard.state import bound_select, metrics_table, set_view, view
-from dashboard.ui import downloads, element_diff_view, finished_run
+from dashboard.text import literal
+from dashboard.ui import downloads, element_diff_view, finished_run, verdict_box
 
 BASE = "base model"
 # The checks whose rows are one tensor each, drawn here; merge, memory and adapters have their pages.
@@ -72,8 +73,9 @@ metric = bound_select(
 shown = selection_rows(rows, adapter)
 reference = ", ".join(dict.fromkeys(shown["reference"]))
 st.caption(
-    f"{len(shown)} tensors against **{reference}** · colour: log₁₀ {METRIC_LABELS[metric]} · symbols: "
-    + " ".join(f"{VERDICT_SYMBOLS[v]} {v}" for v in report.VERDICT_ORDER)
+    f"{len(shown)} tensors against **{literal(reference)}** · colour: log₁₀ {literal(METRIC_LABELS[metric])} · "
+    "symbols: "
+    + literal(" ".join(f"{VERDICT_SYMBOLS[v]} {v}" for v in report.VERDICT_ORDER))
     + " · blank cells: exactly 0 or no such tensor. Click a cell to inspect it."
 )
 
@@ -118,11 +120,10 @@ row = by_name[tensor]
 if view("tensor") != tensor:
     set_view("tensor", tensor)
 
-verdict = row["verdict"]
-box = {"identical": st.success, "within tolerance": st.info, "drift": st.warning, "broken": st.error}[verdict]
-box(
-    f"**{verdict}** · `{tensor}` on **{target}** vs {row['reference']} · {row['dtype']} {row['shape']}\n\n"
-    f"{row['explanation']}" + (f"\n\nWhy: {row['note']}" if row.get("note") else ""),
+verdict_box(
+    row["verdict"],
+    f"{tensor} on {target} vs {row['reference']} · {row['dtype']} {row['shape']}\n{row['explanation']}"
+    + (f"\nWhy: {row['note']}" if row.get("note") else ""),
 )
 m = st.columns(5)
 m[0].metric("max |Δ|", f"{row['max_abs']:.4e}" if pd.notna(row["max_abs"]) else "—")
@@ -144,6 +145,6 @@ element_diff_view(
     adapter_of_row,
     tensor,
     title=f"|Δ| element-wise · {tensor} · {target}",
-    exact=f"Every element of `{tensor}` on {target} equals its reference exactly: nothing to map.",
+    exact=f"Every element of {tensor} on {target} equals its reference exactly: nothing to map.",
     key="drift",
 )

@@ -18,6 +18,7 @@ from dashboard.figures_memory import (
     timeline_heatmap,
 )
 from dashboard.state import bound_select, metrics_table, run_table
+from dashboard.text import literal
 from dashboard.ui import csv_download, downloads, finished_run, scenario_buttons
 
 st.title("Memory placement")
@@ -45,17 +46,18 @@ if not cuda:
 variants = list(dict.fromkeys(rows["variant"].fillna(""))) if "variant" in rows else []
 if variants:
     st.caption(
-        "Load strategies: " + " · ".join(f"**{v or 'base only'}**: `{VARIANTS.get(v, v)}`" for v in variants)
+        "Load strategies: "
+        + " · ".join(f"**{literal(v or 'base only')}**: {literal(VARIANTS.get(v, v))}" for v in variants)
     )
 notes = [n for n in dict.fromkeys("; ".join(rows["note"].dropna()).split("; ")) if n] if len(rows) else []
 for note in notes:
     if note not in VARIANTS.values():
-        st.caption(f"Note: {note}")
+        st.caption(f"Note: {literal(note)}")
 
 flags = flags_table(table)
 if len(flags):
     st.error(
-        f"{len(flags)} finding(s):\n" + "\n".join(f"- {line}" for line in flag_summary(flags)),
+        f"{len(flags)} finding(s):\n" + "\n".join(f"- {literal(line)}" for line in flag_summary(flags)),
         icon=":material/memory:",
     )
 else:
@@ -119,7 +121,9 @@ if "shared_with" in placement and placement["shared_with"].notna().any():
         for _, r in tied.iterrows()
     )
     st.caption(
-        "Tied tensors are counted once, under the first name: " + ", ".join(pairs) + " (a blank row there)."
+        "Tied tensors are counted once, under the first name: "
+        + literal(", ".join(pairs))
+        + " (a blank row there)."
     )
 fig2 = module_device_heatmap(placement, by or "module")
 st.plotly_chart(fig2, key="memory.placement")

@@ -19,6 +19,7 @@ from dashboard.figures_merge import (
     worst_modules,
 )
 from dashboard.state import bound_select, metrics_table, run_table
+from dashboard.text import literal
 from dashboard.ui import (
     METRIC_COLUMN_CONFIG,
     csv_download,
@@ -26,6 +27,7 @@ from dashboard.ui import (
     element_diff_view,
     finished_run,
     scenario_buttons,
+    verdict_box,
 )
 
 st.title("Merge residuals")
@@ -42,7 +44,7 @@ if legacy:
         "This run was stored before PEFT's default merge and safe_merge were measured apart: all its merges "
         "used safe_merge=True, and its merge_and_unload ran on weights already merged and unmerged. Its "
         "stages are shown under what they ran: "
-        + " · ".join(f"{old} → {new}" for old, new in LEGACY_STAGES.items()),
+        + literal(" · ".join(f"{old} → {new}" for old, new in LEGACY_STAGES.items())),
         icon=":material/history:",
     )
 
@@ -130,11 +132,11 @@ FINDING_TITLES = {
 for _, f in findings.iterrows():
     title = FINDING_TITLES.get(f["finding"])
     if title is None:
-        st.info(f"{f['finding']} on {f['target']}:", icon=":material/info:")
+        st.info(f"{literal(f['finding'])} on {literal(f['target'])}:", icon=":material/info:")
     else:
-        where = f" in `{f['module']}`" if f["module"] else ""
+        where = f" in {f['module']}" if f["module"] else ""
         icon = ":material/link:" if f["finding"] == "tied" else ":material/error:"
-        st.error(f"**{title}**{where} on {f['target']}:", icon=icon)
+        st.error(f"**{literal(title)}**{literal(where)} on {literal(f['target'])}:", icon=icon)
     st.text(f["detail"])
 
 st.subheader("Weight residual: merged W against W + ΔW (float64, from the checkpoints)")
@@ -153,9 +155,10 @@ merged = weight_rows(mine, stage=path)
 tied = weight_rows(mine, role="tied", stage=path)
 shown = pd.concat([merged, tied]) if len(tied) else merged
 st.caption(
-    f"{merged['tensor'].nunique()} modules merged by {path} · colour: log₁₀ {METRIC_LABELS[metric]} in the target dtype "
-    "(ulps at the tensor's scale: up to a few is the rounding of the merge's own sums and products, "
-    "tens or more an error) · symbols: " + " ".join(f"{VERDICT_SYMBOLS[v]} {v}" for v in report.VERDICT_ORDER)
+    f"{merged['tensor'].nunique():d} modules merged by {literal(path)} · colour: log₁₀ "
+    f"{literal(METRIC_LABELS[metric])} in the target dtype (ulps at the tensor's scale: up to a few is the "
+    "rounding of the merge's own sums and products, tens or more an error) · symbols: "
+    + literal(" ".join(f"{VERDICT_SYMBOLS[v]} {v}" for v in report.VERDICT_ORDER))
 )
 fig = drift_heatmap(shown, metric, title=f"{path} · {adapter} · {METRIC_LABELS[metric]}")
 st.plotly_chart(fig, key="merge.heatmap")
@@ -177,7 +180,7 @@ with st.expander("Worst modules, PEFT ΔW against the float64 formula, unmerge r
     ):
         part = weight_rows(mine, role=role)
         if len(part):
-            st.markdown(f"**{text}**")
+            st.markdown(f"**{literal(text)}**")
             st.dataframe(worst_modules(part, metric), column_config=METRIC_COLUMN_CONFIG, hide_index=True)
 
 st.subheader("Output residual per stage")
@@ -206,9 +209,13 @@ else:
     for _, s in mine_saved.iterrows():
         # Library errors, file and tensor names are shown as text, never as Markdown.
         if s["ok"]:
-            st.success(f"**{s['method']}** on {s['target']}: saved", icon=":material/check:")
+            st.success(
+                f"**{literal(s['method'])}** on {literal(s['target'])}: saved", icon=":material/check:"
+            )
         else:
-            st.warning(f"**{s['method']}** on {s['target']}: failed", icon=":material/warning:")
+            st.warning(
+                f"**{literal(s['method'])}** on {literal(s['target'])}: failed", icon=":material/warning:"
+            )
         lines = [s["error"]] if not s["ok"] else ([f"files: {s['files']}"] if s.get("files") else [])
         if s.get("reload_error"):
             lines.append(f"reload failed: {s['reload_error']}")
@@ -236,12 +243,7 @@ tensor = bound_select("Module (worst first)", "tensor", list(by_name), container
 if tensor is None or tensor not in by_name:
     st.stop()
 row = by_name[tensor]
-box = {"identical": st.success, "within tolerance": st.info, "drift": st.warning, "broken": st.error}[
-    row["verdict"]
-]
-box(
-    f"**{row['verdict']}** · `{tensor}` on **{target}** vs {row['reference']} · {row['dtype']} {row['shape']}"
-)
+verdict_box(row["verdict"], f"{tensor} on {target} vs {row['reference']} · {row['dtype']} {row['shape']}")
 st.text(f"{row['explanation']}" + (f"\nWhy: {row['note']}" if row.get("note") else ""))
 
 
@@ -252,6 +254,6 @@ element_diff_view(
     adapter,
     tensor,
     title=f"|W_merged − (W + ΔW)| · {tensor} · {target}",
-    exact=f"`{tensor}` on {target} equals its float64 reference exactly.",
+    exact=f"{tensor} on {target} equals its float64 reference exactly.",
     key="merge",
 )

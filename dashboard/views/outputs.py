@@ -7,6 +7,7 @@ import streamlit as st
 
 from dashboard.figures import outputs_figure
 from dashboard.state import metrics_table
+from dashboard.text import literal
 from dashboard.ui import METRIC_COLUMN_CONFIG, csv_download, figure_download, finished_run
 
 HEALTH = {
@@ -26,8 +27,8 @@ if rows.empty:
 rows = rows.assign(adapter=rows["adapter"].fillna("base model"))
 
 st.caption(
-    f"Logits on the run's fixed probe inputs (seed {record.spec.seed if record.spec else '?'}) against "
-    f"{', '.join(dict.fromkeys(rows['reference']))}, per target and adapter."
+    f"Logits on the run's fixed probe inputs (seed {literal(record.spec.seed if record.spec else '?')}) against "
+    f"{literal(', '.join(dict.fromkeys(rows['reference'])))}, per target and adapter."
 )
 present = [c for c in HEALTH if c in rows.columns]
 
@@ -44,7 +45,8 @@ if len(unhealthy):
     st.error(
         "Unhealthy outputs: "
         + "; ".join(
-            f"{r['target']} · {r['adapter']}: {r['health']}" for r in unhealthy.to_dict(orient="records")
+            literal(f"{r['target']} · {r['adapter']}: {r['health']}")
+            for r in unhealthy.to_dict(orient="records")
         ),
         icon=":material/heart_broken:",
     )

@@ -7,6 +7,7 @@ import streamlit as st
 from core import report
 from dashboard.figures import environment_table, highlight_differences, verdict_counts_figure
 from dashboard.state import metrics_table, result_pages, view_query
+from dashboard.text import literal, trusted
 from dashboard.ui import METRIC_COLUMN_CONFIG, csv_download, downloads, finished_run
 
 st.title("Overview")
@@ -20,19 +21,19 @@ counts = report.verdict_counts(table)
 bad = counts["drift"] + counts["broken"]
 if bad:
     st.error(
-        f"**{bad} of {len(table)} rows are beyond tolerance** ({counts['drift']} drift, "
-        f"{counts['broken']} broken). The worst are explained below; the result pages show where.",
+        f"**{bad:d} of {len(table)} rows are beyond tolerance** ({counts['drift']:d} drift, "
+        f"{counts['broken']:d} broken). The worst are explained below; the result pages show where.",
         icon=":material/warning:",
     )
 else:
     st.success(f"All {len(table)} rows are identical or within tolerance.", icon=":material/check_circle:")
 cols = st.columns(4)
 for col, verdict in zip(cols, report.VERDICT_ORDER, strict=True):
-    col.metric(verdict.capitalize(), counts[verdict])
+    col.metric(trusted(verdict.capitalize()), counts[verdict])
 
 pages = result_pages(list(dict.fromkeys(table["check"])))
 for col, (path, title, icon) in zip(st.columns(max(len(pages), 1)), pages, strict=False):
-    col.page_link(f"views/{path}.py", label=f"Open {title}", icon=icon, query_params=view_query())
+    col.page_link(f"views/{path}.py", label=f"Open {trusted(title)}", icon=icon, query_params=view_query())
 
 st.subheader("Verdicts per check and target")
 by = report.verdicts_by_check_target(table)
@@ -62,14 +63,14 @@ notes = record.notes()
 if notes:
     st.subheader("Notes from the workers")
     for note in notes:
-        st.markdown(f"- {note}")
+        st.markdown(f"- {literal(note)}")
 
 st.subheader("Environment per target")
 envs = record.environments()
 env = environment_table(envs)
 n_diff = int(env["differs"].sum()) if len(env) else 0
 st.caption(
-    f"{n_diff} setting(s) differ between targets (highlighted). The reference cpu/float64 is listed too."
+    f"{n_diff:d} setting(s) differ between targets (highlighted). The reference cpu/float64 is listed too."
     if n_diff
     else "Every target ran with the same environment."
 )

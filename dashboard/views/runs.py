@@ -7,15 +7,18 @@ import time
 import pandas as pd
 import streamlit as st
 
+from core.store import StoreError
 from dashboard.figures import environment_table, highlight_differences
-from dashboard.state import engine, set_view, store
+from dashboard.state import set_view, store
+from dashboard.text import literal
 from dashboard.ui import csv_download
 
 st.title("Runs")
 records = store().list_runs()
 if not records:
     st.info(
-        f"No runs in `{store().runs_dir}` yet. The sidebar's **Run** button starts one on the demo workspace."
+        f"No runs in {literal(store().runs_dir)} yet. The sidebar's **Run** button starts one on the demo "
+        "workspace."
     )
     st.stop()
 
@@ -43,7 +46,8 @@ def history(records) -> pd.DataFrame:
 
 table = history(records)
 st.caption(
-    f"{len(records)} run(s) in `{store().runs_dir}`; newest `{records[0].run_id}` ({records[0].status}). "
+    f"{len(records)} run(s) in {literal(store().runs_dir)}; newest {literal(records[0].run_id)} "
+    f"({literal(records[0].status)}). "
     "Select a row to open or delete it. Runs made with the CLI in the same home appear here too."
 )
 event = st.dataframe(
@@ -59,22 +63,26 @@ selected = event.selection.rows if event is not None else []
 if selected:
     run_id = table.iloc[selected[0]]["run"]
     c1, c2 = st.columns(2)
-    if c1.button(f"Open {run_id}", type="primary", icon=":material/open_in_new:", key="runs.open"):
+    if c1.button(f"Open {literal(run_id)}", type="primary", icon=":material/open_in_new:", key="runs.open"):
         set_view("run", run_id)
         for name in ("target", "tensor", "adapter", "check"):
             set_view(name, None)
         st.switch_page("views/overview.py", query_params={"run": run_id})
     with c2.popover("Delete…", icon=":material/delete:"):
-        active = (job := engine().job(run_id)) is not None and not job.done_event.is_set()
-        if active:
-            st.warning("This run is still going; cancel it first.")
+        # Any process's run (this server's, a CLI's): its owner holds the run's lock.
+        if store().in_use(run_id):
+            st.warning("This run is still going (here or in another process); cancel it first.")
         else:
-            st.write(f"Delete run `{run_id}` and everything in its folder? This cannot be undone.")
-            if st.button(f"Yes, delete {run_id}", type="primary", key="runs.delete"):
-                store().delete(run_id)
-                set_view("run", None)
-                st.toast(f"Deleted {run_id}")
-                st.rerun()
+            st.write(f"Delete run {literal(run_id)} and everything in its folder? This cannot be undone.")
+            if st.button(f"Yes, delete {literal(run_id)}", type="primary", key="runs.delete"):
+                try:
+                    store().delete(run_id)
+                except (StoreError, KeyError) as e:  # taken up meanwhile, already gone, or not removable
+                    st.error(literal(e), icon=":material/error:")
+                else:
+                    set_view("run", None)
+                    st.toast(f"Deleted {literal(run_id)}")
+                    st.rerun()
 
 ids = [r.run_id for r in records]
 if len(ids) < 2:
