@@ -378,6 +378,7 @@ class Engine:
         except StoreError as e:
             with job.lock:
                 job.store_error = job.store_error or str(e)
+            job.cancel_event.set()  # nothing it computes could be kept: stop its workers early
 
     def _write_state(self, job: Job, snap: dict[str, Any]) -> None:
         self.store.update(
@@ -503,7 +504,7 @@ class Engine:
 
     def _finish(self, job: Job, state: str, error: str | None) -> None:
         with job.lock:
-            if job.store_error is not None and state != "cancelled":
+            if job.store_error is not None:
                 # a run whose record could not be kept is no result, whatever its workers did
                 state, error = "failed", job.store_error
             job.state, job.error, job.finished = state, error, time.time()

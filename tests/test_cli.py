@@ -324,3 +324,44 @@ def test_sigterm_cancels_the_run_and_leaves_no_worker_and_a_running_run_cannot_b
     assert record.error == "cancelled: the CLI received SIGTERM"
     store.delete(run_id)  # its owner is gone: now it can go
     assert not os.path.exists(tmp_path / "runs" / run_id)
+
+
+def test_a_run_json_that_cannot_be_written_fails_the_run_with_the_reason(
+    demo_workspace, tmp_path, monkeypatch, capsys
+):
+    """Disk full while the run goes: one sentence naming run.json and what to do, exit 2, no traceback."""
+    import errno
+
+    from core import cli
+    from core import store as store_module
+
+    real_write = store_module.atomic_write_json
+
+    def write(path, obj):
+        if path.name == "run.json" and obj.get("status") != "queued":  # the disk fills once it runs
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(path, obj)
+
+    monkeypatch.setattr(store_module, "atomic_write_json", write)
+    code = cli.main(
+        [
+            "run",
+            "--base",
+            demo_workspace["models"]["tiny-llama"],
+            "--target",
+            "cpu/float32",
+            "--check",
+            "weights",
+            "--in-process",
+            "--home",
+            str(tmp_path),
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 2
+    run_dir = next((tmp_path / "runs").iterdir())
+    assert err.strip().splitlines()[-1] == (
+        f"error: run {run_dir.name} failed: cannot update {run_dir / 'run.json'}: No space left on device "
+        "(the disk is full: free some space)"
+    )
+    assert "Traceback" not in err and "None" not in err
