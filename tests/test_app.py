@@ -329,3 +329,24 @@ def test_run_on_a_home_that_cannot_be_written_says_so(run_home, monkeypatch):
     ), message
     monkeypatch.undo()
     assert {r.run_id for r in Store(home).list_runs()} == before
+
+
+def test_a_base_model_moved_after_the_run_is_explained_in_the_drill_down(run_home, monkeypatch):
+    from core import diffmap
+    from core.loading import LoadError
+
+    home, run_id = run_home
+
+    def moved(*args, **kwargs):
+        raise LoadError("/gone/tiny-llama: no such folder")
+
+    monkeypatch.setattr(diffmap, "element_diff", moved)
+    import streamlit as st
+
+    st.cache_data.clear()  # figures drawn by earlier tests are cached
+    at = make_app(home, monkeypatch, run=run_id, check="weights", target="cpu/bfloat16", tensor="x-moved")
+    at.switch_page("views/drift.py").run()
+    no_exceptions(at)
+    said = [shown(e) for e in at.error if "Cannot show the element-wise difference" in shown(e)]
+    assert len(said) == 1, texts(at)
+    assert ": /gone/tiny-llama: no such folder. If the run's base model or adapters moved" in said[0]
