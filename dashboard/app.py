@@ -81,11 +81,12 @@ def main() -> None:
     sync_view_with_url()
     with st.sidebar:
         if st.get_option("server.address") in (None, "", "0.0.0.0", "::"):
-            # .streamlit/config.toml (read from the working directory) pins localhost; without it
-            # Streamlit listens on every interface, and this app starts jobs on this machine.
+            # dashboard/.streamlit/config.toml pins localhost whatever the working directory; only an
+            # explicit flag or STREAMLIT_SERVER_ADDRESS gets here, and this app starts jobs on this machine.
             st.warning(
-                "This server listens on all network interfaces. Start it from the repository root "
-                "(which has .streamlit/config.toml) or pass --server.address localhost.",
+                "This server listens on all network interfaces (--server.address or "
+                "STREAMLIT_SERVER_ADDRESS overrides dashboard/.streamlit/config.toml): anyone who can reach "
+                "this machine can start jobs on it.",
                 icon=":material/lan:",
             )
         manifest = demo_manifest()

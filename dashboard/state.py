@@ -8,6 +8,7 @@ with a clean URL, keeps the selection.
 
 from __future__ import annotations
 
+import atexit
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -33,7 +34,11 @@ def home() -> Path:
 
 @st.cache_resource(show_spinner=False)
 def _engine(home_dir: str, runner: str) -> Engine:
-    return Engine(Path(home_dir), runner=InProcessRunner() if runner == "in-process" else ProcessRunner())
+    made = Engine(Path(home_dir), runner=InProcessRunner() if runner == "in-process" else ProcessRunner())
+    # When the server stops (Ctrl-C, SIGTERM, and SIGHUP under `python -m dashboard`), its jobs are
+    # cancelled and marked so, and no worker outlives it.
+    atexit.register(made.shutdown, "cancelled: the dashboard server stopped")
+    return made
 
 
 def engine() -> Engine:
