@@ -22,6 +22,7 @@ from dashboard.state import home, store, sync_view_with_url  # noqa: E402
 from dashboard.text import literal  # noqa: E402
 
 VIEWS = Path(__file__).resolve().parent / "views"
+FAVICON = Path(__file__).resolve().parent / "favicon.png"
 PAGES = [
     st.Page(
         VIEWS / "overview.py",
@@ -76,7 +77,8 @@ def demo_manifest() -> dict | None:
 
 
 def main() -> None:
-    st.set_page_config(page_title="WeightDrift", page_icon=":material/difference:", layout="wide")
+    # A local icon: a Material one would make every browser tab fetch it from fonts.gstatic.com.
+    st.set_page_config(page_title="WeightDrift", page_icon=str(FAVICON), layout="wide")
     page = st.navigation([START, *PAGES], position="sidebar")
     sync_view_with_url()
     with st.sidebar:

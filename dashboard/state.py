@@ -19,7 +19,7 @@ import streamlit as st
 
 from core.engine import Engine, InProcessRunner, ProcessRunner
 from core.spec import ProbeSpec, SpecError, weightdrift_home
-from core.store import RunRecord, Store, StoreError
+from core.store import RunRecord, Store, StoreError, table_problem
 from dashboard.text import literal
 
 # Query parameters that make up a view; anything else in the URL is left alone.
@@ -61,6 +61,10 @@ def run_table(record: RunRecord, name: str) -> pd.DataFrame:
     while its file is unchanged; empty when the run has none."""
     path = record.run_dir / f"{name}.parquet"
     if record.status != "succeeded" or not path.exists():
+        return pd.DataFrame()
+    problem = table_problem(path)  # metrics.parquet is checked when the run is read; a check's own here
+    if problem is not None:
+        st.error(f"Run {literal(record.run_id)}: {literal(problem)}. Run it again to get this table back.")
         return pd.DataFrame()
     return _table(str(path), path.stat().st_mtime)
 

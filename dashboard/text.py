@@ -21,13 +21,17 @@ import pandas as pd
 # `:colour[…]`, `:icon:` or `$LaTeX$` forms can start.
 _PUNCTUATION = re.compile("([" + re.escape(string.punctuation) + "])")
 _ESCAPED = re.compile(r"\\([" + re.escape(string.punctuation) + "])")
+# GitHub-flavoured Markdown turns bare `http://…`, `www.…` and `name@host.tld` into links after
+# escapes are resolved: an invisible WORD JOINER inside each of them keeps the text and stops the link.
+_AUTOLINK = re.compile(r"(?i)(?<=https)(?=://)|(?<=http)(?=://)|(?<=www)(?=\.)|(?<=@)(?=[\w-])")
+WORD_JOINER = "\u2060"
 
 
 def literal(value: object) -> str:
     """`value` as Markdown that renders as its exact text: every ASCII punctuation character
-    escaped, line breaks kept. Never put the result inside backticks (a code span shows the
-    backslashes)."""
-    text = _PUNCTUATION.sub(r"\\\1", str(value))
+    escaped, line breaks kept, bare URLs and e-mail addresses not turned into links (an invisible
+    word joiner inside). Never put the result inside backticks (a code span shows the backslashes)."""
+    text = _PUNCTUATION.sub(r"\\\1", _AUTOLINK.sub(WORD_JOINER, str(value)))
     # A lone newline is a space in Markdown: make each a hard line break; no blank-line paragraphs.
     return "  \n".join(line.strip() for line in text.splitlines()) if "\n" in text else text
 
@@ -40,7 +44,7 @@ def trusted(markdown: str) -> str:
 
 def unescape(markdown: str) -> str:
     """The text a `literal` renders as (for tests and plain-text exports)."""
-    return _ESCAPED.sub(r"\1", markdown.replace("  \n", "\n"))
+    return _ESCAPED.sub(r"\1", markdown.replace("  \n", "\n")).replace(WORD_JOINER, "")
 
 
 # Spreadsheet tools run a cell that starts with one of these as a formula (OWASP "CSV injection").

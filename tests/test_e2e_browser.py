@@ -22,7 +22,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, urlencode, urlsplit
 
 import pytest
 
@@ -582,3 +582,63 @@ def _run_scenario(
     _wait_idle(page)
     _shot(page, shot)
     return elapsed
+
+
+# --- untrusted text (issue 15) -------------------------------------------------------------------
+
+PHISH = (
+    "Session expired - [click to sign in again](http://evil.example/login) "
+    "![pixel](http://evil.example/pixel.png) :red[ALERT] **bold**"
+)
+
+
+def test_a_crafted_run_url_and_run_folder_show_their_text_literally(server: Server) -> None:
+    """A crafted `run` URL parameter and a run folder whose base path and error are Markdown: the page
+    shows their characters, draws no link or image from them, and asks nothing of another host."""
+    from core.spec import AdapterRef, ModelRef, ProbeSpec, Target
+    from core.store import Store
+
+    store = Store(server.home)
+    spec = ProbeSpec(
+        base=ModelRef(path=PHISH),
+        adapters=(AdapterRef(path="/nowhere/lora", name="lora"),),
+        targets=(Target.parse("cpu/float32"),),
+    )
+    record = store.create_run(spec)
+    store.update(record.run_id, status="failed", error=PHISH)
+    store.release(record.run_id)
+
+    foreign: list[str] = []
+    with _browser(server) as browser:
+        context = browser.new_context(viewport=VIEWPORT)
+
+        def refuse(route) -> None:
+            foreign.append(route.request.url)
+            route.abort()
+
+        # every request that is not to this server is recorded and refused
+        context.route(re.compile(r"^(?!http://(localhost|127\.0\.0\.1)(:\d+)?/).*"), refuse)
+        page = context.new_page()
+        for path, query, expected in (
+            ("overview", {"run": record.run_id}, (f"Base {PHISH} · adapters lora", f"failed: {PHISH}")),
+            ("drift", {"run": PHISH}, (f"Run {PHISH} is not in",)),
+        ):
+            page.goto(f"{server.url}/{path}?{urlencode(query)}")
+            for expect in expected:
+                # as it reads: literal() keeps bare URLs from becoming links with an invisible word joiner
+                _wait_for(
+                    lambda e=expect: e in _main_text(page).replace("\u2060", ""),
+                    FORM_TIMEOUT_S,
+                    repr(expect),
+                    page,
+                )
+            _wait_idle(page)
+            _no_exception(page, f"/{path} with crafted text")
+            main = page.locator(MAIN)
+            assert main.locator('a[href*="evil.example"]').count() == 0
+            assert main.locator('img[src*="evil.example"]').count() == 0
+            assert main.locator("strong", has_text="bold").count() == 0
+            page.wait_for_timeout(500)
+            _shot(page, f"2{0 if path == 'overview' else 1}-untrusted-{path}.png")
+        context.close()
+    assert foreign == []

@@ -201,3 +201,11 @@ def test_csv_downloads_neutralise_formulas():
     assert list(safe["max_abs"]) == [-1.5, 2.0, 0.0, 1e-7, -3.0, 1.0]  # numbers stay numbers
     assert list(safe.columns) == ["adapter", "max_abs", "'=cmd"]
     assert list(table["adapter"])[0].startswith("=")  # the shown table is left as it is
+
+
+def test_literal_keeps_bare_urls_and_addresses_from_becoming_links():
+    md = literal("see http://evil.example/x, HTTPS://a.b, www.evil.example and a@evil.example")
+    # GFM's autolink literals need these contiguous (escapes do not stop them): a word joiner sits inside
+    for made in ("http\u2060\\:", "HTTPS\u2060\\:", "www\u2060\\.", "\\@\u2060evil"):
+        assert made in md, (made, md)
+    assert unescape(md) == "see http://evil.example/x, HTTPS://a.b, www.evil.example and a@evil.example"
