@@ -16,9 +16,10 @@ if str(ROOT) not in sys.path:
 
 import streamlit as st  # noqa: E402
 
+from core.store import StoreError  # noqa: E402
 from dashboard.jobs import sidebar_jobs  # noqa: E402
 from dashboard.run_form import run_form  # noqa: E402
-from dashboard.state import home, store, sync_view_with_url  # noqa: E402
+from dashboard.state import engine, home, store, sync_view_with_url  # noqa: E402
 from dashboard.text import literal  # noqa: E402
 
 VIEWS = Path(__file__).resolve().parent / "views"
@@ -91,6 +92,11 @@ def main() -> None:
                 "this machine can start jobs on it.",
                 icon=":material/lan:",
             )
+        try:
+            engine()
+        except StoreError as e:  # a home that cannot be made or written: say so, not a traceback
+            st.error(f"WeightDrift cannot use its home: {literal(e)}", icon=":material/error:")
+            st.stop()
         manifest = demo_manifest()
         st.subheader("New run")
         run_form(manifest)

@@ -350,3 +350,17 @@ def test_a_base_model_moved_after_the_run_is_explained_in_the_drill_down(run_hom
     said = [shown(e) for e in at.error if "Cannot show the element-wise difference" in shown(e)]
     assert len(said) == 1, texts(at)
     assert ": /gone/tiny-llama: no such folder. If the run's base model or adapters moved" in said[0]
+
+
+def test_a_home_that_cannot_be_made_is_said_not_raised(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    home = blocker / "home"  # cannot be made: its parent is a file (even for root)
+    at = make_app(home, monkeypatch)
+    at.run()
+    no_exceptions(at)
+    said = [shown(e) for e in at.sidebar.error]
+    assert said == [
+        f"WeightDrift cannot use its home: cannot create the runs folder {home / 'runs'}: Not a directory "
+        "(check the folder and the disk)"
+    ]

@@ -151,3 +151,23 @@ def test_cancel_mid_run_stops_real_workers(tmp_path, demo_workspace):
     assert time.monotonic() - started < 15
     assert not _worker_pids()
     assert not (job.run_dir / "metrics.parquet").exists()
+
+
+@pytest.mark.e2e
+def test_shutdown_cancels_running_jobs_marks_them_and_leaves_no_worker(tmp_path, demo_workspace):
+    """What the dashboard server does when it stops (atexit) and the CLI on a signal."""
+    engine = Engine(tmp_path, runner=ProcessRunner(grace_s=5))
+    base = demo_workspace["models"]["tiny-llama"]
+    adapters = [AdapterRef(demo_workspace["adapters"][n]["path"], n) for n in ("lora", "dora")]
+    job = engine.submit(_spec(base, ["cpu/float32", "cpu/bfloat16"], adapters=adapters))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not _worker_pids():
+        time.sleep(0.05)
+    assert _worker_pids(), "no worker process appeared"
+    engine.shutdown("cancelled: the dashboard server stopped")
+    assert job.done_event.is_set()
+    assert job.state == "cancelled" and job.error == "cancelled: the dashboard server stopped"
+    assert not _worker_pids()
+    record = engine.store.open(job.run_id)
+    assert record.status == "cancelled" and record.error == "cancelled: the dashboard server stopped"
+    engine.store.delete(job.run_id)  # ownership given up with the job
