@@ -20,6 +20,7 @@ from plotly.subplots import make_subplots
 
 from core.report import SEVERITY, VERDICT_ORDER
 from core.sketch import Sketch, as_2d, block_starts
+from dashboard.text import plot_text
 
 METRICS = ("max_abs", "rel_l2", "max_ulp", "min_atol")
 METRIC_LABELS: dict[str, str] = {
@@ -324,7 +325,7 @@ def drift_heatmap(table: pd.DataFrame, metric: str, *, title: str | None = None)
         rows=1,
         cols=n_panels,
         shared_yaxes=True,
-        subplot_titles=targets,
+        subplot_titles=[plot_text(t) for t in targets],
         horizontal_spacing=min(0.03, 0.5 / max(n_panels, 1)),
     )
     # Squares as large as a cell is likely to be, so a click anywhere in the cell hits the point.

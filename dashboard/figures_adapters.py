@@ -12,6 +12,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from dashboard.figures import VERDICT_SYMBOLS
+from dashboard.text import plot_text
 
 GROUND_TRUTH = "isolated"
 # Drawn at the bottom of the colour scale: bitwise equal to isolated (log10 of 0 does not exist).
@@ -84,7 +85,7 @@ def _cell_text(cell: pd.Series) -> str:
     short = reason.split(";")[0].strip()
     if "stacking is not the cause" in reason:
         short = "stacked, not the cause"
-    return head + (f"<br><i>{short}</i>" if short else "")
+    return head + (f"<br><i>{plot_text(short)}</i>" if short else "")
 
 
 def consistency_matrix(cells: pd.DataFrame, target: str) -> go.Figure:
@@ -112,14 +113,14 @@ def consistency_matrix(cells: pd.DataFrame, target: str) -> go.Figure:
         text[i][j] = _cell_text(cell)
         agree = cell["argmax_agree"]
         hover[i][j] = (
-            f"<b>{cell['adapter']} · {cell['strategy']}</b><br>{cell['verdict']}"
+            f"<b>{plot_text(cell['adapter'])} · {plot_text(cell['strategy'])}</b><br>{plot_text(cell['verdict'])}"
             + (f"<br>max |Δ| {value:.4g}" if isinstance(value, float) and math.isfinite(value) else "")
             + (
                 f"<br>argmax agreement {agree:.1%}"
                 if isinstance(agree, float) and math.isfinite(agree)
                 else ""
             )
-            + (f"<br>{cell['reason']}" if cell["reason"] else "")
+            + (f"<br>{plot_text(cell['reason'])}" if cell["reason"] else "")
         )
     fig.add_trace(
         go.Heatmap(

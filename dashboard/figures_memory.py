@@ -16,6 +16,7 @@ from plotly.subplots import make_subplots
 
 from core.memory import device_sort_key, leak_figures, module_device_bytes
 from dashboard.figures import COLORSCALE, category_axis, empty_figure, title_top
+from dashboard.text import plot_text
 
 MIB = 2**20
 # What a CUDA cell shows: the driver's figure counts the context PyTorch's allocator cannot see.
@@ -100,7 +101,7 @@ def _hover(row: pd.Series) -> str:
         v = row.get(col)
         return "—" if _missing(v) else f"{v / MIB:,.2f} MiB"
 
-    lines = [f"<b>{row['stage']}</b> · {row['device']}"]
+    lines = [f"<b>{plot_text(row['stage'])}</b> · {plot_text(row['device'])}"]
     if row["device"] == "cpu":
         lines.append(f"RSS {mib('rss')}")
     else:
@@ -137,7 +138,7 @@ def timeline_heatmap(
         rows=1,
         cols=len(parts),
         shared_yaxes=True,
-        subplot_titles=[p[2] for p in parts],
+        subplot_titles=[plot_text(p[2]) for p in parts],
         horizontal_spacing=min(0.04, 0.5 / max(len(parts), 1)),
     )
     zmax = 0.0
@@ -239,7 +240,7 @@ def module_device_heatmap(
         rows=1,
         cols=len(parts),
         shared_yaxes=True,
-        subplot_titles=[p[2] for p in parts],
+        subplot_titles=[plot_text(p[2]) for p in parts],
         horizontal_spacing=min(0.04, 0.5 / max(len(parts), 1)),
     )
     for i, ((_, _, label), grid) in enumerate(zip(parts, grids, strict=True), start=1):

@@ -15,6 +15,7 @@ from plotly.subplots import make_subplots
 from core.checks.merge import OUTPUT_STAGES, STAGES, SUBSET_STAGE_TEXT, SUBSET_STAGES
 from core.report import SEVERITY
 from dashboard.figures import VERDICT_COLORS, VERDICT_SYMBOLS, empty_figure
+from dashboard.text import plot_text
 
 # Runs stored before the stages were told apart merged with safe_merge=True throughout and ran
 # merge_and_unload on weights already merged and unmerged: their stages, named for what they ran
@@ -107,7 +108,9 @@ def stage_bars(table: pd.DataFrame, *, title: str | None = None) -> go.Figure:
     stages = ordered_stages(data["stage"])
     positive = data["_value"][np.isfinite(data["_value"]) & (data["_value"] > 0)]
     floor = float(positive.min()) / 10 if len(positive) else 1e-12
-    fig = make_subplots(rows=1, cols=len(targets), shared_yaxes=True, subplot_titles=targets)
+    fig = make_subplots(
+        rows=1, cols=len(targets), shared_yaxes=True, subplot_titles=[plot_text(t) for t in targets]
+    )
     shown: set[str] = set()
     for col, target in enumerate(targets, start=1):
         part = data[data["target"] == target]
@@ -127,7 +130,8 @@ def stage_bars(table: pd.DataFrame, *, title: str | None = None) -> go.Figure:
                 for s in xs
             ]
             hover = [
-                f"{target} · {s} vs {bars.loc[s, 'against'] if 'against' in bars else against}<br>"
+                plot_text(f"{target} · {s} vs {bars.loc[s, 'against'] if 'against' in bars else against}")
+                + "<br>"
                 f"max |Δ| {values[i]:.4g} · rel L2 {float(bars.loc[s, 'rel_l2']):.3g}<br>"
                 f"verdict {bars.loc[s, 'verdict']}"
                 + (

@@ -15,6 +15,7 @@ import re
 import string
 
 import pandas as pd
+import plotly.graph_objects as go
 
 # CommonMark lets a backslash escape any ASCII punctuation character, which then stands for itself:
 # no link, image, emphasis, code span, HTML, autolink, list, heading, and none of Streamlit's
@@ -66,3 +67,23 @@ def spreadsheet_safe(table: pd.DataFrame) -> pd.DataFrame:
             out[column] = out[column].map(cell)
     out.columns = [cell(c) if isinstance(c, str) else c for c in out.columns]
     return out
+
+
+def inert(fig: go.Figure) -> go.Figure:
+    """`fig` with every category label (a trace's x and y values that are text: tensor, module,
+    adapter, target names from a run's files) shown as its characters. Plotly reads `<a href>`,
+    `<b>`, `<br>` in labels as markup; `<` and `>` become entities (idempotent: a figure shown
+    and then downloaded is escaped once). Changes `fig` in place and returns it."""
+    for trace in fig.data:
+        for attr in ("x", "y"):
+            values = getattr(trace, attr, None)
+            if values is None or isinstance(values, str):
+                continue
+            if any(isinstance(v, str) and ("<" in v or ">" in v) for v in values):
+                trace[attr] = [plot_text(v) if isinstance(v, str) else v for v in values]
+    return fig
+
+
+def plot_text(value: object) -> str:
+    """Untrusted text inside a Plotly title, hover text or label: no markup (`<`, `>` as entities)."""
+    return str(value).replace("<", "&lt;").replace(">", "&gt;")

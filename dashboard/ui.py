@@ -13,7 +13,7 @@ from core.store import DAMAGED, RunRecord
 from dashboard.figures import diff_heatmap, diff_histogram, figure_html, sketch_heatmap, sketch_histogram
 from dashboard.jobs import job_panel
 from dashboard.state import engine, home, open_run, start_run, store
-from dashboard.text import literal, spreadsheet_safe, trusted
+from dashboard.text import inert, literal, spreadsheet_safe, trusted
 
 # How the metric columns read in every table: exponent form, so 1e-7 and 1e-3 are told apart.
 METRIC_COLUMN_CONFIG = {
@@ -46,7 +46,7 @@ def figure_download(fig: go.Figure, name: str, *, key: str) -> None:
     """A button that downloads `fig` as one self-contained HTML file (made only when clicked)."""
     st.download_button(
         "Download figure (HTML)",
-        data=lambda: figure_html(fig),
+        data=lambda: figure_html(inert(fig)),
         file_name=f"{_slug(name)}.html",
         mime="text/html",
         key=key,
@@ -212,8 +212,8 @@ def element_diff_view(
     heat, hist = figures
     left, right = st.columns([3, 2])
     with left:
-        st.plotly_chart(heat, key=f"{key}.diff")
+        st.plotly_chart(inert(heat), key=f"{key}.diff")
         figure_download(heat, f"{record.run_id}-{target}-{tensor}-diff", key=f"{key}.diff.html")
     with right:
-        st.plotly_chart(hist, key=f"{key}.hist")
+        st.plotly_chart(inert(hist), key=f"{key}.hist")
         figure_download(hist, f"{record.run_id}-{target}-{tensor}-hist", key=f"{key}.hist.html")

@@ -107,6 +107,18 @@ def violations(source: str, filename: str) -> list[str]:
             for what in _problems(arg):
                 found.append(f"{filename}:{node.lineno}: {node.func.attr}(…) fed {what}")
     for node in ast.walk(tree):
+        # Plotly reads <a href>, <b>, <br> in category labels as markup: every chart goes through inert()
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "plotly_chart"
+        ):
+            arg = node.args[0] if node.args else None
+            if not (isinstance(arg, ast.Call) and isinstance(arg.func, ast.Name) and arg.func.id == "inert"):
+                found.append(
+                    f"{filename}:{node.lineno}: plotly_chart(…) of a figure not passed through inert()"
+                )
+    for node in ast.walk(tree):
         if (
             isinstance(node, ast.Attribute)
             and node.attr in MARKDOWN_CALLS
@@ -138,6 +150,7 @@ def test_the_dashboard_feeds_markdown_only_safe_text():
         'st.progress(0.5, text=f"{stage}")',
         'st.caption(f"Base `{literal(path)}`")',
         "box = {'drift': st.warning}['drift']",
+        'st.plotly_chart(fig, key="x")',
         "col.error(str(e))",
         'st.caption(f"{path:>10s}")',
     ],
@@ -154,6 +167,7 @@ def test_the_scan_catches_each_kind_of_violation(line):
         'st.info("; ".join(f"{literal(a)} ({n:d})" for a, n in items))',
         "st.caption(trusted(scenario.description))",
         'st.warning("fixed text", icon=":material/lan:")',
+        'st.plotly_chart(inert(fig), key="x")',
     ],
 )
 def test_the_scan_lets_safe_calls_pass(line):
@@ -209,3 +223,16 @@ def test_literal_keeps_bare_urls_and_addresses_from_becoming_links():
     for made in ("http\u2060\\:", "HTTPS\u2060\\:", "www\u2060\\.", "\\@\u2060evil"):
         assert made in md, (made, md)
     assert unescape(md) == "see http://evil.example/x, HTTPS://a.b, www.evil.example and a@evil.example"
+
+
+def test_inert_shows_plotly_labels_as_text_once():
+    import plotly.graph_objects as go
+
+    from dashboard.text import inert, plot_text
+
+    crafted = '<a href="http://evil.example">sign in</a>'
+    fig = go.Figure(go.Heatmap(z=[[1, 2]], x=[crafted, "q_proj"], y=["layer <b>0</b>"]))
+    inert(inert(fig))  # shown, then downloaded: escaped once
+    assert list(fig.data[0].x) == ['&lt;a href="http://evil.example"&gt;sign in&lt;/a&gt;', "q_proj"]
+    assert list(fig.data[0].y) == ["layer &lt;b&gt;0&lt;/b&gt;"]
+    assert plot_text("a<br>b") == "a&lt;br&gt;b"

@@ -15,7 +15,7 @@ from dashboard.figures_adapters import (
     stacking_summary,
 )
 from dashboard.state import bound_select, metrics_table, run_table
-from dashboard.text import literal, trusted
+from dashboard.text import inert, literal, trusted
 from dashboard.ui import METRIC_COLUMN_CONFIG, csv_download, downloads, finished_run, scenario_buttons
 
 st.title("Adapter consistency")
@@ -84,7 +84,7 @@ if len(not_applied):
 # --- the matrix --------------------------------------------------------------------------------
 st.subheader("Predictions: adapters × strategies")
 fig = consistency_matrix(cells, target)
-st.plotly_chart(fig, key="adapters.matrix")
+st.plotly_chart(inert(fig), key="adapters.matrix")
 downloads(fig, cells, f"{record.run_id}-adapters-matrix", key="adapters.matrix")
 pred_columns = [
     "strategy",

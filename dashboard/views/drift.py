@@ -13,7 +13,7 @@ from dashboard.figures import (
     drift_heatmap,
 )
 from dashboard.state import bound_select, metrics_table, set_view, view
-from dashboard.text import literal
+from dashboard.text import inert, literal
 from dashboard.ui import downloads, element_diff_view, finished_run, verdict_box
 
 BASE = "base model"
@@ -80,7 +80,7 @@ st.caption(
 )
 
 fig = drift_heatmap(shown, metric, title=f"{check} · {adapter} · {METRIC_LABELS[metric]}")
-event = st.plotly_chart(fig, key="drift.heatmap", on_select="rerun", selection_mode="points")
+event = st.plotly_chart(inert(fig), key="drift.heatmap", on_select="rerun", selection_mode="points")
 points = (event or {}).get("selection", {}).get("points", [])  # PlotlyState is a dict
 if points:
     data = points[0].get("customdata")

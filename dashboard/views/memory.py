@@ -18,7 +18,7 @@ from dashboard.figures_memory import (
     timeline_heatmap,
 )
 from dashboard.state import bound_select, metrics_table, run_table
-from dashboard.text import literal
+from dashboard.text import inert, literal
 from dashboard.ui import csv_download, downloads, finished_run, scenario_buttons
 
 st.title("Memory placement")
@@ -80,7 +80,7 @@ if cuda:
         help="The driver's figure counts the CUDA context, which PyTorch's allocator does not see.",
     )
 fig = timeline_heatmap(timeline, metric)
-st.plotly_chart(fig, key="memory.timeline")
+st.plotly_chart(inert(fig), key="memory.timeline")
 downloads(fig, timeline, f"{record.run_id}-memory-timeline", key="memory.timeline")
 
 st.subheader("Findings")
@@ -126,7 +126,7 @@ if "shared_with" in placement and placement["shared_with"].notna().any():
         + " (a blank row there)."
     )
 fig2 = module_device_heatmap(placement, by or "module")
-st.plotly_chart(fig2, key="memory.placement")
+st.plotly_chart(inert(fig2), key="memory.placement")
 downloads(fig2, placement, f"{record.run_id}-placement", key="memory.placement")
 
 summaries = []

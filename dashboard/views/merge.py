@@ -19,7 +19,7 @@ from dashboard.figures_merge import (
     worst_modules,
 )
 from dashboard.state import bound_select, metrics_table, run_table
-from dashboard.text import literal
+from dashboard.text import inert, literal
 from dashboard.ui import (
     METRIC_COLUMN_CONFIG,
     csv_download,
@@ -161,7 +161,7 @@ st.caption(
     + literal(" ".join(f"{VERDICT_SYMBOLS[v]} {v}" for v in report.VERDICT_ORDER))
 )
 fig = drift_heatmap(shown, metric, title=f"{path} · {adapter} · {METRIC_LABELS[metric]}")
-st.plotly_chart(fig, key="merge.heatmap")
+st.plotly_chart(inert(fig), key="merge.heatmap")
 downloads(fig, shown, f"{record.run_id}-merge-{adapter}-{path}-{metric}", key="merge.heatmap")
 
 with st.expander("Worst modules, PEFT ΔW against the float64 formula, unmerge round trip", expanded=False):
@@ -186,7 +186,7 @@ with st.expander("Worst modules, PEFT ΔW against the float64 formula, unmerge r
 st.subheader("Output residual per stage")
 outs = output_rows(mine)
 bars = stage_bars(outs, title=f"{adapter}: max |Δ| of outputs per stage (symbols: dtype default / PEFT tol)")
-st.plotly_chart(bars, key="merge.stages")
+st.plotly_chart(inert(bars), key="merge.stages")
 listed = stage_table(outs)
 st.dataframe(listed, column_config=METRIC_COLUMN_CONFIG, hide_index=True)
 downloads(bars, listed, f"{record.run_id}-merge-{adapter}-stages", key="merge.stages")

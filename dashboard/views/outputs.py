@@ -7,7 +7,7 @@ import streamlit as st
 
 from dashboard.figures import outputs_figure
 from dashboard.state import metrics_table
-from dashboard.text import literal
+from dashboard.text import inert, literal
 from dashboard.ui import METRIC_COLUMN_CONFIG, csv_download, figure_download, finished_run
 
 HEALTH = {
@@ -54,7 +54,7 @@ else:
     st.success("No NaN/Inf, no all-zero output, no identical rows on any target.", icon=":material/favorite:")
 
 fig = outputs_figure(table[table["check"] == "outputs"])
-st.plotly_chart(fig, key="outputs.figure")
+st.plotly_chart(inert(fig), key="outputs.figure")
 figure_download(fig, f"{record.run_id}-outputs", key="outputs.figure.html")
 
 columns = [

@@ -7,7 +7,7 @@ import streamlit as st
 from core import report
 from dashboard.figures import environment_table, highlight_differences, verdict_counts_figure
 from dashboard.state import metrics_table, result_pages, view_query
-from dashboard.text import literal, trusted
+from dashboard.text import inert, literal, trusted
 from dashboard.ui import METRIC_COLUMN_CONFIG, csv_download, downloads, finished_run
 
 st.title("Overview")
@@ -38,7 +38,7 @@ for col, (path, title, icon) in zip(st.columns(max(len(pages), 1)), pages, stric
 st.subheader("Verdicts per check and target")
 by = report.verdicts_by_check_target(table)
 fig = verdict_counts_figure(by)
-st.plotly_chart(fig, key="overview.verdicts")
+st.plotly_chart(inert(fig), key="overview.verdicts")
 downloads(fig, by, f"{record.run_id}-verdicts", key="overview.verdicts")
 
 st.subheader("Furthest from their reference")
