@@ -482,9 +482,16 @@ class Store:
                     shutil.rmtree(entry, ignore_errors=True)
                     removed.append(entry)
             elif entry.is_dir() and not entry.name.startswith(".") and not lock_held(entry):
+                folder_old = old(entry)  # before removing files in it changes its time
                 for tmp in entry.rglob(".*.tmp"):
                     if old(tmp):
                         with contextlib.suppress(OSError):
                             tmp.unlink()
                             removed.append(tmp)
+                # a folder that held nothing but a killed write's temporary files (made before run
+                # folders were made under a hidden name) is no run
+                with contextlib.suppress(OSError):
+                    if folder_old and not any(entry.iterdir()):
+                        entry.rmdir()
+                        removed.append(entry)
         return removed

@@ -187,6 +187,10 @@ def test_the_sweep_removes_leftovers_of_killed_writes_only(tmp_path):
     half = tmp_path / "runs" / ".20000101-000000-aaaaaa.creating"
     half.mkdir()
     (half / ".spec.json.1234abcd.tmp").write_text("{")
+    only_tmp = tmp_path / "runs" / "20000101-000000-bbbbbb"  # as the store made folders before
+    only_tmp.mkdir()
+    (only_tmp / ".spec.json.1234abcd.tmp").write_text("{")
+    assert {r.run_id: r.status for r in store.list_runs()}[only_tmp.name] == "damaged"
     for run_dir in (done.run_dir, running.run_dir):
         (run_dir / ".run.json.1234abcd.tmp").write_text("{")
         (run_dir / "captures" / "cpu__float32").mkdir(parents=True)
@@ -195,6 +199,8 @@ def test_the_sweep_removes_leftovers_of_killed_writes_only(tmp_path):
     removed = store.sweep(min_age_s=0)
     assert sorted(str(p.relative_to(tmp_path)) for p in removed) == [
         "runs/.20000101-000000-aaaaaa.creating",
+        "runs/20000101-000000-bbbbbb",
+        "runs/20000101-000000-bbbbbb/.spec.json.1234abcd.tmp",
         f"runs/{done.run_id}/.run.json.1234abcd.tmp",
         f"runs/{done.run_id}/captures/cpu__float32/.capture.json.1234abcd.tmp",
     ]
