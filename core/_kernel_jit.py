@@ -355,6 +355,25 @@ def _census_block(raw_t, raw_r, tk, rk, lo, hi, bt, br):
     return acc != 0, np.int64(nn), np.int64(ni)
 
 
+@njit(**_JIT)
+def _census_alloc(nblocks, nthreads, scratch):
+    return (
+        np.zeros(1, np.int64),
+        np.zeros((nblocks, 2), np.int64),
+        np.empty((nthreads, 2, scratch), np.float64),
+    )
+
+
+@njit(**_JIT)
+def _census_total(stop, counts):
+    nn = 0
+    ni = 0
+    for s in range(counts.shape[0]):
+        nn += counts[s, 0]
+        ni += counts[s, 1]
+    return stop[0] == 0, nn, ni
+
+
 @njit(parallel=True, **_JIT)
 def bitwise_census(raw_t, raw_r, tk, rk, n, block, nthreads):
     """(equal, target NaN count, target Inf count): bits compared after widening to the promoted dtype.
@@ -362,24 +381,22 @@ def bitwise_census(raw_t, raw_r, tk, rk, n, block, nthreads):
     Raw bits for equal formats. Stops early (at block granularity) once a block differs; the
     counts are meaningful only when equal.
     """
+    # Only the loop is parallel: numba turns every array expression of a parallel function
+    # into a parfor of its own, each costing compile time.
     nblocks = (n + block - 1) // block
-    stop = np.zeros(1, np.int64)
-    nans = np.zeros(nblocks, np.int64)
-    infs = np.zeros(nblocks, np.int64)
-    bt_s = np.empty((nthreads, block if tk != rk else 1), np.float64)
-    br_s = np.empty((nthreads, block if tk != rk else 1), np.float64)
+    stop, counts, scratch = _census_alloc(nblocks, nthreads, block if tk != rk else 1)
     for s in prange(nblocks):
         if stop[0] != 0:
             continue
         tid = numba.get_thread_id()
         lo = s * block
         hi = min(n, lo + block)
-        differs, nn, ni = _census_block(raw_t, raw_r, tk, rk, lo, hi, bt_s[tid], br_s[tid])
+        differs, nn, ni = _census_block(raw_t, raw_r, tk, rk, lo, hi, scratch[tid, 0], scratch[tid, 1])
         if differs:
             stop[0] = 1
-        nans[s] = nn
-        infs[s] = ni
-    return stop[0] == 0, nans.sum(), infs.sum()
+        counts[s, 0] = nn
+        counts[s, 1] = ni
+    return _census_total(stop, counts)
 
 
 # ---------------------------------------------------------------- the fused pass
@@ -737,6 +754,26 @@ def _sketch(lo, hi, key, flg, hist, pmap, pcnt, tk_key, tk_idx, cols, rb, cb, gc
         i = row_end
 
 
+@njit(**_JIT)
+def _fused_alloc(nseg, nthreads, block, sketch, cells, k):
+    out_i = np.zeros((nseg, N_I), np.int64)
+    out_f = np.zeros((nseg, N_F), np.float64)
+    for s in range(nseg):
+        out_i[s, I_WORST] = -1
+        out_i[s, I_MISABS_IDX] = -1
+        out_i[s, I_MISREL_IDX] = -1
+    fscr = np.empty((nthreads, 2, block), np.float64)  # staged target and reference
+    iscr = np.empty((nthreads, 3, block), np.int64)  # key, nvb, aux
+    flg = np.empty((nthreads, block), np.uint8)
+    ns = nthreads if sketch else 1
+    hist = np.zeros((ns, HIST_BINS if sketch else 1), np.int64)
+    pmap = np.zeros((ns, cells if sketch else 1), np.int64)
+    pcnt = np.zeros((ns, cells if sketch else 1), np.int64)
+    tk_key = np.full((ns, k if sketch else 1), -1, np.int64)
+    tk_idx = np.full((ns, k if sketch else 1), -1, np.int64)
+    return out_i, out_f, fscr, iscr, flg, hist, pmap, pcnt, tk_key, tk_idx
+
+
 @njit(parallel=True, **_JIT)
 def fused(raw_t, raw_r, tk, rk, mode, n, rtol, atol, rtol32, atol32, atolh, tol_on, ulp_floor, p, block,
           nthreads, sketch, cols, rb, cb, gr, gc, k):  # fmt: skip
@@ -748,32 +785,18 @@ def fused(raw_t, raw_r, tk, rk, mode, n, rtol, atol, rtol32, atol32, atolh, tol_
     order), so they too are independent of the scheduling.
     """
     nseg = (n + block - 1) // block
-    out_i = np.zeros((nseg, N_I), np.int64)
-    out_f = np.zeros((nseg, N_F), np.float64)
-    out_i[:, I_WORST] = -1
-    out_i[:, I_MISABS_IDX] = -1
-    out_i[:, I_MISREL_IDX] = -1
-    tv_s = np.empty((nthreads, block), np.float64)
-    rv_s = np.empty((nthreads, block), np.float64)
-    key_s = np.empty((nthreads, block), np.int64)
-    nvb_s = np.empty((nthreads, block), np.int64)
-    aux_s = np.empty((nthreads, block), np.int64)
-    flg_s = np.empty((nthreads, block), np.uint8)
-    ns = nthreads if sketch else 1
-    hist = np.zeros((ns, HIST_BINS if sketch else 1), np.int64)
-    pmap = np.zeros((ns, gr * gc if sketch else 1), np.int64)
-    pcnt = np.zeros((ns, gr * gc if sketch else 1), np.int64)
-    tk_key = np.full((ns, k if sketch else 1), -1, np.int64)
-    tk_idx = np.full((ns, k if sketch else 1), -1, np.int64)
+    out_i, out_f, fscr, iscr, flg_s, hist, pmap, pcnt, tk_key, tk_idx = _fused_alloc(
+        nseg, nthreads, block, sketch, gr * gc, k
+    )
     for s in prange(nseg):
         tid = numba.get_thread_id()
         lo = s * block
         hi = min(n, lo + block)
-        _block(raw_t, raw_r, tk, rk, mode, lo, hi, tv_s[tid], rv_s[tid], key_s[tid], nvb_s[tid], aux_s[tid],
-               flg_s[tid],
-               rtol, atol, rtol32, atol32, atolh, tol_on, ulp_floor, p, out_i[s], out_f[s])  # fmt: skip
+        _block(raw_t, raw_r, tk, rk, mode, lo, hi, fscr[tid, 0], fscr[tid, 1], iscr[tid, 0], iscr[tid, 1],
+               iscr[tid, 2], flg_s[tid], rtol, atol, rtol32, atol32, atolh, tol_on, ulp_floor, p, out_i[s],
+               out_f[s])  # fmt: skip
         if sketch and out_i[s, I_SAME] < hi - lo:
-            _sketch(lo, hi, key_s[tid], flg_s[tid], hist[tid], pmap[tid], pcnt[tid], tk_key[tid], tk_idx[tid],
+            _sketch(lo, hi, iscr[tid, 0], flg_s[tid], hist[tid], pmap[tid], pcnt[tid], tk_key[tid], tk_idx[tid],
                     cols, rb, cb, gc)  # fmt: skip
     return out_i, out_f, hist, pmap, pcnt, tk_key, tk_idx
 
