@@ -737,16 +737,34 @@ def _sketch(lo, hi, key, flg, hist, pmap, pcnt, tk_key, tk_idx, cols, rb, cb, gc
         cell_row = (row // rb) * gc
         c = i - row_start
         c_end = row_end - row_start
+        if cb < 8:  # narrow cells: one pass over the row piece, flushing at each cell edge
+            cc = c // cb
+            edge = (cc + 1) * cb
+            m = np.int64(0)
+            cnt = np.int64(0)
+            off = row_start - lo
+            for x in range(c, c_end):
+                u = np.uint64(off + x)  # unsigned: no negative-index wraparound
+                m = max(m, key[u])
+                cnt += flg[u] & 1
+                if x + 1 == edge or x + 1 == c_end:
+                    cell = cell_row + cc
+                    pmap[cell] = max(pmap[cell], m)
+                    pcnt[cell] += cnt
+                    m = np.int64(0)
+                    cnt = np.int64(0)
+                    cc += 1
+                    edge += cb
+            c = c_end
         while c < c_end:
             cc = c // cb
             run_end = min(c_end, (cc + 1) * cb)
-            ks = key[row_start + c - lo : row_start + run_end - lo]
-            fs = flg[row_start + c - lo : row_start + run_end - lo]
             m = np.int64(0)
             cnt = np.int64(0)
-            for x in range(ks.size):
-                m = max(m, ks[x])
-                cnt += fs[x] & 1
+            # Unsigned indices: no negative-index wraparound in the loop, and no slice objects.
+            for x in range(np.uint64(row_start + c - lo), np.uint64(row_start + run_end - lo)):
+                m = max(m, key[x])
+                cnt += flg[x] & 1
             cell = cell_row + cc
             pmap[cell] = max(pmap[cell], m)
             pcnt[cell] += cnt

@@ -322,6 +322,27 @@ def test_cancellation_in_min_atol():
     assert passes(ad, rel, k.min_atol) and not passes(ad, rel, math.nextafter(k.min_atol, 0.0))
 
 
+def test_least_atol_per_element_is_exact():
+    # The per-element answer behind min_atol, on random pairs, on pairs with rtol|r| a few ulps
+    # below |d| (cancellation), and on subnormal and huge magnitudes.
+    from core import _kernel_jit
+
+    rng = np.random.default_rng(12)
+    n = 6000
+    ad = np.abs(rng.standard_normal(n)) * 10.0 ** rng.integers(-300, 300, n).astype(float)
+    rel = ad * rng.uniform(0, 1.2, n)
+    steps = rng.integers(1, 40, n)
+    rel[: n // 3] = ad[: n // 3] - steps[: n // 3] * np.spacing(ad[: n // 3])
+    rel[n // 3 : n // 2] = 0.0
+    ad[-100:] = rng.integers(1, 1 << 20, 100) * 2.0**-1074
+    rel[-100:] = ad[-100:] * rng.uniform(0, 1, 100)
+    atol = np.array([_kernel_jit.least_atol(a, b) for a, b in zip(ad, rel, strict=True)])
+    assert (ad <= atol + rel).all()
+    below = np.nextafter(atol, 0.0)
+    assert ((atol == 0) | ~(ad <= below + rel)).all()
+    assert (atol < ad - rel).sum() > 100  # the naive answer is often wrong
+
+
 def test_min_atol_many_candidates():
     # Every element needs almost the same atol: all are candidates, the exact answer still wins.
     g = torch.Generator().manual_seed(8)
