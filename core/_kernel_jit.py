@@ -374,6 +374,19 @@ def _census_total(stop, counts):
     return stop[0] == 0, nn, ni
 
 
+@njit(**_JIT)
+def _census_one(s, tid, raw_t, raw_r, tk, rk, n, block, stop, counts, scratch):
+    if stop[0] != 0:
+        return
+    lo = s * block
+    hi = min(n, lo + block)
+    differs, nn, ni = _census_block(raw_t, raw_r, tk, rk, lo, hi, scratch[tid, 0], scratch[tid, 1])
+    if differs:
+        stop[0] = 1  # read by the other threads before their next block: a benign race
+    counts[s, 0] = nn
+    counts[s, 1] = ni
+
+
 @njit(parallel=True, **_JIT)
 def bitwise_census(raw_t, raw_r, tk, rk, n, block, nthreads):
     """(equal, target NaN count, target Inf count): bits compared after widening to the promoted dtype.
@@ -386,16 +399,19 @@ def bitwise_census(raw_t, raw_r, tk, rk, n, block, nthreads):
     nblocks = (n + block - 1) // block
     stop, counts, scratch = _census_alloc(nblocks, nthreads, block if tk != rk else 1)
     for s in prange(nblocks):
+        _census_one(s, numba.get_thread_id(), raw_t, raw_r, tk, rk, n, block, stop, counts, scratch)
+    return _census_total(stop, counts)
+
+
+@njit(**_JIT)
+def bitwise_census_serial(raw_t, raw_r, tk, rk, n, block):
+    """`bitwise_census` on the calling thread (small tensors: no thread pool to wake)."""
+    nblocks = (n + block - 1) // block
+    stop, counts, scratch = _census_alloc(nblocks, 1, block if tk != rk else 1)
+    for s in range(nblocks):
+        _census_one(s, 0, raw_t, raw_r, tk, rk, n, block, stop, counts, scratch)
         if stop[0] != 0:
-            continue
-        tid = numba.get_thread_id()
-        lo = s * block
-        hi = min(n, lo + block)
-        differs, nn, ni = _census_block(raw_t, raw_r, tk, rk, lo, hi, scratch[tid, 0], scratch[tid, 1])
-        if differs:
-            stop[0] = 1
-        counts[s, 0] = nn
-        counts[s, 1] = ni
+            break
     return _census_total(stop, counts)
 
 
@@ -792,31 +808,50 @@ def _fused_alloc(nseg, nthreads, block, sketch, cells, k):
     return out_i, out_f, fscr, iscr, flg, hist, pmap, pcnt, tk_key, tk_idx
 
 
+@njit(**_JIT)
+def _fused_one(s, tid, raw_t, raw_r, kinds, n, block, par, sk, bufs):
+    """Block s of `fused` on thread tid."""
+    tk, rk, mode = kinds
+    rtol, atol, rtol32, atol32, atolh, tol_on, ulp_floor, p = par
+    sketch, cols, rb, cb, gc = sk
+    out_i, out_f, fscr, iscr, flg, hist, pmap, pcnt, tk_key, tk_idx = bufs
+    lo = s * block
+    hi = min(n, lo + block)
+    _block(raw_t, raw_r, tk, rk, mode, lo, hi, fscr[tid, 0], fscr[tid, 1], iscr[tid, 0], iscr[tid, 1],
+           iscr[tid, 2], flg[tid], rtol, atol, rtol32, atol32, atolh, tol_on, ulp_floor, p, out_i[s],
+           out_f[s])  # fmt: skip
+    if sketch and out_i[s, I_SAME] < hi - lo:
+        _sketch(lo, hi, iscr[tid, 0], flg[tid], hist[tid], pmap[tid], pcnt[tid], tk_key[tid], tk_idx[tid],
+                cols, rb, cb, gc)  # fmt: skip
+
+
 @njit(parallel=True, **_JIT)
-def fused(raw_t, raw_r, tk, rk, mode, n, rtol, atol, rtol32, atol32, atolh, tol_on, ulp_floor, p, block,
-          nthreads, sketch, cols, rb, cb, gr, gc, k):  # fmt: skip
+def fused(raw_t, raw_r, kinds, n, block, par, sk, grid_k, nthreads):
     """One pass over both inputs in fixed blocks; per-block partials (fold them with `combine`).
 
+    kinds = (target kind, reference kind, promoted kind); par = (rtol, atol, rtol as float32,
+    atol as float32, atol as the promoted bf16/f16, tolerance nonzero, ulp floor, p);
+    sk = (sketch, fold cols, cell rows, cell cols, grid cols); grid_k = (grid cells, top-k k).
     Returns (I, F, hist, pmap, pcnt, tk_key, tk_idx): per-block int and float partials (columns
-    I_* / F_*) and, with `sketch`, per-thread histograms, pooled |d| bits and mismatch counts
+    I_* / F_*) and, with the sketch, per-thread histograms, pooled |d| bits and mismatch counts
     per cell, and top-k lists. Per-thread sketch parts are order-free (max, sums, a total
     order), so they too are independent of the scheduling.
     """
     nseg = (n + block - 1) // block
-    out_i, out_f, fscr, iscr, flg_s, hist, pmap, pcnt, tk_key, tk_idx = _fused_alloc(
-        nseg, nthreads, block, sketch, gr * gc, k
-    )
+    bufs = _fused_alloc(nseg, nthreads, block, sk[0], grid_k[0], grid_k[1])
     for s in prange(nseg):
-        tid = numba.get_thread_id()
-        lo = s * block
-        hi = min(n, lo + block)
-        _block(raw_t, raw_r, tk, rk, mode, lo, hi, fscr[tid, 0], fscr[tid, 1], iscr[tid, 0], iscr[tid, 1],
-               iscr[tid, 2], flg_s[tid], rtol, atol, rtol32, atol32, atolh, tol_on, ulp_floor, p, out_i[s],
-               out_f[s])  # fmt: skip
-        if sketch and out_i[s, I_SAME] < hi - lo:
-            _sketch(lo, hi, iscr[tid, 0], flg_s[tid], hist[tid], pmap[tid], pcnt[tid], tk_key[tid], tk_idx[tid],
-                    cols, rb, cb, gc)  # fmt: skip
-    return out_i, out_f, hist, pmap, pcnt, tk_key, tk_idx
+        _fused_one(s, numba.get_thread_id(), raw_t, raw_r, kinds, n, block, par, sk, bufs)
+    return bufs[0], bufs[1], bufs[5], bufs[6], bufs[7], bufs[8], bufs[9]
+
+
+@njit(**_JIT)
+def fused_serial(raw_t, raw_r, kinds, n, block, par, sk, grid_k):
+    """`fused` on the calling thread (small tensors: no thread pool to wake). Same results."""
+    nseg = (n + block - 1) // block
+    bufs = _fused_alloc(nseg, 1, block, sk[0], grid_k[0], grid_k[1])
+    for s in range(nseg):
+        _fused_one(s, 0, raw_t, raw_r, kinds, n, block, par, sk, bufs)
+    return bufs[0], bufs[1], bufs[5], bufs[6], bufs[7], bufs[8], bufs[9]
 
 
 # ---------------------------------------------------------------- combining

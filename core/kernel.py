@@ -44,6 +44,7 @@ import torch
 
 __all__ = [
     "DEFAULT_BLOCK",
+    "PARALLEL_MIN",
     "KernelStats",
     "Sketch",
     "SUPPORTED_DTYPES",
@@ -57,6 +58,10 @@ __all__ = [
 
 DEFAULT_BLOCK = 1 << 12  # elements per block: the scratch of one block stays in L2
 BITWISE_BLOCK = 1 << 16
+# Below this many elements the kernel runs on the calling thread: waking a thread pool costs
+# more than it saves, and two OpenMP pools (torch's and numba's) spinning on a small machine
+# slow each other down.
+PARALLEL_MIN = 1 << 17
 SUPPORTED_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 MAX_CELLS = 256  # pooled map: at most this many cells per side
 HIST_FINITE_BINS = 8188  # bins 8188.. hold inf and NaN
@@ -241,13 +246,16 @@ def bitwise_census(target: torch.Tensor, reference: torch.Tensor) -> tuple[bool,
     _require()
     if target.numel() != reference.numel():
         raise ValueError(f"sizes differ: {target.numel()} vs {reference.numel()}")
-    return _census(to_kernel_array(target), to_kernel_array(reference), _KIND[target.dtype],
-                   _KIND[reference.dtype], target.numel())  # fmt: skip
+    ta, ra = to_kernel_array(target), to_kernel_array(reference)
+    return _census(ta, ra, _KIND[target.dtype], _KIND[reference.dtype], target.numel(), None)
 
 
-def _census(ta, ra, tk, rk, n) -> tuple[bool, int, int]:
+def _census(ta, ra, tk, rk, n, parallel) -> tuple[bool, int, int]:
     with _LOCK:
-        eq, nan, inf = _jit.bitwise_census(ta, ra, tk, rk, n, BITWISE_BLOCK, numba.get_num_threads())
+        if parallel or (parallel is None and n >= PARALLEL_MIN):
+            eq, nan, inf = _jit.bitwise_census(ta, ra, tk, rk, n, BITWISE_BLOCK, numba.get_num_threads())
+        else:
+            eq, nan, inf = _jit.bitwise_census_serial(ta, ra, tk, rk, n, BITWISE_BLOCK)
     return bool(eq), int(nan), int(inf)
 
 
@@ -287,11 +295,13 @@ def compare_cpu(
     fold: tuple[int, int] | None = None,
     topk: int = 16,
     block: int = DEFAULT_BLOCK,
+    parallel: bool | None = None,
 ) -> KernelStats:
     """Compare two CPU tensors of the same number of elements (read flat, in C order).
 
     `fold` is the (rows, cols) reading for the sketch's map, `default_fold(target.shape)` if
-    None. `block` changes only how sums are rounded. Raises TypeError for dtypes outside
+    None. `block` changes only how sums are rounded; `parallel` (default: from
+    `PARALLEL_MIN` elements on) changes nothing in the result. Raises TypeError for dtypes outside
     `SUPPORTED_DTYPES`, ValueError for other devices or sizes, RuntimeError without numba.
     """
     _require()
@@ -308,7 +318,7 @@ def compare_cpu(
     if fold[0] * fold[1] != numel:
         raise ValueError(f"fold {fold} does not hold {numel} elements")
 
-    eq, n_nan, n_inf = _census(ta, ra, tk, rk, numel)
+    eq, n_nan, n_inf = _census(ta, ra, tk, rk, numel, parallel)
     if eq:
         return _identical(numel, n_nan, n_inf, sketch, fold)
 
@@ -316,12 +326,17 @@ def compare_cpu(
     atolh = _scalar_in(promoted, atol) if promoted in (torch.bfloat16, torch.float16) else 0.0
     p, e_min = _FORMAT[target.dtype]
     rb, cb, gr, gc = _grid(*fold)
+    kinds = (tk, rk, _KIND[promoted])
+    par = (float(rtol), float(atol), np.float32(rtol), np.float32(atol), np.float32(atolh),
+           not (rtol == 0 and atol == 0), 2.0 ** (e_min - 1), p)  # fmt: skip
+    sk = (bool(sketch), fold[1], rb, cb, gc)
+    grid_k = (gr * gc, int(topk))
     with _LOCK:
-        out_i, out_f, hist, pmap, pcnt, tk_key, tk_idx = _jit.fused(
-            ta, ra, tk, rk, _KIND[promoted], numel, float(rtol), float(atol), np.float32(rtol), np.float32(atol),
-            np.float32(atolh), not (rtol == 0 and atol == 0), 2.0 ** (e_min - 1), p, int(block),
-            numba.get_num_threads(), bool(sketch), fold[1], rb, cb, gr, gc, int(topk),
-        )  # fmt: skip
+        if parallel or (parallel is None and numel >= PARALLEL_MIN):
+            parts = _jit.fused(ta, ra, kinds, numel, int(block), par, sk, grid_k, numba.get_num_threads())
+        else:
+            parts = _jit.fused_serial(ta, ra, kinds, numel, int(block), par, sk, grid_k)
+        out_i, out_f, hist, pmap, pcnt, tk_key, tk_idx = parts
         ints, fl = _jit.combine(out_i, out_f)
     return _assemble(target, reference, numel, ints, fl, (hist, pmap, pcnt, tk_key, tk_idx) if sketch else None,
                      fold, (rb, cb, gr, gc))  # fmt: skip

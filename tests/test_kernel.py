@@ -442,21 +442,24 @@ def test_independent_of_threads_and_blocks(pair):
     t[[3, 700]], r[[5, 700]], t[1500], r[1500] = math.nan, math.inf, -math.inf, -math.inf
     # Ties for the greatest |d| (and for the greatest mismatch) in different blocks.
     t[[10, 2900]], r[[10, 2900]] = 9.0, 1.0
-    base = kernel.compare_cpu(t, r, rtol, atol, sketch=True, fold=(3001, 1), block=64)
-    assert base.worst_index == 10
+
+    def run(block=64, parallel=False):
+        return kernel.compare_cpu(
+            t, r, rtol, atol, sketch=True, fold=(3001, 1), block=block, parallel=parallel
+        )
+
+    base = run()  # on the calling thread
+    assert base.worst_index == 10 and base.mismatch_max_abs_index == 3  # the first NaN
     threads = numba.get_num_threads()
     try:
         for n in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS), numba.config.NUMBA_NUM_THREADS}):
             numba.set_num_threads(n)
-            _assert_same(
-                kernel.compare_cpu(t, r, rtol, atol, sketch=True, fold=(3001, 1), block=64), base, True
-            )
+            _assert_same(run(parallel=True), base, sums_exact=True)
     finally:
         numba.set_num_threads(threads)
     for block in (1, 7, 1000, 4096):
-        _assert_same(
-            kernel.compare_cpu(t, r, rtol, atol, sketch=True, fold=(3001, 1), block=block), base, False
-        )
+        _assert_same(run(block=block), base, sums_exact=False)
+        _assert_same(run(block=block, parallel=True), base, sums_exact=False)
 
 
 # ---------------------------------------------------------------- sketch
