@@ -407,7 +407,7 @@ def bitwise_census(raw_t, raw_r, tk, rk, n, block, nthreads):
 def bitwise_census_serial(raw_t, raw_r, tk, rk, n, block):
     """`bitwise_census` on the calling thread (small tensors: no thread pool to wake)."""
     nblocks = (n + block - 1) // block
-    stop, counts, scratch = _census_alloc(nblocks, 1, block if tk != rk else 1)
+    stop, counts, scratch = _census_alloc(nblocks, 1, min(block, n) if tk != rk else 1)
     for s in range(nblocks):
         _census_one(s, 0, raw_t, raw_r, tk, rk, n, block, stop, counts, scratch)
         if stop[0] != 0:

@@ -22,7 +22,10 @@ element once, in fixed blocks processed in parallel, and computes:
 - optionally a sketch: block-max-pooled |d| over a 2-D fold of the tensor, mismatches per
   pooled cell, a histogram of |d| by float64 exponent and quarter significand, the top-k |d|.
 
-Results do not depend on the thread count: per-block partials are combined in block order.
+Each block (`DEFAULT_BLOCK` elements) is widened into a thread-local float64 staging buffer,
+so one compiled kernel serves every dtype pair (compiled once, cached on disk: NUMBA_CACHE_DIR,
+else ~/.cache/weightdrift/numba). Tensors under `PARALLEL_MIN` elements run on the calling
+thread. Results do not depend on the thread count: per-block partials are combined in block order.
 Maxima, indices, counts, ULPs and min_atol do not depend on the block size either; sums do
 only through rounding. Float arithmetic is float64 per element, float64 accumulation, and no
 float64 copy of a tensor is made.
@@ -152,6 +155,11 @@ class KernelStats:
     message: the greatest |a - b| (and |a - b| / |b|) among mismatched elements, computed in the
     promoted dtype, NaN first; indices None when nothing mismatches. A float64 d that overflows
     (e.g. 1.7e308 - -1.7e308) is inf, and so are max_abs, mean_abs, rmse, rel_l2 and min_atol.
+    ``min_atol`` is exact (the least float64 atol that passes every finite element): callers need
+    no refinement. The degenerate cases follow `metrics.compare`: with nothing finite, means are 0;
+    rel_l2 is 0 or inf against a zero reference; cos_sim is 1 for two zero tensors, NaN for one.
+    Bitwise-equal inputs stop after the first pass: ``norm_target`` and ``norm_reference`` are then
+    NaN (not computed) and everything else is zero, with cos_sim 1.
     """
 
     numel: int
