@@ -617,7 +617,8 @@ def test_large_model_drift_from_sketches(server: Server, capsys: pytest.CaptureF
     assert model_bytes > KEEP_TENSORS_UP_TO
     # nothing of the model kept: the captured tensors file is (nearly) empty, sketches are small
     assert (captures / "tensors.safetensors").stat().st_size < 1 << 20
-    assert folder_bytes < 0.05 * model_bytes, (folder_bytes, model_bytes)
+    # ~110 sketches of ≤ 256×256 cells: a tenth of this small model (5 % of a 1B one, in the bench)
+    assert folder_bytes < 0.10 * model_bytes, (folder_bytes, model_bytes)
     table = record.metrics()
     drifting = table[(table.check == "weights") & (table.verdict != "identical")]
     assert len(drifting) > 50  # every weight rounds to bfloat16
@@ -632,7 +633,7 @@ def test_large_model_drift_from_sketches(server: Server, capsys: pytest.CaptureF
         _wait_idle(page)
         _no_exception(page, "Drift page of a sketched run")
         titles = " ".join(_svg_texts(page, DIFF_CHART))
-        assert "from the sketch" in titles and "block max over" in titles, titles
+        assert "sketch (tensors not kept)" in titles and "block max over" in titles, titles
         assert tensor in _selected(page, "widget.tensor")
         _shot(page, "20-large-model-drift.png")
         page.get_by_role("heading", name="Inspect one tensor").evaluate(
