@@ -182,9 +182,9 @@ def e2e_table(results: list[dict[str, Any]]) -> str:
     """Markdown: one row per checkpoint size, baseline and run side by side with the ratios."""
     lines = [
         "| size | params | checkpoint GB | baseline load+fwd s (per dtype) | imports s | "
-        "run wall s | run / baseline | peak RSS GB (tree, sampled) | largest process peak GB | RSS / ckpt | "
-        "run folder MB | folder / ckpt | exit |",
-        "|" + "---|" * 13,
+        "run wall s | run / baseline | run / baseline processes | peak RSS GB (tree, sampled) | "
+        "largest process peak GB | RSS / ckpt | run folder MB | folder / ckpt | exit |",
+        "|" + "---|" * 14,
     ]
     for r in results:
         c, run, q = r["checkpoint"], r["run"], r["ratios"]
@@ -195,7 +195,8 @@ def e2e_table(results: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['size']} | {c['n_params'] / 1e6:.3g}M | {_gb(c['model_bytes'])} ({r['storage_dtype']}, "
             f"{c['shards']} shard{'s' if c['shards'] > 1 else ''}) | {per} = {_x(r['baseline_load_forward_sum_s'], 1)} | "
-            f"{imports} | {run['wall_s']:.1f} | {_x(q['run_over_baseline'])} | {_gb(run['peak_rss_tree'])} | "
+            f"{imports} | {run['wall_s']:.1f} | {_x(q['run_over_baseline'])} | "
+            f"{_x(q.get('run_over_baseline_processes'))} | {_gb(run['peak_rss_tree'])} | "
             f"{_gb(run['max_process_hwm'])}{' (sampler missed it)' if run['sampler_missed_peak'] else ''} | "
             f"{_x(q['peak_rss_over_checkpoint'])} | "
             f"{_x(run['run_bytes'] / 1e6 if 'run_bytes' in run else None, 1)} | "

@@ -54,7 +54,7 @@ class TreeSample:
     n: int  # processes in the tree
 
 
-def vm_hwm(pid: int) -> int | None:
+def vm_hwm(pid: int | str) -> int | None:
     """The kernel's peak RSS of one process (VmHWM, bytes), exact however short the peak; Linux only.
 
     Unlike ``ru_maxrss``, it starts afresh at exec: a child forked from a large parent does not

@@ -28,6 +28,7 @@ __all__ = [
     "as_2d",
     "block_starts",
     "content_hash",
+    "hist_bin_index",
     "hist_edges_log10",
     "make_sketch",
 ]
@@ -74,6 +75,13 @@ def content_hash(t: torch.Tensor, chunk_bytes: int = 1 << 26) -> str:
         piece = flat[start : start + per].to("cpu").contiguous()
         h.update(memoryview(piece.view(torch.uint8).numpy()))
     return h.hexdigest()
+
+
+def hist_bin_index(values: np.ndarray) -> np.ndarray:
+    """The histogram bin of each positive finite float64 value (HIST_BINS_PER_OCTAVE per octave)."""
+    mant, exp = np.frexp(np.asarray(values, dtype=np.float64))
+    sub = np.clip(((mant - 0.5) * (2 * HIST_BINS_PER_OCTAVE)).astype(np.int64), 0, HIST_BINS_PER_OCTAVE - 1)
+    return (exp.astype(np.int64) - 1 - _HIST_E0) * HIST_BINS_PER_OCTAVE + sub
 
 
 def hist_edges_log10(bins: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -238,13 +246,12 @@ def make_sketch(
         # Worst elements: NaN counts as the worst of all (as the pooled map shows it).
         flat = ad.reshape(-1)
         key = torch.where(flat.isnan(), torch.full_like(flat, math.inf), flat)
-        k = min(TOP_K, key.numel())
-        vals, idx = torch.topk(key, k)
-        keep = vals > 0
-        top_val = torch.cat([top_val, vals[keep]])
-        top_idx = torch.cat([top_idx, idx[keep] + r0 * cols])
-        if top_val.numel() > TOP_K:
-            # stable: ties keep the earlier element
+        # a stable sort, not topk: ties go to the earlier element, as the kernel orders them
+        vals, idx = torch.sort(key, descending=True, stable=True)
+        keep = vals[:TOP_K] > 0
+        top_val = torch.cat([top_val, vals[:TOP_K][keep]])
+        top_idx = torch.cat([top_idx, idx[:TOP_K][keep] + r0 * cols])
+        if top_val.numel() > TOP_K:  # chunks come in index order, so stable keeps ties earliest-first
             order = torch.argsort(-top_val, stable=True)[:TOP_K]
             top_val, top_idx = top_val[order], top_idx[order]
     order = torch.argsort(-top_val, stable=True)

@@ -171,12 +171,12 @@ def _diff_figures(run_id: str, check: str, target: str, adapter: str | None, ten
         # from the block-max map and the binned histogram, and the title says so.
         if diff.sketch is None:
             return None
-        title = f"{title} · from the sketch (tensors not kept: run with keep tensors for every element)"
-        return sketch_heatmap(diff.sketch, title=title), sketch_histogram(diff.sketch)
+        title = title.replace("element-wise", "block max") + " · sketch (tensors not kept)"
+        return sketch_heatmap(diff.sketch, title=title), sketch_histogram(diff.sketch), True
     if not (diff.diff != 0).any():
         return None
     heat = diff_heatmap(diff.diff, title=title, failing=diff.mismatch, shape=diff.shape)
-    return heat, diff_histogram(diff.diff)
+    return heat, diff_histogram(diff.diff), False
 
 
 def element_diff_view(
@@ -209,7 +209,13 @@ def element_diff_view(
     if figures is None:
         st.success(literal(exact))
         return
-    heat, hist = figures
+    heat, hist, sketched = figures
+    if sketched:
+        st.caption(
+            "This run kept each tensor's sketch, not the tensor (its base is over 256 MiB): the map shows "
+            "the largest |Δ| of each block and the histogram counts every element. For the map of every "
+            "element, run again with --keep-tensors (the form's “Keep every compared tensor”)."
+        )
     left, right = st.columns([3, 2])
     with left:
         st.plotly_chart(inert(heat), key=f"{key}.diff")

@@ -639,6 +639,70 @@ def test_a_crafted_run_url_and_run_folder_show_their_text_literally(server: Serv
             assert main.locator('img[src*="evil.example"]').count() == 0
             assert main.locator("strong", has_text="bold").count() == 0
             page.wait_for_timeout(500)
-            _shot(page, f"2{0 if path == 'overview' else 1}-untrusted-{path}.png")
+            _shot(page, f"3{0 if path == 'overview' else 1}-untrusted-{path}.png")
         context.close()
     assert foreign == []
+
+
+# --- a real-sized model: the Drift page and its drill-down from sketches ------------------------
+
+LARGE_TARGET = "cpu/bfloat16"
+
+
+def test_large_model_drift_from_sketches(server: Server, capsys: pytest.CaptureFixture) -> None:
+    """A 100M-parameter synthetic Llama (400 MB float32, over the keep-tensors threshold) run by the
+    CLI into the server's home: its captures hold sketches, not tensors, and the Drift page draws
+    the heatmap and a drill-down from them, saying so."""
+    from bench.checkpoints import ensure_checkpoint, spec_for
+    from core.spec import KEEP_TENSORS_UP_TO
+    from core.store import Store
+
+    started = time.monotonic()
+    checkpoint = ensure_checkpoint(spec_for("100m"))  # cached under ~/.cache/weightdrift-bench
+    generated_s = time.monotonic() - started
+    env = {**os.environ, "WEIGHTDRIFT_HOME": str(server.home)}
+    env.pop("WEIGHTDRIFT_RUNNER", None)
+    cmd = [sys.executable, "-m", "core", "run", "--base", str(checkpoint.model_dir)]
+    cmd += ["--adapter", f"{checkpoint.adapter_dir}=lora", "--target", LARGE_TARGET]
+    cmd += ["--check", "weights", "deltas", "--json"]
+    started = time.monotonic()
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S * 2)
+    run_s = time.monotonic() - started
+    assert done.returncode in (0, 1), done.stderr[-3000:]
+    run_id = json.loads(done.stdout)["run_id"]
+    record = Store(server.home).open(run_id)
+    captures = record.run_dir / "captures" / LARGE_TARGET.replace("/", "_")
+    folder_bytes = sum(p.stat().st_size for p in record.run_dir.rglob("*") if p.is_file())
+    model_bytes = sum(p.stat().st_size for p in checkpoint.model_dir.glob("*.safetensors"))
+    assert model_bytes > KEEP_TENSORS_UP_TO
+    # nothing of the model kept: the captured tensors file is (nearly) empty, sketches are small
+    assert (captures / "tensors.safetensors").stat().st_size < 1 << 20
+    # ~110 sketches of ≤ 256×256 cells: a tenth of this small model (5 % of a 1B one, in the bench)
+    assert folder_bytes < 0.10 * model_bytes, (folder_bytes, model_bytes)
+    table = record.metrics()
+    drifting = table[(table.check == "weights") & (table.verdict != "identical")]
+    assert len(drifting) > 50  # every weight rounds to bfloat16
+    tensor = "model.layers.3.self_attn.q_proj.weight"
+    assert tensor in set(drifting.tensor)
+
+    with _browser(server) as browser:
+        page = browser.new_context(viewport=VIEWPORT).new_page()
+        page.goto(f"{server.url}/drift?run={run_id}&target={LARGE_TARGET}&check=weights&tensor={tensor}")
+        page.locator(HEATMAP).locator(CHART).wait_for(state="visible", timeout=STEP_TIMEOUT_S * 1000)
+        page.locator(DIFF_CHART).locator(CHART).wait_for(state="visible", timeout=STEP_TIMEOUT_S * 1000)
+        _wait_idle(page)
+        _no_exception(page, "Drift page of a sketched run")
+        titles = " ".join(_svg_texts(page, DIFF_CHART))
+        assert "sketch (tensors not kept)" in titles and "block max over" in titles, titles
+        assert tensor in _selected(page, "widget.tensor")
+        _shot(page, "20-large-model-drift.png")
+        page.get_by_role("heading", name="Inspect one tensor").evaluate(
+            "e => e.scrollIntoView({block: 'start'})"
+        )
+        _shot(page, "21-large-model-drilldown.png")
+    with capsys.disabled():
+        print(
+            f"\ne2e: 100M checkpoint ready in {generated_s:.1f} s; `core run` {LARGE_TARGET} weights+deltas "
+            f"{run_s:.1f} s; run folder {folder_bytes / 1e6:.1f} MB = {100 * folder_bytes / model_bytes:.2f} % "
+            f"of the checkpoint"
+        )

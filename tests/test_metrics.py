@@ -581,7 +581,8 @@ def test_metrics_small_exact():
     assert stats.max_abs == 2.0
     assert stats.mean_abs == 0.5
     assert stats.rmse == 1.0
-    assert stats.rel_l2 == math.sqrt(4.0 / 18.0)  # correctly rounded (2 / sqrt(18) is one ulp off)
+    # ‖d‖/‖r‖ = 2/√18: within one ulp of the exact value (the kernel divides two rounded norms)
+    assert abs(stats.rel_l2 - math.sqrt(4.0 / 18.0)) <= math.ulp(math.sqrt(4.0 / 18.0))
     assert stats.worst_index == (1, 1)
 
 

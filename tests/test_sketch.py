@@ -77,3 +77,25 @@ def test_round_trip_and_hash():
     u = t.clone()
     u[3, 3] = torch.nextafter(u[3, 3], torch.tensor(2.0))
     assert content_hash(u) != content_hash(t)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float64), (torch.bfloat16, torch.float32)])
+def test_kernel_sketch_equals_the_torch_sketch(dtypes):
+    """metrics.measure's one-pass sketch (the CPU kernel) and make_sketch (any device) agree exactly."""
+    from core import metrics
+
+    g = torch.Generator().manual_seed(11)
+    r = torch.randn(300, 700, generator=g, dtype=torch.float64).to(dtypes[1])
+    t = (r.double() * (1 + torch.randn(300, 700, generator=g, dtype=torch.float64) * 1e-2)).to(dtypes[0])
+    t.view(-1)[[5, 9000]] = float("nan")
+    t.view(-1)[77] = r.view(-1)[77].to(dtypes[0])
+    tol = metrics.default_tolerance(dtypes[0])
+    stats, fast = metrics.measure(t, r, tol)
+    slow = make_sketch(t, r, lambda a, b: ~metrics.close_mask(a, b, tol))
+    assert fast is not None and stats.n_mismatch == int(fast.failing.sum()) == int(slow.failing.sum())
+    np.testing.assert_array_equal(fast.pooled, slow.pooled)
+    np.testing.assert_array_equal(fast.failing, slow.failing)
+    np.testing.assert_array_equal(fast.hist_bins, slow.hist_bins)
+    np.testing.assert_array_equal(fast.hist_counts, slow.hist_counts)
+    assert (fast.n_zero, fast.n_nonfinite) == (slow.n_zero, slow.n_nonfinite)
+    assert fast.top_index == slow.top_index

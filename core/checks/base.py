@@ -20,7 +20,7 @@ import torch
 from core import metrics
 from core.capture import BASE, Capture, TensorKey
 from core.loading import Loaded
-from core.sketch import Sketch, content_hash, make_sketch
+from core.sketch import Sketch, content_hash
 from core.spec import ProbeSpec, Target
 
 if TYPE_CHECKING:
@@ -206,14 +206,11 @@ class Check(ABC):
                 reference.label, note, dtype, missing_reference_row(tensor), None, content_hash(tensor)
             )
         tol = tolerance(spec, self.describe(key)["role"], getattr(torch, target.dtype))
-        stats = metrics.compare(tensor, ref, tol)
+        stats, sketch = metrics.measure(tensor, ref, tol)
         row = metrics.stats_to_row(stats)
         # the same bits hash alike: hash the reference where it is already on the host
         same = stats.bitwise_equal and ref.dtype == tensor.dtype
         digest = content_hash(ref if same else tensor)
-        if stats.bitwise_equal or stats.shape_mismatch:
-            return Measured(reference.label, note, dtype, row, None, digest)
-        sketch = make_sketch(tensor, ref, lambda t, r: ~metrics.close_mask(t, r, tol).to(t.device))
         return Measured(reference.label, note, dtype, row, sketch, digest)
 
     def describe(self, key: TensorKey) -> dict[str, Any]:
