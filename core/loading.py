@@ -196,9 +196,9 @@ def forward_units(model: torch.nn.Module) -> list[torch.nn.Module]:
 def float64_forward(model: torch.nn.Module) -> Iterator[None]:
     """Run forwards inside in float64 one unit at a time, when `model` is held for that (FLOAT64_FORWARD).
 
-    Each unit's floating parameters are widened to float64 just before it runs and narrowed back
-    right after (exact: they were narrow values to begin with), so peak memory is the model in its
-    checkpoint's dtype plus one block in float64. A model not marked runs as it is.
+    Each unit's floating parameters are widened to float64 just before it runs (exact) and given
+    their narrow storage back right after, so peak memory is the model in its checkpoint's dtype
+    plus one block in float64. A model not marked runs as it is.
     """
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not getattr(inner, FLOAT64_FORWARD, False):
@@ -206,19 +206,21 @@ def float64_forward(model: torch.nn.Module) -> Iterator[None]:
         return
     handles = []
 
+    held: dict[int, dict[int, torch.Tensor]] = {}  # unit → parameter → its narrow storage
+
     def widen(unit, args):
+        narrow_of = held.setdefault(id(unit), {})
         for p in unit.parameters():
-            if p.is_floating_point() and p.dtype != torch.float64:
-                unit._wd_dtypes = getattr(unit, "_wd_dtypes", {})
-                unit._wd_dtypes.setdefault(id(p), p.dtype)
+            if p.is_floating_point() and p.dtype != torch.float64 and id(p) not in narrow_of:
+                narrow_of[id(p)] = p.data
                 p.data = p.data.to(torch.float64)
 
     def narrow(unit, args, output):
-        dtypes = getattr(unit, "_wd_dtypes", {})
+        # the narrow storage itself comes back: no conversion, and bit for bit what was held
+        narrow_of = held.pop(id(unit), {})
         for p in unit.parameters():
-            if id(p) in dtypes:
-                p.data = p.data.to(dtypes[id(p)])
-        unit._wd_dtypes = {}
+            if id(p) in narrow_of:
+                p.data = narrow_of[id(p)]
 
     for unit in forward_units(model):
         handles.append(unit.register_forward_pre_hook(widen))
