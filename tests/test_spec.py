@@ -43,7 +43,7 @@ def test_target_parse_and_label(text, expected, label):
         ("cpu/int8", "unknown dtype"),
         ("gpu:0/float32", "unknown device"),
         ("cpu/float32+fast", "unknown flag"),
-        ("cpu/float32+threads=0", "unknown flag"),
+        ("cpu/float32+threads=0", "flag threads=0 is not a CPU thread count"),
     ],
 )
 def test_target_parse_errors(text, fragment):
