@@ -37,7 +37,7 @@ _JSON_KINDS = {
 
 
 def read_json_object(path: Path, owner: str, holds: str) -> dict[str, Any]:
-    """The JSON object in `path`; InputError "`owner`: NAME …" when it is unreadable, not JSON or no object.
+    """The JSON object in `path`; InputError naming `owner` and the file when it is not one.
 
     `holds` says what the object should hold, for the message (e.g. "the model's settings").
     """
@@ -176,7 +176,8 @@ def validate_merge_subset(subset: Sequence[str], adapters: Sequence[str], checks
     named = ", ".join(subset)
     if "merge" not in checks:
         raise InputError(
-            f"merge subset {named} is given, but the merge check that merges it is not run; add merge to the checks"
+            f"merge subset {named} is given, but the merge check that merges it is not run; "
+            "add merge to the checks"
         )
     dupes = sorted({n for n in subset if subset.count(n) > 1})
     if dupes:

@@ -24,7 +24,10 @@ from core.spec import ToleranceOverride
 from core.targets import discover_devices
 
 # What PEFT itself can load, read from PEFT (not from core.validate).
-PEFT_EXPECTED = f"expected one of {', '.join(t.value for t in PeftType)} (the methods PEFT {metadata.version('peft')} loads)"
+PEFT_EXPECTED = (
+    f"expected one of {', '.join(t.value for t in PeftType)} "
+    f"(the methods PEFT {metadata.version('peft')} loads)"
+)
 THREADS_EXPECTED = "expected threads=N with N a whole number from 1 to 1024 written in digits 0-9"
 FORM_FIELDS = ("base", "adapters", "targets", "checks", "merge_subset", "tolerance")
 
@@ -200,7 +203,8 @@ def _case(name: str, demo: dict, tmp: Path) -> Bad:
         )
     if name == "merge subset without the merge check":
         return Bad(
-            "merge subset a, b is given, but the merge check that merges it is not run; add merge to the checks",
+            "merge subset a, b is given, but the merge check that merges it is not run; "
+            "add merge to the checks",
             None,  # the form shows its subset picker only with the merge check
             base=llama,
             adapters=two,
@@ -345,3 +349,16 @@ def test_the_form_shows_the_same_message_under_its_field(name, demo_workspace, t
     assert len(messages) == 1, errors
     _assert_says(messages[0], bad.form_message or bad.message)
     assert not any(getattr(errors, f) for f in FORM_FIELDS if f != bad.field), errors
+
+
+@pytest.mark.parametrize(
+    "old",
+    [
+        "AttributeError: 'list' object has no attribute 'get'",
+        "ValueError: invalid literal for int() with base 10: '²'",
+        "run failed: cpu/float32: CheckpointError: x",
+        "KeyboardInterrupt",
+    ],
+)
+def test_the_exception_name_check_catches_what_the_issue_saw(old):
+    assert EXCEPTION_NAME.search(old)
