@@ -91,7 +91,8 @@ def _parse_header(path: Path) -> dict[str, TensorInfo]:
         raise CheckpointError(f"{path}: not a safetensors file (its header is not JSON: {e})") from e
     if not isinstance(header, dict):
         raise CheckpointError(
-            f"{path}: not a safetensors file (its header is a JSON {type(header).__name__})"
+            f"{path}: not a safetensors file (its header is a JSON {type(header).__name__}; expected a JSON "
+            "object of tensor names, each with its dtype, shape and data_offsets)"
         )
     data_start = 8 + n
     tensors: dict[str, TensorInfo] = {}

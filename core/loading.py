@@ -7,7 +7,6 @@ Safetensors first; `.bin` checkpoints only through `torch.load(weights_only=True
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import warnings
 from collections.abc import Callable, Collection, Iterator
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from core import validate
 from core.spec import AdapterRef, ModelRef, ProbeInputs, Target
 
 DTYPES = {
@@ -233,13 +233,11 @@ def float64_forward(model: torch.nn.Module) -> Iterator[None]:
 
 
 def read_adapter_config(adapter: AdapterRef) -> dict:
-    path = Path(adapter.path) / "adapter_config.json"
+    """The adapter's `adapter_config.json` (`core.validate` checks it); LoadError saying what is wrong."""
     try:
-        return json.loads(path.read_text())
-    except OSError as e:
-        raise LoadError(f"{adapter.path}: not an adapter folder (no adapter_config.json)") from e
-    except json.JSONDecodeError as e:
-        raise LoadError(f"{path}: not valid JSON ({e})") from e
+        return validate.read_adapter_config(adapter)
+    except validate.InputError as e:
+        raise LoadError(str(e)) from e
 
 
 def is_pissa(adapter_config: dict) -> bool:

@@ -82,6 +82,22 @@ class AdapterRef:
         return AdapterRef(path=path, name=name)
 
 
+# More CPU threads than any machine torch runs on has; torch takes a C int and a worker asked for
+# billions of threads would fail while starting them.
+MAX_THREADS = 1024
+
+
+def _thread_count(value: str, text: str) -> int:
+    """The N of a `threads=N` flag: ASCII digits (`str.isdigit` also takes `²`), 1 to MAX_THREADS."""
+    digits = value.isascii() and value.isdigit() and len(value) <= len(str(MAX_THREADS))
+    if not (digits and 1 <= int(value) <= MAX_THREADS):
+        raise SpecError(
+            f"target {text!r}: flag threads={value} is not a CPU thread count; expected threads=N "
+            f"with N a whole number from 1 to {MAX_THREADS} written in digits 0-9"
+        )
+    return int(value)
+
+
 def _valid_name(name: str) -> bool:
     """An adapter name PEFT accepts: letters, digits, '-', '_' or '.', not starting with a digit."""
     return name.replace("-", "_").replace(".", "_").isidentifier()
@@ -126,10 +142,15 @@ class Target:
                 kwargs["tf32"] = True
             elif key == "deterministic" and not value:
                 kwargs["deterministic"] = True
-            elif key == "threads" and value.isdigit() and int(value) > 0:
-                kwargs["threads"] = int(value)
+            elif key == "threads":
+                kwargs["threads"] = _thread_count(value, text)
             elif key == "matmul" and value in MATMUL_PRECISIONS:
                 kwargs["matmul_precision"] = value
+            elif key == "matmul":
+                raise SpecError(
+                    f"target {text!r}: flag matmul={value} is not a float32 matmul precision; expected "
+                    f"matmul={'|'.join(MATMUL_PRECISIONS)}"
+                )
             else:
                 raise SpecError(
                     f"target {text!r}: unknown flag {flag!r}; flags are tf32, deterministic, threads=N, "
@@ -189,8 +210,9 @@ def normalise_device(device: str, context: str = "") -> str:
         return device
     if device == "cuda":
         return "cuda:0"
-    if device.startswith("cuda:") and device[5:].isdigit():
-        return f"cuda:{int(device[5:])}"
+    index = device[5:]
+    if device.startswith("cuda:") and index.isascii() and index.isdigit():
+        return f"cuda:{index.lstrip('0') or '0'}"  # as text: int() refuses over 4300 digits
     where = f"target {context!r}: " if context else ""
     raise SpecError(f"{where}unknown device {device!r}; use cpu, cuda:N or mps")
 

@@ -7,10 +7,14 @@ Workers still report anything these miss as a failed job with its reason.
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Sequence
+from importlib import metadata
 from pathlib import Path
+from typing import Any
 
-from core.spec import AdapterRef, ModelRef, ProbeSpec, SpecError
+from core.spec import AdapterRef, ModelRef, ProbeSpec, SpecError, ToleranceOverride
 
 
 class InputError(SpecError):
@@ -19,6 +23,69 @@ class InputError(SpecError):
 
 # Input embeddings that a tied `lm_head` shares its storage with (Llama/Mistral, GPT-2, BERT, GPT-NeoX).
 TIED_EMBEDDING_NAMES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
+
+
+# What a JSON value is called in a message ("holds a JSON list"), by its Python type.
+_JSON_KINDS = {
+    list: "list",
+    str: "string",
+    int: "number",
+    float: "number",
+    bool: "true/false",
+    type(None): "null",
+}
+
+
+def read_json_object(path: Path, owner: str, holds: str) -> dict[str, Any]:
+    """The JSON object in `path`; InputError naming `owner` and the file when it is not one.
+
+    `holds` says what the object should hold, for the message (e.g. "the model's settings").
+    """
+    try:
+        value = json.loads(path.read_bytes())
+    except OSError as e:
+        raise InputError(f"{owner}: {path.name} cannot be read ({e.strerror or e})") from e
+    except ValueError as e:  # not JSON, or not UTF-8 text
+        raise InputError(f"{owner}: {path.name} is not valid JSON ({e})") from e
+    if not isinstance(value, dict):
+        kind = _JSON_KINDS.get(type(value), type(value).__name__)
+        raise InputError(f"{owner}: {path.name} holds a JSON {kind}; expected a JSON object of {holds}")
+    return value
+
+
+@functools.cache
+def peft_types() -> tuple[str, ...]:
+    """Every `peft_type` the installed PEFT can load (the values of its `PeftType`)."""
+    from peft import PeftType
+
+    return tuple(t.value for t in PeftType)
+
+
+def read_adapter_config(adapter: AdapterRef) -> dict[str, Any]:
+    """The adapter's `adapter_config.json`, which must be a JSON object naming a PEFT method PEFT knows.
+
+    PEFT looks `peft_type` up as written (`LORA`, not `lora`), so the same spelling is required here.
+    """
+    path = Path(adapter.path).expanduser()
+    if not path.is_dir():
+        raise InputError(f"adapter {adapter.name}: no such folder {adapter.path}")
+    config_path = path / "adapter_config.json"
+    if not config_path.exists():
+        raise InputError(
+            f"adapter {adapter.name}: not an adapter folder (no adapter_config.json in {adapter.path})"
+        )
+    owner = f"adapter {adapter.name} ({adapter.path})"
+    config = read_json_object(config_path, owner, "the adapter's settings, as PEFT saves them")
+    known = peft_types()
+    expected = f"one of {', '.join(known)} (the methods PEFT {metadata.version('peft')} loads)"
+    if "peft_type" not in config:
+        raise InputError(f"{owner}: adapter_config.json has no peft_type field; expected {expected}")
+    if config["peft_type"] not in known:
+        raise InputError(
+            f"{owner}: adapter_config.json field peft_type is {json.dumps(config['peft_type'])[:80]}; "
+            f"expected {expected}"
+        )
+    return config
 
 
 def weight_shapes(folder: Path, prefix: str = "") -> dict[str, tuple[int, ...]]:
@@ -43,10 +110,9 @@ def validate_model(model: ModelRef) -> dict[str, tuple[int, ...]] | None:
         raise InputError(f"base model {model.path}: not a folder")
     if not (path / "config.json").exists():
         raise InputError(f"base model {model.path}: not a model folder (no config.json)")
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise InputError(f"base model {model.path}: config.json is not valid JSON ({e})") from e
+    config = read_json_object(
+        path / "config.json", f"base model {model.path}", "the model's settings, as transformers saves them"
+    )
     shapes = weight_shapes(path)
     if shapes is not None and "lm_head.weight" not in shapes and config.get("tie_word_embeddings", True):
         # A tied output head is stored once, as the input embedding; adapters may still target it.
@@ -60,19 +126,8 @@ def validate_adapter(adapter: AdapterRef, base_shapes: dict[str, tuple[int, ...]
     """The adapter folder is intact and its modules exist in the base with fitting shapes."""
     from core.formulas import split_adapter_key
 
-    path = Path(adapter.path).expanduser()
-    if not path.is_dir():
-        raise InputError(f"adapter {adapter.name}: no such folder {adapter.path}")
-    config_path = path / "adapter_config.json"
-    if not config_path.exists():
-        raise InputError(
-            f"adapter {adapter.name}: not an adapter folder (no adapter_config.json in {adapter.path})"
-        )
-    try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise InputError(f"adapter {adapter.name}: adapter_config.json is not valid JSON ({e})") from e
-    shapes = weight_shapes(path, prefix="adapter_model")
+    config = read_adapter_config(adapter)
+    shapes = weight_shapes(Path(adapter.path).expanduser(), prefix="adapter_model")
     if shapes is None or base_shapes is None:
         return
     fan_in_fan_out = bool(config.get("fan_in_fan_out"))
@@ -111,12 +166,56 @@ def validate_adapter(adapter: AdapterRef, base_shapes: dict[str, tuple[int, ...]
             )
 
 
+def validate_merge_subset(subset: Sequence[str], adapters: Sequence[str], checks: Sequence[str]) -> None:
+    """The adapters the merge check merges together: two or more of the run's adapters, each once.
+
+    Refused up front: otherwise the run would end without having merged them, and say so in a note only.
+    """
+    if not subset:
+        return
+    named = ", ".join(subset)
+    if "merge" not in checks:
+        raise InputError(
+            f"merge subset {named} is given, but the merge check that merges it is not run; "
+            "add merge to the checks"
+        )
+    dupes = sorted({n for n in subset if subset.count(n) > 1})
+    if dupes:
+        raise InputError(f"merge subset names {', '.join(dupes)} twice; name each adapter once")
+    unknown = [n for n in subset if n not in adapters]
+    if unknown:
+        which = f"its adapters are {', '.join(adapters)}" if adapters else "it has no adapters"
+        raise InputError(
+            f"merge subset: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not an adapter "
+            f"of this run; {which}"
+        )
+    if len(subset) < 2:
+        raise InputError(f"merge subset names {named} alone; name two or more adapters to merge together")
+
+
+# The seeds `torch.Generator.manual_seed` takes (the probe inputs are drawn from one).
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
+def validate_tolerance(role: str, tolerance: ToleranceOverride) -> None:
+    """A user's rtol and atol must be numbers ≥ 0 (NaN is refused too: nothing would ever pass)."""
+    where = "every row" if role == "*" else f"role {role}"
+    for name, value in (("rtol", tolerance.rtol), ("atol", tolerance.atol)):
+        if value is not None and not value >= 0:
+            raise InputError(f"tolerance {name}={value} for {where}: expected a number ≥ 0")
+
+
 def validate_inputs(spec: ProbeSpec) -> None:
     """All the cheap input checks for a spec; raises InputError with a one-line message."""
+    if not SEED_RANGE[0] <= spec.seed <= SEED_RANGE[1]:
+        raise InputError(f"seed {spec.seed}: expected a whole number from {SEED_RANGE[0]} to {SEED_RANGE[1]}")
+    for role, tolerance in spec.tolerances.items():
+        validate_tolerance(role, tolerance)
     base_shapes = validate_model(spec.base)
     names = [a.name for a in spec.adapters]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise InputError(f"adapter name {', '.join(dupes)} is used twice; name them with PATH=NAME")
+    validate_merge_subset(spec.merge_subset, names, spec.checks)
     for adapter in spec.adapters:
         validate_adapter(adapter, base_shapes, spec.base.path)

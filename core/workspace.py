@@ -6,7 +6,6 @@ thing in both.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,7 +70,7 @@ def find_adapters(
     fit; those made for another base come last with the reason.
     """
     from core.formulas import adapter_type
-    from core.validate import InputError, validate_adapter, validate_model
+    from core.validate import InputError, read_adapter_config, validate_adapter, validate_model
 
     base_path = Path(base).expanduser()
     roots = [*extra_roots]
@@ -96,11 +95,11 @@ def find_adapters(
             key = str(folder.resolve())
             if key in found:
                 continue
-            try:
-                kind = adapter_type(json.loads(config_path.read_text()))
-            except (OSError, ValueError):
-                continue  # not an adapter config after all
             ref = AdapterRef(path=str(folder), name=folder.name)
+            try:
+                kind = adapter_type(read_adapter_config(ref))
+            except InputError:
+                continue  # not an adapter config PEFT can load (a JSON list, an unknown peft_type, …)
             try:
                 validate_adapter(ref, shapes, base)
                 fits, reason = True, ""

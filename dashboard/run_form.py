@@ -15,6 +15,7 @@ from core.checks import CHECKS
 from core.loading import STRATEGIES
 from core.spec import (
     DEFAULT_CHECKS,
+    MAX_THREADS,
     REFERENCE_TARGET,
     AdapterRef,
     ModelRef,
@@ -24,7 +25,13 @@ from core.spec import (
     ToleranceOverride,
 )
 from core.targets import Device, check_targets_exist
-from core.validate import InputError, validate_adapter, validate_model
+from core.validate import (
+    InputError,
+    validate_adapter,
+    validate_merge_subset,
+    validate_model,
+    validate_tolerance,
+)
 from core.workspace import (
     DEMO_ADAPTERS,
     DEMO_BASE,
@@ -48,10 +55,11 @@ class FormErrors:
     adapters: list[str] = field(default_factory=list)
     targets: list[str] = field(default_factory=list)
     checks: list[str] = field(default_factory=list)
+    merge_subset: list[str] = field(default_factory=list)
     tolerance: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return any((self.base, self.adapters, self.targets, self.checks, self.tolerance))
+        return any((self.base, self.adapters, self.targets, self.checks, self.merge_subset, self.tolerance))
 
 
 def validate_form(
@@ -62,6 +70,8 @@ def validate_form(
     devices: list[Device],
     tolerance: ToleranceOverride | None = None,
     reference: str | None = None,
+    merge_subset: list[str] | None = None,
+    role: str = "*",
 ) -> FormErrors:
     """Field-by-field validation of the run form (no model load): the messages the form shows."""
     errors = FormErrors()
@@ -104,15 +114,20 @@ def validate_form(
         errors.targets.append(str(e))
     if not checks:
         errors.checks.append("Choose at least one check (under “Checks, tolerances and seed”).")
+    try:
+        validate_merge_subset(merge_subset or [], names, checks)
+    except InputError as e:
+        errors.merge_subset.append(str(e))
     if reference is not None:
         try:
             check_targets_exist([Target.parse(reference)], devices)
         except SpecError as e:
             errors.tolerance.append(f"Reference: {e}")
     if tolerance is not None:
-        for name, value in (("rtol", tolerance.rtol), ("atol", tolerance.atol)):
-            if value is not None and not value >= 0:
-                errors.tolerance.append(f"{name} must be ≥ 0.")
+        try:
+            validate_tolerance(role, tolerance)
+        except InputError as e:
+            errors.tolerance.append(str(e))
     return errors
 
 
@@ -242,6 +257,7 @@ def run_form(manifest: dict | None) -> None:
                 help="Adapters the merge check also merges into one model, one after another and all at "
                 "once. Empty: the run's first two plain LoRA adapters.",
             )
+        merge_errors_at = st.container()
         role = st.selectbox(
             "Tolerance applies to",
             ROLES,
@@ -274,12 +290,13 @@ def run_form(manifest: dict | None) -> None:
     check_errors_at = st.container()  # outside the expander, so a missing check is seen when folded
     override = ToleranceOverride(rtol=rtol, atol=atol) if (rtol is not None or atol is not None) else None
 
-    errors = validate_form(base, adapters, targets, checks, devices, override, reference)
+    errors = validate_form(base, adapters, targets, checks, devices, override, reference, merge_subset, role)
     for where, messages in (
         (base_errors_at, errors.base),
         (adapter_errors_at, errors.adapters),
         (target_errors_at, errors.targets),
         (check_errors_at, errors.checks),
+        (merge_errors_at, errors.merge_subset),
         (tolerance_errors_at, errors.tolerance),
     ):
         with where:
@@ -322,6 +339,7 @@ def _target_builder(devices: list[Device]) -> None:
             "CPU threads",
             value=None,
             min_value=1,
+            max_value=MAX_THREADS,
             step=1,
             key="form.new.threads",
             placeholder="torch default",

@@ -7,6 +7,8 @@ real worker processes.
 
 from __future__ import annotations
 
+import json
+import shutil
 import time
 from pathlib import Path
 
@@ -154,6 +156,33 @@ def test_the_form_explains_invalid_input_next_to_the_field(run_home, monkeypatch
     at.run()
     errors = [shown(e) for e in at.sidebar.error]
     assert any("made for a different base model" in e for e in errors), errors
+
+
+def test_the_form_says_what_each_field_expected(run_home, monkeypatch, tmp_path):
+    """Issue 16's bad inputs, typed into the form: each message under its own field, in field order."""
+    from test_messages import PEFT_EXPECTED, THREADS_EXPECTED
+
+    home, _ = run_home
+    manifest = load_manifest(home)
+    lora = manifest["adapters"]["lora"]["path"]
+    bad = tmp_path / "superlora"
+    shutil.copytree(lora, bad)
+    config = json.loads((bad / "adapter_config.json").read_text())
+    (bad / "adapter_config.json").write_text(json.dumps(config | {"peft_type": "SUPERLORA"}))
+    at = make_app(home, monkeypatch)
+    at.run()
+    at.session_state["form.adapters"] = [str(bad), lora]
+    at.session_state["form.targets"] = ["cpu/float32+threads=²"]
+    at.session_state["form.checks"] = ["merge"]
+    at.run()  # the merge picker appears for the merge check
+    at.session_state["form.merge_subset"] = ["lora"]
+    at.run()
+    no_exceptions(at)
+    assert [shown(e) for e in at.sidebar.error] == [
+        f'adapter superlora ({bad}): adapter_config.json field peft_type is "SUPERLORA"; {PEFT_EXPECTED}',
+        f"target 'cpu/float32+threads=²': flag threads=² is not a CPU thread count; {THREADS_EXPECTED}",
+        "merge subset names lora alone; name two or more adapters to merge together",
+    ]
 
 
 def test_a_demo_run_submitted_through_the_form_completes(run_home, monkeypatch):

@@ -43,12 +43,19 @@ def test_target_parse_and_label(text, expected, label):
         ("cpu/int8", "unknown dtype"),
         ("gpu:0/float32", "unknown device"),
         ("cpu/float32+fast", "unknown flag"),
-        ("cpu/float32+threads=0", "unknown flag"),
+        ("cpu/float32+threads=0", "flag threads=0 is not a CPU thread count"),
+        ("cpu/float32+threads=" + "9" * 5000, "is not a CPU thread count"),  # past int()'s 4300 digits
+        ("cuda:²/float32", r"unknown device 'cuda:²'; use cpu, cuda:N or mps"),
     ],
 )
 def test_target_parse_errors(text, fragment):
     with pytest.raises(SpecError, match=fragment):
         Target.parse(text)
+
+
+def test_a_cuda_index_is_kept_as_written_without_int():
+    assert Target.parse("cuda:007/fp32").device == "cuda:7"
+    assert Target.parse("cuda:" + "1" * 5000 + "/fp32").device == "cuda:" + "1" * 5000
 
 
 def test_reference_target():
