@@ -12,7 +12,6 @@ import json
 import warnings
 from pathlib import Path
 
-import pandas as pd
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -316,13 +315,19 @@ def test_shape_mismatch_names_the_module(workspace: dict, name: str, key: str, m
 
 
 def _run(
-    workspace: dict, base: str, adapters: list[str], checks: tuple[str, ...], home: Path
-) -> pd.DataFrame:
+    workspace: dict,
+    base: str,
+    adapters: list[str],
+    checks: tuple[str, ...],
+    home: Path,
+    dtype: str = "float32",
+) -> RunRecord:
+    """Run `checks` on cpu/`dtype` through the engine (in process); the stored run."""
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(5))
     spec = ProbeSpec(
         base=ModelRef(path=str(workspace["models"][base])),
         adapters=tuple(AdapterRef(path=str(workspace["adapters"][a]), name=a) for a in adapters),
-        targets=(Target.parse("cpu/float32"),),
+        targets=(Target.parse(f"cpu/{dtype}"),),
         checks=checks,
         probe=ProbeInputs(input_ids=tuple(tuple(int(i) for i in row) for row in ids)),
     )
@@ -413,3 +418,31 @@ def test_an_adapter_merge_cannot_cover_says_so_and_the_loras_before_it_merge(
     assert list(zip(hra.target, hra.finding, strict=True)) == [("cpu/float32", "not covered")]
     assert "hra is a hra adapter; its merge rule is not covered" in hra.detail.iloc[0]
     assert f"merge: {hra.detail.iloc[0]}" in run.notes()
+
+
+def test_adalora_module_pruned_by_rank_pattern_loads_rounded_to_bfloat16(
+    workspace: dict, tmp_path: Path
+) -> None:
+    """PEFT rebuilds a module AdaLoRA's budget pruned when it loads the adapter, in the model's dtype, and
+    copies the file's float32 tensors into it: on bfloat16 they come back rounded to bfloat16 (upcast to
+    float32 again), the other modules' exactly as saved. The weights rows show it and the deltas row says why."""
+    run = _run(workspace, "llama", ["adalora"], ("weights", "deltas"), tmp_path, dtype="bfloat16")
+    table = run.metrics()
+    _, tensors, _ = _files(workspace, "adalora")
+    weights = table[table.check == "weights"].set_index("tensor")
+    for key, t in tensors.items():
+        row = weights.loc[key]
+        if ADALORA_PRUNED in key:
+            rounded = (t.double() - t.to(torch.bfloat16).double()).abs().max().item()
+            assert not row.bitwise_equal and row.max_abs == rounded > 0, key
+        else:
+            assert row.verdict == "identical", key
+    deltas = table[table.check == "deltas"].set_index("tensor")
+    assert "rounds its lora_A, lora_B and lora_E to bfloat16" in deltas.loc[ADALORA_PRUNED, "note"]
+    assert not any("rank_pattern" in n for n in deltas.drop(ADALORA_PRUNED).note)
+    # ΔW of the pruned module carries the rounding of its factors: 1e-3 relative, the others 1e-7
+    config, tensors, base = _files(workspace, "adalora")
+    expected = _expected_delta(config, tensors, base)
+    rel = {m: deltas.loc[m, "max_abs"] / expected[m].abs().max().item() for m in expected}
+    assert 1e-4 < rel[ADALORA_PRUNED] < 1e-2
+    assert all(v < 1e-6 for m, v in rel.items() if m != ADALORA_PRUNED), rel
