@@ -8,8 +8,9 @@
     touching the layer.
 
 Comparing the two measures how far a device/dtype drifts from the exact math. Semantics follow the
-installed PEFT 0.21.2 (``peft/tuners/{lora,boft,oft,ia3,loha,lokr,vera,adalora}``). Only weight deltas are covered: bias
-changes (``lora_bias``, IA3 scaling the bias of non-feedforward layers) are outside ``ΔW``.
+installed PEFT 0.21.2 (``peft/tuners/{lora,boft,oft,ia3,loha,lokr,vera,adalora}``). Only weight
+deltas are covered: bias changes (``lora_bias``, IA3 scaling the bias of non-feedforward layers) are
+outside ``ΔW``.
 
 Module names are base-model module paths as they appear in the base state dict without the
 ``.weight`` suffix, e.g. ``model.layers.0.self_attn.q_proj``.
@@ -436,7 +437,7 @@ def _ia3_delta(
 
 
 def _lycoris_scaling(config: Mapping[str, Any], module: str) -> tuple[int, float]:
-    """LoHa/LoKr rank and scaling ``alpha / r``, with rank_pattern and alpha_pattern (config keys ``r``, ``alpha``)."""
+    """LoHa/LoKr rank and scaling ``alpha / r`` (config keys ``r``, ``alpha``, their patterns honoured)."""
     r = int(_pattern_value(config.get("rank_pattern"), module, config.get("r", 8)))
     alpha = float(_pattern_value(config.get("alpha_pattern"), module, config.get("alpha", 8)))
     return r, alpha / r
@@ -447,7 +448,8 @@ def _no_conv(mod: AdapterModule, params: tuple[str, ...]) -> None:
     found = [p for p in params if p in mod.keys]
     if found:
         raise ValueError(
-            f"module {mod.module}: {', '.join(found)} belong to a convolution, which reference_deltas does not cover"
+            f"module {mod.module}: {', '.join(found)} belong to a convolution, "
+            "which reference_deltas does not cover"
         )
 
 
@@ -503,12 +505,16 @@ def _lokr_delta(
 def _vera_delta(
     config: Mapping[str, Any], mod: AdapterModule, tensors: Mapping[str, torch.Tensor], weight: torch.Tensor
 ) -> torch.Tensor:
-    """VeRA: ``(Λb · B[:out]) @ (Λd · A[:, :in])`` with the shared random projections A (r, ≥in), B (≥out, r)
-    sliced to this module and scaled by its vectors λb (out) and λd (r); transposed for fan_in_fan_out."""
+    """VeRA: ``(λb · B[:out]) @ (λd · A[:, :in])``, transposed for fan_in_fan_out.
+
+    A (r, ≥in) and B (≥out, r) are the random projections all modules share, sliced to this module;
+    λb (out) and λd (r) are its own trained vectors, scaling B's rows and A's rows.
+    """
     if "vera_A" not in mod.keys or "vera_B" not in mod.keys:
         raise ValueError(
-            f"module {mod.module}: the adapter file holds no vera_A/vera_B (saved with save_projection=False: "
-            "PEFT regenerates them from projection_prng_key), so reference_deltas cannot compute its ΔW"
+            f"module {mod.module}: the adapter file holds no vera_A/vera_B (saved with "
+            "save_projection=False: PEFT regenerates them from projection_prng_key), so reference_deltas "
+            "cannot compute its ΔW"
         )
     proj_a, proj_b = _need(mod, "vera_A", tensors), _need(mod, "vera_B", tensors)
     lambda_b, lambda_d = _need(mod, "vera_lambda_b", tensors), _need(mod, "vera_lambda_d", tensors)
@@ -734,8 +740,9 @@ def peft_delta(layer: nn.Module, adapter_name: str) -> torch.Tensor:
 
     Runs on the layer's device with PEFT's own functions, in the dtype PEFT computes the adapter in
     (PEFT keeps adapters in float32 on a bfloat16 model by default): LoRA/PiSSA, LoHa, LoKr, VeRA and
-    AdaLoRA ``get_delta_weight`` as is (their merge adds it to W); DoRA ``m/‖W+ΔW‖ ⊙ (W+ΔW) − W`` with the DoRA module's ``get_weight_norm``; BOFT
-    ``get_delta_weight`` → (rotation, scale) applied to ``W``; OFT ``get_delta_weight`` → rotation
+    AdaLoRA ``get_delta_weight`` as is (their merge adds it to W); DoRA ``m/‖W+ΔW‖ ⊙ (W+ΔW) − W``
+    with the DoRA module's ``get_weight_norm``; BOFT ``get_delta_weight`` → (rotation, scale) applied
+    to ``W``; OFT ``get_delta_weight`` → rotation
     applied to ``W``; IA3 ``W * ia3_l − W``. The multiplicative methods need ``W``: it is upcast
     exactly to the adapter's dtype. Rounding the merged weight back into ``W``'s dtype is the merge
     check's concern, not this one's.

@@ -339,8 +339,8 @@ def _run(
 
 @pytest.fixture(scope="module")
 def runs(workspace: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunRecord]:
-    """weights + deltas + merge on cpu/float32: the Llama with two LoRAs first and VeRA last (the merge of the LoRAs
-    together used to be skipped without a word when the last adapter was no LoRA); the GPT-2."""
+    """weights + deltas + merge on cpu/float32: the Llama with two LoRAs first and VeRA last (the merge
+    of the LoRAs together used to be skipped without a word when the last adapter was no LoRA); GPT-2."""
     home = tmp_path_factory.mktemp("methods-home")
     checks = ("weights", "deltas", "merge")
     llama = ["lora_a", "lora_b", "loha", "lokr", "lokr_lowrank", "adalora", "vera"]
@@ -423,9 +423,10 @@ def test_an_adapter_merge_cannot_cover_says_so_and_the_loras_before_it_merge(
 def test_adalora_module_pruned_by_rank_pattern_loads_rounded_to_bfloat16(
     workspace: dict, tmp_path: Path
 ) -> None:
-    """PEFT rebuilds a module AdaLoRA's budget pruned when it loads the adapter, in the model's dtype, and
-    copies the file's float32 tensors into it: on bfloat16 they come back rounded to bfloat16 (upcast to
-    float32 again), the other modules' exactly as saved. The weights rows show it and the deltas row says why."""
+    """PEFT rebuilds a module AdaLoRA's budget pruned when it loads the adapter, in the model's dtype,
+    and copies the file's float32 tensors into it: on bfloat16 they come back rounded to bfloat16
+    (upcast to float32 again), the other modules' exactly as saved. The weights rows show it and the
+    deltas row says why."""
     run = _run(workspace, "llama", ["adalora"], ("weights", "deltas"), tmp_path, dtype="bfloat16")
     table = run.metrics()
     _, tensors, _ = _files(workspace, "adalora")

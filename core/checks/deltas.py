@@ -104,8 +104,9 @@ class DeltasCheck(Check):
             if row["tensor"] in adapter.get("resized", []) and target_dtype in ("bfloat16", "float16"):
                 add_note(
                     row,
-                    f"PEFT resizes this AdaLoRA module to its rank_pattern on load and rounds its lora_A, "
-                    f"lora_B and lora_E to {target_dtype} doing so (the other modules keep the file's float32)",
+                    "PEFT resizes this AdaLoRA module to its rank_pattern on load and rounds its lora_A, "
+                    f"lora_B and lora_E to {target_dtype} doing so (modules it does not resize keep the "
+                    "file's float32)",
                 )
             if adapter.get("kind") in MULTIPLICATIVE and target_dtype in ("bfloat16", "float16"):
                 add_note(
