@@ -24,6 +24,7 @@ from core.store import RunRecord
 METHODS = ("loha", "lokr", "vera", "adalora")
 LLAMA_ADAPTERS = ("loha", "lokr", "lokr_lowrank", "vera", "adalora")
 GPT2_ADAPTERS = ("vera_gpt2", "adalora_gpt2")
+ENCODER_ADAPTERS = ("loha_roberta", "lokr_roberta", "vera_roberta", "adalora_roberta")
 # AdaLoRA's budget pruned this module to 4 of its 6 ranks (what rank_pattern records); PEFT then
 # still divides by init_r (6), the rank it was created with.
 ADALORA_PRUNED = "model.layers.0.self_attn.q_proj"
@@ -42,6 +43,7 @@ def _configs() -> dict[str, tuple[str, object]]:
     from peft import AdaLoraConfig, LoHaConfig, LoKrConfig, LoraConfig, VeraConfig
 
     lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "init_lora_weights": False}
+    encoder = ["query", "value", "intermediate.dense"]
     return {
         "lora_a": ("llama", LoraConfig(**lora)),
         "lora_b": ("llama", LoraConfig(**lora)),
@@ -88,6 +90,16 @@ def _configs() -> dict[str, tuple[str, object]]:
             "gpt2",
             VeraConfig(r=4, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True, init_weights=False),
         ),
+        # an encoder: RoBERTa's attention and feedforward
+        "loha_roberta": ("roberta", LoHaConfig(r=2, alpha=4, target_modules=encoder, init_weights=False)),
+        "lokr_roberta": ("roberta", LoKrConfig(r=2, alpha=4, target_modules=encoder, init_weights=False)),
+        "vera_roberta": ("roberta", VeraConfig(r=4, target_modules=encoder, init_weights=False)),
+        "adalora_roberta": (
+            "roberta",
+            AdaLoraConfig(
+                init_r=4, lora_alpha=8, total_step=10, target_modules=encoder, init_lora_weights=False
+            ),
+        ),
         "adalora_gpt2": (
             "gpt2",
             AdaLoraConfig(
@@ -104,13 +116,20 @@ def _configs() -> dict[str, tuple[str, object]]:
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """{"models": {"llama", "gpt2"} → folder, "adapters": name → folder}, all made here, seeded."""
+    """{"models": {"llama", "gpt2", "roberta"} → folder, "adapters": name → folder}, all made here, seeded."""
     from peft import get_peft_model
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        RobertaConfig,
+        RobertaModel,
+    )
 
     _quiet()
     root = tmp_path_factory.mktemp("methods")
-    models = {"llama": root / "llama", "gpt2": root / "gpt2"}
+    models = {"llama": root / "llama", "gpt2": root / "gpt2", "roberta": root / "roberta"}
     torch.manual_seed(0)
     LlamaForCausalLM(
         LlamaConfig(
@@ -127,6 +146,16 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> dict:
             vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0
         )
     ).save_pretrained(models["gpt2"])
+    RobertaModel(
+        RobertaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=40,
+        )
+    ).save_pretrained(models["roberta"])
     adapters = {}
     for seed, (name, (base, config)) in enumerate(_configs().items()):
         torch.manual_seed(seed)
@@ -147,9 +176,10 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def _load(folder: Path, dtype: torch.dtype) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModel, AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    auto = AutoModel if folder.name == "roberta" else AutoModelForCausalLM
+    return auto.from_pretrained(folder, dtype=dtype).eval()
 
 
 def _peft(workspace: dict, name: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -219,7 +249,7 @@ def _expected_delta(config: dict, tensors: dict[str, torch.Tensor], base: dict[s
     return out
 
 
-ALL = LLAMA_ADAPTERS + GPT2_ADAPTERS
+ALL = LLAMA_ADAPTERS + GPT2_ADAPTERS + ENCODER_ADAPTERS
 
 
 def test_the_adapters_are_what_the_tests_claim(workspace: dict) -> None:
@@ -340,13 +370,15 @@ def _run(
 @pytest.fixture(scope="module")
 def runs(workspace: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunRecord]:
     """weights + deltas + merge on cpu/float32: the Llama with two LoRAs first and VeRA last (the merge
-    of the LoRAs together used to be skipped without a word when the last adapter was no LoRA); GPT-2."""
+    of the LoRAs together used to be skipped without a word when the last adapter was no LoRA); GPT-2;
+    RoBERTa."""
     home = tmp_path_factory.mktemp("methods-home")
     checks = ("weights", "deltas", "merge")
     llama = ["lora_a", "lora_b", "loha", "lokr", "lokr_lowrank", "adalora", "vera"]
     return {
         "llama": _run(workspace, "llama", llama, checks, home),
         "gpt2": _run(workspace, "gpt2", list(GPT2_ADAPTERS), checks, home),
+        "roberta": _run(workspace, "roberta", list(ENCODER_ADAPTERS), checks, home),
     }
 
 
