@@ -24,7 +24,7 @@ from core.store import RunRecord
 METHODS = ("loha", "lokr", "vera", "adalora")
 LLAMA_ADAPTERS = ("loha", "lokr", "lokr_lowrank", "vera", "adalora")
 GPT2_ADAPTERS = ("vera_gpt2", "adalora_gpt2")
-ENCODER_ADAPTERS = ("loha_roberta", "lokr_roberta", "vera_roberta", "adalora_roberta")
+ENCODER_ADAPTERS = ("loha_roberta", "lokr_roberta", "vera_roberta", "adalora_roberta", "adalora_no_alpha")
 # AdaLoRA's budget pruned this module to 4 of its 6 ranks (what rank_pattern records); PEFT then
 # still divides by init_r (6), the rank it was created with.
 ADALORA_PRUNED = "model.layers.0.self_attn.q_proj"
@@ -98,6 +98,13 @@ def _configs() -> dict[str, tuple[str, object]]:
             "roberta",
             AdaLoraConfig(
                 init_r=4, lora_alpha=8, total_step=10, target_modules=encoder, init_lora_weights=False
+            ),
+        ),
+        # lora_alpha 0: PEFT scales by the rank instead
+        "adalora_no_alpha": (
+            "roberta",
+            AdaLoraConfig(
+                init_r=4, lora_alpha=0, total_step=10, target_modules=["query"], init_lora_weights=False
             ),
         ),
         "adalora_gpt2": (
@@ -243,7 +250,8 @@ def _expected_delta(config: dict, tensors: dict[str, torch.Tensor], base: dict[s
             out[m] = d.T if fifo else d
         else:  # AdaLoRA: divided by init_r, whatever rank is left
             d = t[f"{m}.lora_B"] @ torch.diag(t[f"{m}.lora_E"][:, 0]) @ t[f"{m}.lora_A"]
-            d = d * config["lora_alpha"] / (config["init_r"] + 1e-5)
+            scaling = config["lora_alpha"] if config["lora_alpha"] > 0 else t[f"{m}.lora_A"].shape[0]
+            d = d * scaling / (config["init_r"] + 1e-5)
             out[m] = d.T if config["fan_in_fan_out"] else d
         assert out[m].shape == w.shape, m
     return out
