@@ -8,8 +8,9 @@
     touching the layer.
 
 Comparing the two measures how far a device/dtype drifts from the exact math. Semantics follow the
-installed PEFT 0.21.2 (``peft/tuners/{lora,boft,oft,ia3}``). Only weight deltas are covered: bias
-changes (``lora_bias``, IA3 scaling the bias of non-feedforward layers) are outside ``ΔW``.
+installed PEFT 0.21.2 (``peft/tuners/{lora,boft,oft,ia3,loha,lokr,vera,adalora}``). Only weight
+deltas are covered: bias changes (``lora_bias``, IA3 scaling the bias of non-feedforward layers) are
+outside ``ΔW``.
 
 Module names are base-model module paths as they appear in the base state dict without the
 ``.weight`` suffix, e.g. ``model.layers.0.self_attn.q_proj``.
@@ -26,8 +27,10 @@ from typing import Any
 import torch
 from torch import nn
 
-ADAPTER_TYPES = ("lora", "dora", "pissa", "boft", "oft", "ia3")
+ADAPTER_TYPES = ("lora", "dora", "pissa", "boft", "oft", "ia3", "loha", "lokr", "vera", "adalora")
 """Adapter types this module knows the merge rule of."""
+ADDITIVE = ("lora", "loha", "lokr", "vera", "adalora")
+"""Layer kinds whose merge adds PEFT's ``get_delta_weight`` to W as it is (ΔW does not depend on W)."""
 
 # PeftModel.save_pretrained writes keys as "base_model.model.<module path>.<param>"
 # (the adapter name is stripped); injected models without the wrapper have no prefix.
@@ -49,7 +52,30 @@ _PARAM_NAMES = (
     "boft_R",
     "boft_s",
     "ia3_l",
+    # LoHa, LoKr, VeRA and AdaLoRA keep their tensors in ParameterDicts: no ".weight" suffix
+    "hada_w1_a",
+    "hada_w1_b",
+    "hada_w2_a",
+    "hada_w2_b",
+    "hada_t1",
+    "hada_t2",
+    "lokr_w1_a",
+    "lokr_w1_b",
+    "lokr_w2_a",
+    "lokr_w2_b",
+    "lokr_t2",
+    "lokr_w1",
+    "lokr_w2",
+    "vera_lambda_b",
+    "vera_lambda_d",
+    "lora_A",
+    "lora_B",
+    "lora_E",
 )
+
+# VeRA's random projections, one pair shared by every adapted module, saved once at the top level
+# (with save_projection=True, PEFT's default): checkpoint key -> parameter name in each module's keys.
+_SHARED_KEYS = {"base_model.vera_A": "vera_A", "base_model.vera_B": "vera_B"}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -139,7 +165,10 @@ def adapter_module_keys(adapter_tensors: Mapping[str, torch.Tensor]) -> dict[str
     """
     modules: dict[str, dict[str, str]] = {}
     unknown: list[str] = []
+    shared = {_SHARED_KEYS[k]: k for k in adapter_tensors if k in _SHARED_KEYS}
     for key in adapter_tensors:
+        if key in _SHARED_KEYS:
+            continue
         split = split_adapter_key(key)
         if split is None:
             unknown.append(key)
@@ -149,10 +178,11 @@ def adapter_module_keys(adapter_tensors: Mapping[str, torch.Tensor]) -> dict[str
         shown = ", ".join(sorted(unknown)[:5])
         more = f" (and {len(unknown) - 5} more)" if len(unknown) > 5 else ""
         raise ValueError(
-            f"adapter checkpoint has tensors that are no LoRA/DoRA/BOFT/OFT/IA3 parameter: {shown}{more}; "
+            f"adapter checkpoint has tensors that are no {'/'.join(ADAPTER_TYPES)} parameter: {shown}{more}; "
             "modules_to_save and trainable tokens are not covered by reference_deltas"
         )
-    return {m: AdapterModule(module=m, keys=k) for m, k in sorted(modules.items())}
+    # every module reads the shared projections (VeRA), so each lists their keys as its own
+    return {m: AdapterModule(module=m, keys={**k, **shared}) for m, k in sorted(modules.items())}
 
 
 def _need(mod: AdapterModule, param: str, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -406,6 +436,128 @@ def _ia3_delta(
     return weight * _t(vec, fifo) - weight
 
 
+def _lycoris_scaling(config: Mapping[str, Any], module: str) -> tuple[int, float]:
+    """LoHa/LoKr rank and scaling ``alpha / r`` (config keys ``r``, ``alpha``, their patterns honoured)."""
+    r = int(_pattern_value(config.get("rank_pattern"), module, config.get("r", 8)))
+    alpha = float(_pattern_value(config.get("alpha_pattern"), module, config.get("alpha", 8)))
+    return r, alpha / r
+
+
+def _no_conv(mod: AdapterModule, params: tuple[str, ...]) -> None:
+    """ValueError for the Tucker (conv) tensors of LoHa/LoKr: only Linear layers are covered."""
+    found = [p for p in params if p in mod.keys]
+    if found:
+        raise ValueError(
+            f"module {mod.module}: {', '.join(found)} belong to a convolution, "
+            "which reference_deltas does not cover"
+        )
+
+
+def _loha_delta(
+    config: Mapping[str, Any], mod: AdapterModule, tensors: Mapping[str, torch.Tensor], weight: torch.Tensor
+) -> torch.Tensor:
+    """LoHa: ``(W1a @ W1b) ⊙ (W2a @ W2b) · alpha/r`` (Hadamard product of two rank-r products)."""
+    _no_conv(mod, ("hada_t1", "hada_t2"))
+    w1a, w1b = _need(mod, "hada_w1_a", tensors), _need(mod, "hada_w1_b", tensors)
+    w2a, w2b = _need(mod, "hada_w2_a", tensors), _need(mod, "hada_w2_b", tensors)
+    r, scaling = _lycoris_scaling(config, mod.module)
+    out_f, in_f = weight.shape
+    for name, t, want in (
+        ("hada_w1_a", w1a, (out_f, r)),
+        ("hada_w1_b", w1b, (r, in_f)),
+        ("hada_w2_a", w2a, (out_f, r)),
+        ("hada_w2_b", w2b, (r, in_f)),
+    ):
+        _check_shape(mod, name, t.shape, want)
+    return (w1a @ w1b) * (w2a @ w2b) * scaling
+
+
+def _lokr_factor(mod: AdapterModule, tensors: Mapping[str, torch.Tensor], which: str) -> torch.Tensor:
+    """LoKr factor ``which`` (``w1``/``w2``): stored whole, or as the product of its two low-rank halves."""
+    if f"lokr_{which}" in mod.keys:
+        return _need(mod, f"lokr_{which}", tensors)
+    a, b = _need(mod, f"lokr_{which}_a", tensors), _need(mod, f"lokr_{which}_b", tensors)
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(
+            f"module {mod.module}: lokr_{which}_a {tuple(a.shape)} and lokr_{which}_b {tuple(b.shape)} "
+            "do not multiply"
+        )
+    return a @ b
+
+
+def _lokr_delta(
+    config: Mapping[str, Any], mod: AdapterModule, tensors: Mapping[str, torch.Tensor], weight: torch.Tensor
+) -> torch.Tensor:
+    """LoKr: ``(W1 ⊗ W2) · alpha/r``, each factor stored whole or as a rank-r product.
+
+    The Kronecker product is written out as ``ΔW[i·p + k, j·q + l] = W1[i, j] · W2[k, l]`` for W2 of
+    shape (p, q), not taken from ``torch.kron``.
+    """
+    _no_conv(mod, ("lokr_t2",))
+    w1, w2 = _lokr_factor(mod, tensors, "w1"), _lokr_factor(mod, tensors, "w2")
+    _, scaling = _lycoris_scaling(config, mod.module)
+    (a, c), (p, q) = w1.shape, w2.shape
+    _check_shape(mod, "lokr_w1 ⊗ lokr_w2", (a * p, c * q), tuple(weight.shape))
+    kron = (w1[:, None, :, None] * w2[None, :, None, :]).reshape(a * p, c * q)
+    return kron * scaling
+
+
+def _vera_delta(
+    config: Mapping[str, Any], mod: AdapterModule, tensors: Mapping[str, torch.Tensor], weight: torch.Tensor
+) -> torch.Tensor:
+    """VeRA: ``(λb · B[:out]) @ (λd · A[:, :in])``, transposed for fan_in_fan_out.
+
+    A (r, ≥in) and B (≥out, r) are the random projections all modules share, sliced to this module;
+    λb (out) and λd (r) are its own trained vectors, scaling B's rows and A's rows.
+    """
+    if "vera_A" not in mod.keys or "vera_B" not in mod.keys:
+        raise ValueError(
+            f"module {mod.module}: the adapter file holds no vera_A/vera_B (saved with "
+            "save_projection=False: PEFT regenerates them from projection_prng_key), so reference_deltas "
+            "cannot compute its ΔW"
+        )
+    proj_a, proj_b = _need(mod, "vera_A", tensors), _need(mod, "vera_B", tensors)
+    lambda_b, lambda_d = _need(mod, "vera_lambda_b", tensors), _need(mod, "vera_lambda_d", tensors)
+    fifo = bool(config.get("fan_in_fan_out"))
+    out_f, in_f = _t(weight, fifo).shape
+    r = lambda_d.shape[0]
+    if proj_a.ndim != 2 or proj_a.shape[0] != r or proj_a.shape[1] < in_f:
+        raise ValueError(
+            f"module {mod.module}: vera_A has shape {tuple(proj_a.shape)}, expected ({r}, ≥{in_f}); "
+            "was this adapter made for a different base model?"
+        )
+    if proj_b.ndim != 2 or proj_b.shape[1] != r or proj_b.shape[0] < out_f:
+        raise ValueError(
+            f"module {mod.module}: vera_B has shape {tuple(proj_b.shape)}, expected (≥{out_f}, {r}); "
+            "was this adapter made for a different base model?"
+        )
+    _check_shape(mod, "vera_lambda_b", lambda_b.shape, (out_f,))
+    delta = (lambda_b[:, None] * proj_b[:out_f]) @ (lambda_d[:, None] * proj_a[:, :in_f])
+    return _t(delta, fifo)
+
+
+def _adalora_delta(
+    config: Mapping[str, Any], mod: AdapterModule, tensors: Mapping[str, torch.Tensor], weight: torch.Tensor
+) -> torch.Tensor:
+    """AdaLoRA: ``B @ (A ⊙ E) · s / (init_r + 1e-5)``, transposed for fan_in_fan_out.
+
+    ``s`` is ``lora_alpha`` (the stored rank where lora_alpha ≤ 0). The divisor is PEFT's ``ranknum``,
+    which it never saves: it is ``init_r`` whatever rank the budget left the module (PEFT copies the old
+    ranknum over when it prunes to ``rank_pattern``), plus PEFT's 1e-5.
+    """
+    a, b, e = _need(mod, "lora_A", tensors), _need(mod, "lora_B", tensors), _need(mod, "lora_E", tensors)
+    fifo = bool(config.get("fan_in_fan_out"))
+    out_f, in_f = _t(weight, fifo).shape
+    r = a.shape[0]
+    _check_shape(mod, "lora_A", a.shape, (r, in_f))
+    _check_shape(mod, "lora_B", b.shape, (out_f, r))
+    _check_shape(mod, "lora_E", e.shape, (r, 1))
+    alpha = float(config.get("lora_alpha", 8))
+    scaling = alpha if alpha > 0 else float(r)
+    ranknum = float(config.get("init_r", 12))
+    return _t(b @ (a * e), fifo) * scaling / (ranknum + 1e-5)
+
+
 _FORMULAS = {
     "lora": _lora_delta,
     "pissa": _lora_delta,
@@ -413,6 +565,10 @@ _FORMULAS = {
     "boft": _boft_delta,
     "oft": _oft_delta,
     "ia3": _ia3_delta,
+    "loha": _loha_delta,
+    "lokr": _lokr_delta,
+    "vera": _vera_delta,
+    "adalora": _adalora_delta,
 }
 
 
@@ -435,6 +591,8 @@ def reference_deltas(
     * DoRA: ``m ⊙ (W + sBA)/‖W + sBA‖ − W`` with a per-output-row norm.
     * BOFT: ``(R Wᵀ)ᵀ·s − W``; OFT: ``(R Wᵀ)ᵀ − W`` (see the private helpers for the rotations).
     * IA3: ``W ⊙ l − W``.
+    * LoHa ``(W1a W1b) ⊙ (W2a W2b)·alpha/r``; LoKr ``(W1 ⊗ W2)·alpha/r``; VeRA ``(λb·B)(λd·A)`` with the
+      shared projections sliced to the module; AdaLoRA ``B(A ⊙ E)·alpha/(init_r + 1e-5)`` (Linear only).
 
     Raises ``ValueError`` naming the module and key when a tensor is missing, a shape does not fit
     the base weight (an adapter made for another base), or the method is not supported.
@@ -535,14 +693,28 @@ def sequential_merged_weights(
 
 
 def _kind_of_layer(layer: nn.Module, adapter: str) -> str:
-    """Which merge rule a PEFT tuner layer uses for ``adapter`` (lora, dora, boft, oft, ia3)."""
+    """Which merge rule a PEFT tuner layer uses for ``adapter`` (lora, dora, boft, oft, ia3, loha, lokr,
+    vera, adalora)."""
+    from peft.tuners.adalora import layer as adalora
     from peft.tuners.boft import layer as boft
     from peft.tuners.ia3 import layer as ia3
+    from peft.tuners.loha import layer as loha
+    from peft.tuners.lokr import layer as lokr
     from peft.tuners.lora import layer as lora
     from peft.tuners.oft import layer as oft
+    from peft.tuners.vera import layer as vera
 
     kind = None
-    if isinstance(layer, lora.LoraLayer) and (adapter in layer.lora_A or adapter in layer.lora_embedding_A):
+    # AdaLoRA's layers are LoraLayers too: asked first
+    if isinstance(layer, adalora.AdaLoraLayer) and adapter in layer.lora_A:
+        kind = "adalora"
+    elif isinstance(layer, loha.LoHaLayer) and adapter in layer._available_adapters:
+        kind = "loha"
+    elif isinstance(layer, lokr.LoKrLayer) and adapter in layer._available_adapters:
+        kind = "lokr"
+    elif isinstance(layer, vera.VeraLayer) and adapter in layer.vera_lambda_b:
+        kind = "vera"
+    elif isinstance(layer, lora.LoraLayer) and (adapter in layer.lora_A or adapter in layer.lora_embedding_A):
         variant = layer.lora_variant.get(adapter)
         if variant is not None and type(variant).__name__ != "DoraLinearVariant":
             raise ValueError(f"LoRA variant {type(variant).__name__} is not supported by peft_delta")
@@ -555,8 +727,8 @@ def _kind_of_layer(layer: nn.Module, adapter: str) -> str:
         kind = "ia3"
     if kind is None:
         raise ValueError(f"layer {type(layer).__name__} has no supported adapter '{adapter}'")
-    # Plain LoRA merges by adding get_delta_weight for every layer type; the other rules below are
-    # written for Linear layers (conv and embedding variants reshape or transpose differently).
+    # The additive methods merge by adding get_delta_weight for every layer type; the other rules
+    # below are written for Linear layers (conv and embedding variants reshape or transpose differently).
     linear = {"dora": lora.Linear, "boft": boft.Linear, "oft": oft.Linear, "ia3": ia3.Linear}.get(kind)
     if linear is not None and not isinstance(layer, linear):
         raise ValueError(f"peft_delta supports {kind} on Linear layers only, not {type(layer).__name__}")
@@ -567,9 +739,10 @@ def peft_delta(layer: nn.Module, adapter_name: str) -> torch.Tensor:
     """``ΔW`` of ``adapter_name`` on a loaded PEFT layer, as PEFT computes it, before it meets ``W``.
 
     Runs on the layer's device with PEFT's own functions, in the dtype PEFT computes the adapter in
-    (PEFT keeps adapters in float32 on a bfloat16 model by default): LoRA/PiSSA ``get_delta_weight``
-    as is; DoRA ``m/‖W+ΔW‖ ⊙ (W+ΔW) − W`` with the DoRA module's ``get_weight_norm``; BOFT
-    ``get_delta_weight`` → (rotation, scale) applied to ``W``; OFT ``get_delta_weight`` → rotation
+    (PEFT keeps adapters in float32 on a bfloat16 model by default): LoRA/PiSSA, LoHa, LoKr, VeRA and
+    AdaLoRA ``get_delta_weight`` as is (their merge adds it to W); DoRA ``m/‖W+ΔW‖ ⊙ (W+ΔW) − W``
+    with the DoRA module's ``get_weight_norm``; BOFT ``get_delta_weight`` → (rotation, scale) applied
+    to ``W``; OFT ``get_delta_weight`` → rotation
     applied to ``W``; IA3 ``W * ia3_l − W``. The multiplicative methods need ``W``: it is upcast
     exactly to the adapter's dtype. Rounding the merged weight back into ``W``'s dtype is the merge
     check's concern, not this one's.
@@ -585,7 +758,7 @@ def peft_delta(layer: nn.Module, adapter_name: str) -> torch.Tensor:
         raise ValueError(f"layer has merged adapters {layer.merged_adapters}; unmerge before peft_delta")
     with torch.no_grad():
         weight = dequantize_module_weight(layer.get_base_layer()).detach()
-        if kind == "lora":
+        if kind in ADDITIVE:
             return layer.get_delta_weight(adapter_name)
         if kind == "dora":
             delta = layer.get_delta_weight(adapter_name)
@@ -620,8 +793,8 @@ def peft_delta(layer: nn.Module, adapter_name: str) -> torch.Tensor:
 def peft_delta_source(layer: nn.Module, adapter: str) -> str:
     """Which PEFT functions :func:`peft_delta` uses for this layer and adapter, in words."""
     kind = _kind_of_layer(layer, adapter)
-    if kind == "lora":
-        return "lora.get_delta_weight"
+    if kind in ADDITIVE:
+        return f"{kind}.get_delta_weight"
     if kind == "dora":
         return "lora.get_delta_weight + DoraLinearLayer.get_weight_norm: m/‖W+ΔW‖ ⊙ (W+ΔW)"
     if kind == "boft":

@@ -129,3 +129,52 @@ def test_merge_page_without_merge_rows(tmp_path, monkeypatch):
     at = make_app(tmp_path, monkeypatch)
     at.switch_page("views/merge.py").run()
     assert not at.exception
+
+
+@pytest.fixture(scope="module")
+def hra_home(tmp_path_factory):
+    """A tiny llama with a LoRA and an HRA adapter (a method the merge check has no formula for), and two
+    merge runs: both adapters, and the HRA alone."""
+    import torch
+    from peft import HRAConfig, LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from core.spec import AdapterRef, ModelRef, ProbeSpec, Target
+
+    home = tmp_path_factory.mktemp("hra-app")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4
+    )
+    LlamaForCausalLM(config).save_pretrained(home / "llama")
+    for name, adapter in (
+        ("lora", LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False)),
+        ("hra", HRAConfig(r=2, target_modules=["q_proj"])),
+    ):
+        get_peft_model(LlamaForCausalLM.from_pretrained(home / "llama"), adapter).save_pretrained(home / name)
+    runs = {}
+    for adapters in (("lora", "hra"), ("hra",)):
+        spec = ProbeSpec(
+            base=ModelRef(path=str(home / "llama")),
+            adapters=tuple(AdapterRef(path=str(home / a), name=a) for a in adapters),
+            targets=(Target.parse("cpu/float32"),),
+            checks=("merge",),
+        )
+        job = Engine(home, runner=InProcessRunner()).submit(spec)
+        assert job.wait(300) and job.state == "succeeded", job.error
+        runs[adapters] = job.run_id
+    return home, runs
+
+
+@pytest.mark.parametrize("adapters", [("lora", "hra"), ("hra",)], ids=["with-lora", "alone"])
+def test_merge_page_says_which_adapter_it_does_not_cover(hra_home, monkeypatch, adapters):
+    home, runs = hra_home
+    at = make_app(home, monkeypatch, run=runs[adapters])
+    at.switch_page("views/merge.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    text = _page_text(at)
+    assert text.count("Merge not covered") == 1
+    assert "hra is a hra adapter; its merge rule is not covered" in text
+    assert "did not run the `merge` check" not in text
+    if "lora" in adapters:  # the covered adapter's rows are there to pick, the HRA is not offered
+        assert at.selectbox(key="widget.adapter").options == ["lora"]

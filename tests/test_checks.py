@@ -196,30 +196,30 @@ def test_checkpoint_tensor_not_loaded_is_broken():
 
 
 def test_method_without_a_delta_formula_is_noted_not_fatal(tmp_path, demo_workspace):
-    from peft import LoHaConfig, get_peft_model
+    from peft import HRAConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     base = demo_workspace["models"]["tiny-llama"]
     torch.manual_seed(5)
     model = get_peft_model(
         AutoModelForCausalLM.from_pretrained(base),
-        LoHaConfig(r=4, target_modules=["q_proj"], init_weights=False),
+        HRAConfig(r=4, target_modules=["q_proj"], init_weights=False),
     )
-    model.save_pretrained(tmp_path / "loha")
+    model.save_pretrained(tmp_path / "hra")
     record = run_in_process(
         tmp_path / "home",
         base,
-        [AdapterRef(str(tmp_path / "loha"), "loha")],
+        [AdapterRef(str(tmp_path / "hra"), "hra")],
         ["cpu/float32"],
         ["weights", "deltas", "outputs"],
     )
     table = record.metrics()
-    assert "loha" not in set(table[table.check == "deltas"].adapter.dropna())
-    loha = table[(table.check == "weights") & (table.adapter == "loha")]
-    assert (loha.verdict == "identical").all()
-    assert {"hada_w1_a", "hada_w1_b"} <= set(loha.role) and set(loha.module) == {"q_proj"}
-    assert any("loha adapter; its ΔW is not covered" in n for n in record.notes())
-    assert (table[(table.check == "outputs") & (table.adapter == "loha")].verdict == "within tolerance").all()
+    assert "hra" not in set(table[table.check == "deltas"].adapter.dropna())
+    hra = table[(table.check == "weights") & (table.adapter == "hra")]
+    assert (hra.verdict == "identical").all()
+    assert set(hra.role) == {"hra_u"} and set(hra.module) == {"q_proj"}
+    assert any("hra adapter; its ΔW is not covered" in n for n in record.notes())
+    assert (table[(table.check == "outputs") & (table.adapter == "hra")].verdict == "within tolerance").all()
 
 
 class _Buffers(torch.nn.Module):

@@ -28,7 +28,8 @@ class DeltasCheck(Check):
         if loaded.adapter is None:
             return
         adapter = loaded.adapter.name
-        kind = formulas.adapter_type(read_adapter_config(loaded.adapter))
+        config = read_adapter_config(loaded.adapter)
+        kind = formulas.adapter_type(config)
         if kind not in formulas.ADAPTER_TYPES:
             out.notes.append(
                 f"deltas: {adapter} is a {kind} adapter; its ΔW is not covered "
@@ -42,7 +43,11 @@ class DeltasCheck(Check):
                     continue
                 out.add(TensorKey(self.name, adapter, module), formulas.peft_delta(layer, adapter))
                 sources[module] = formulas.peft_delta_source(layer, adapter)
-        out.meta.setdefault(self.name, {})[adapter] = {"kind": kind, "sources": sources}
+        # AdaLoRA modules its budget pruned: PEFT rebuilds them on load (see `rows`)
+        resized = (
+            [k.split(".lora_E")[0] for k in (config.get("rank_pattern") or {})] if kind == "adalora" else []
+        )
+        out.meta.setdefault(self.name, {})[adapter] = {"kind": kind, "sources": sources, "resized": resized}
 
     def reference(
         self, spec: ProbeSpec, keys: list[TensorKey], reference_capture: Capture | None
@@ -96,6 +101,13 @@ class DeltasCheck(Check):
             source = adapter.get("sources", {}).get(row["tensor"])
             if source:
                 add_note(row, f"target ΔW via {source}")
+            if row["tensor"] in adapter.get("resized", []) and target_dtype in ("bfloat16", "float16"):
+                add_note(
+                    row,
+                    "PEFT resizes this AdaLoRA module to its rank_pattern on load and rounds its lora_A, "
+                    f"lora_B and lora_E to {target_dtype} doing so (modules it does not resize keep the "
+                    "file's float32)",
+                )
             if adapter.get("kind") in MULTIPLICATIVE and target_dtype in ("bfloat16", "float16"):
                 add_note(
                     row,

@@ -105,14 +105,16 @@ class MergeCheck(Check):
         meta = out.meta.setdefault(self.name, {}).setdefault("adapters", {}).setdefault(adapter, {})
         kind = formulas.adapter_type(read_adapter_config(loaded.adapter))
         meta["kind"] = kind
-        if kind not in formulas.ADAPTER_TYPES:
-            out.notes.append(
-                f"merge: {adapter} is a {kind} adapter; its merge rule is not covered "
-                f"(supported: {', '.join(formulas.ADAPTER_TYPES)})"
-            )
-            return
         with torch.no_grad():
-            self._capture_adapter(ctx, loaded, out, meta)
+            if kind in formulas.ADAPTER_TYPES:
+                self._capture_adapter(ctx, loaded, out, meta)
+            else:  # said in a note and a finding row (`findings_table`)
+                meta["not_covered"] = (
+                    f"{adapter} is a {kind} adapter; its merge rule is not covered "
+                    f"(supported: {', '.join(formulas.ADAPTER_TYPES)})"
+                )
+                out.notes.append(f"merge: {meta['not_covered']}")
+            # the adapters merged together are the run's, whatever kind the last one is
             if adapter == ctx.spec.adapters[-1].name:
                 self._capture_subset(ctx, out)
 
@@ -684,12 +686,22 @@ def save_table(captures: list[Capture]) -> pd.DataFrame:
 
 
 def findings_table(captures: list[Capture]) -> pd.DataFrame:
-    """Tied adapted modules, NaN/Inf merged in, safe-merge refusals, stages that could not apply or start
-    from the loaded W, per target and adapter."""
+    """Adapters whose merge rule is not covered, tied adapted modules, NaN/Inf merged in, safe-merge
+    refusals, stages that could not apply or start from the loaded W, per target and adapter."""
     rows = []
     for c in captures:
         merge_meta = c.meta.get("merge", {})
         for adapter, info in merge_meta.get("adapters", {}).items():
+            if info.get("not_covered"):
+                rows.append(
+                    {
+                        "target": c.target,
+                        "adapter": adapter,
+                        "finding": "not covered",
+                        "module": "",
+                        "detail": info["not_covered"],
+                    }
+                )
             for f in info.get("tied", []):
                 rows.append(
                     {

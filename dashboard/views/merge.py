@@ -35,8 +35,14 @@ scenario_buttons("merge")
 record = finished_run("merge")
 table = metrics_table(record)
 rows = table[table["check"] == "merge"] if len(table) else table
+# An adapter whose merge rule the check does not cover has no rows to pick: said first, once per adapter.
+all_findings = run_table(record, "merge_findings")
+not_covered = all_findings[all_findings["finding"] == "not covered"] if len(all_findings) else all_findings
+for detail in dict.fromkeys(not_covered["detail"] if len(not_covered) else []):
+    st.info(f"**Merge not covered**: {literal(detail)}", icon=":material/block:")
 if rows.empty:
-    st.info("This run did not run the `merge` check (CLI: `--check merge`).")
+    if not len(not_covered):
+        st.info("This run did not run the `merge` check (CLI: `--check merge`).")
     st.stop()
 rows, legacy = relabel_legacy(rows)
 if legacy:

@@ -1,0 +1,489 @@
+"""LoHa, LoKr, VeRA and AdaLoRA: ΔW and merge against float64 formulas written out here, on tiny random
+models built in fixtures (a Llama, and a GPT-2 whose Conv1D layers store W as (in, out)).
+
+The formulas below (`_expected_delta`) are this test's own, written from the adapter files and the
+configs this module makes, independently of `core.formulas` (torch.kron and diagonal matrices where
+core writes broadcasts), so that both have to agree with PEFT and with each other.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from core import formulas
+from core.engine import Engine, InProcessRunner
+from core.spec import AdapterRef, ModelRef, ProbeInputs, ProbeSpec, Target
+from core.store import RunRecord
+
+METHODS = ("loha", "lokr", "vera", "adalora")
+LLAMA_ADAPTERS = ("loha", "lokr", "lokr_lowrank", "vera", "adalora")
+GPT2_ADAPTERS = ("vera_gpt2", "adalora_gpt2")
+ENCODER_ADAPTERS = ("loha_roberta", "lokr_roberta", "vera_roberta", "adalora_roberta", "adalora_no_alpha")
+# AdaLoRA's budget pruned this module to 4 of its 6 ranks (what rank_pattern records); PEFT then
+# still divides by init_r (6), the rank it was created with.
+ADALORA_PRUNED = "model.layers.0.self_attn.q_proj"
+ADALORA_KEEP = [True, False, True, True, False, True]
+
+
+def _quiet() -> None:
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def _configs() -> dict[str, tuple[str, object]]:
+    """Adapter name → (base, PEFT config); init_weights off everywhere, so that ΔW is not zero."""
+    from peft import AdaLoraConfig, LoHaConfig, LoKrConfig, LoraConfig, VeraConfig
+
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "init_lora_weights": False}
+    encoder = ["query", "value", "intermediate.dense"]
+    return {
+        "lora_a": ("llama", LoraConfig(**lora)),
+        "lora_b": ("llama", LoraConfig(**lora)),
+        "loha": (
+            "llama",
+            LoHaConfig(
+                r=4,
+                alpha=8,
+                target_modules=["q_proj", "v_proj", "down_proj"],
+                rank_pattern={"down_proj": 2},
+                alpha_pattern={"v_proj": 3},
+                init_weights=False,
+            ),
+        ),
+        # r 4 keeps both Kronecker factors whole ...
+        "lokr": (
+            "llama",
+            LoKrConfig(r=4, alpha=8, target_modules=["q_proj", "down_proj"], init_weights=False),
+        ),
+        # ... r 1 with decompose_both stores each as a rank-1 product (lokr_w1_a @ lokr_w1_b, ...)
+        "lokr_lowrank": (
+            "llama",
+            LoKrConfig(
+                r=1, alpha=2, decompose_both=True, target_modules=["q_proj", "down_proj"], init_weights=False
+            ),
+        ),
+        # down_proj's 48 inputs make the shared vera_A wider than q_proj and v_proj use: sliced
+        "vera": (
+            "llama",
+            VeraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"], init_weights=False),
+        ),
+        "adalora": (
+            "llama",
+            AdaLoraConfig(
+                init_r=6,
+                target_r=4,
+                lora_alpha=8,
+                total_step=10,
+                target_modules=["q_proj", "down_proj"],
+                init_lora_weights=False,
+            ),
+        ),
+        "vera_gpt2": (
+            "gpt2",
+            VeraConfig(r=4, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True, init_weights=False),
+        ),
+        # an encoder: RoBERTa's attention and feedforward
+        "loha_roberta": ("roberta", LoHaConfig(r=2, alpha=4, target_modules=encoder, init_weights=False)),
+        "lokr_roberta": ("roberta", LoKrConfig(r=2, alpha=4, target_modules=encoder, init_weights=False)),
+        "vera_roberta": ("roberta", VeraConfig(r=4, target_modules=encoder, init_weights=False)),
+        "adalora_roberta": (
+            "roberta",
+            AdaLoraConfig(
+                init_r=4, lora_alpha=8, total_step=10, target_modules=encoder, init_lora_weights=False
+            ),
+        ),
+        # lora_alpha 0: PEFT scales by the rank instead
+        "adalora_no_alpha": (
+            "roberta",
+            AdaLoraConfig(
+                init_r=4, lora_alpha=0, total_step=10, target_modules=["query"], init_lora_weights=False
+            ),
+        ),
+        "adalora_gpt2": (
+            "gpt2",
+            AdaLoraConfig(
+                init_r=4,
+                lora_alpha=16,
+                total_step=10,
+                target_modules=["c_attn", "mlp.c_proj"],
+                fan_in_fan_out=True,
+                init_lora_weights=False,
+            ),
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """{"models": {"llama", "gpt2", "roberta"} → folder, "adapters": name → folder}, all made here, seeded."""
+    from peft import get_peft_model
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        RobertaConfig,
+        RobertaModel,
+    )
+
+    _quiet()
+    root = tmp_path_factory.mktemp("methods")
+    models = {"llama": root / "llama", "gpt2": root / "gpt2", "roberta": root / "roberta"}
+    torch.manual_seed(0)
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    ).save_pretrained(models["llama"])
+    GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0
+        )
+    ).save_pretrained(models["gpt2"])
+    RobertaModel(
+        RobertaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=40,
+        )
+    ).save_pretrained(models["roberta"])
+    adapters = {}
+    for seed, (name, (base, config)) in enumerate(_configs().items()):
+        torch.manual_seed(seed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = get_peft_model(_load(models[base], torch.float32), config)
+        generator = torch.Generator().manual_seed(100 + seed)
+        with torch.no_grad():  # every trained tensor random, at a scale where ΔW is a small part of W
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.copy_(0.1 * torch.randn(p.shape, generator=generator))
+        if name == "adalora":
+            key = f"{ADALORA_PRUNED}.lora_E.default"
+            model.peft_config["default"].rank_pattern = {key: ADALORA_KEEP}
+        model.save_pretrained(root / name)
+        adapters[name] = root / name
+    return {"models": models, "adapters": adapters}
+
+
+def _load(folder: Path, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    auto = AutoModel if folder.name == "roberta" else AutoModelForCausalLM
+    return auto.from_pretrained(folder, dtype=dtype).eval()
+
+
+def _peft(workspace: dict, name: str, dtype: torch.dtype) -> torch.nn.Module:
+    from peft import PeftModel
+
+    base = workspace["models"][_configs()[name][0]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return PeftModel.from_pretrained(_load(base, dtype), str(workspace["adapters"][name])).eval()
+
+
+def _files(workspace: dict, name: str) -> tuple[dict, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(adapter config, adapter tensors, base state dict in float64) as saved."""
+    folder = workspace["adapters"][name]
+    config = json.loads((folder / "adapter_config.json").read_text())
+    base = workspace["models"][_configs()[name][0]] / "model.safetensors"
+    return (
+        config,
+        load_file(folder / "adapter_model.safetensors"),
+        {k: v.double() for k, v in load_file(base).items()},
+    )
+
+
+def _pattern(config: dict, field: str, module: str, default: float) -> float:
+    """The configs here name a pattern by a module's last part."""
+    return next((v for k, v in (config.get(field) or {}).items() if module.endswith(k)), default)
+
+
+def _expected_delta(config: dict, tensors: dict[str, torch.Tensor], base: dict[str, torch.Tensor]) -> dict:
+    """Module → ΔW in float64, this test's own formula per method (module shapes as the base stores W)."""
+    t = {k.removeprefix("base_model.model."): v.double() for k, v in tensors.items()}
+    kind = config["peft_type"].lower()
+    suffix = {"loha": ".hada_w1_a", "lokr": ".lokr_w", "vera": ".vera_lambda_b", "adalora": ".lora_A"}[kind]
+    modules = sorted({k.split(suffix)[0] for k in t if suffix in k})
+    out = {}
+    for m in modules:
+        w = base[f"{m}.weight"]
+        if kind == "loha":
+            r = _pattern(config, "rank_pattern", m, config["r"])
+            alpha = _pattern(config, "alpha_pattern", m, config["alpha"])
+            h1 = t[f"{m}.hada_w1_a"] @ t[f"{m}.hada_w1_b"]
+            h2 = t[f"{m}.hada_w2_a"] @ t[f"{m}.hada_w2_b"]
+            out[m] = h1 * h2 * alpha / r
+        elif kind == "lokr":
+
+            def factor(i: int, m: str = m) -> torch.Tensor:
+                whole = t.get(f"{m}.lokr_w{i}")
+                return whole if whole is not None else t[f"{m}.lokr_w{i}_a"] @ t[f"{m}.lokr_w{i}_b"]
+
+            out[m] = torch.kron(factor(1), factor(2)) * config["alpha"] / config["r"]
+        elif kind == "vera":
+            fifo = config["fan_in_fan_out"]
+            n_out, n_in = (w.shape[1], w.shape[0]) if fifo else w.shape
+            a, b = tensors["base_model.vera_A"].double(), tensors["base_model.vera_B"].double()
+            d = (
+                torch.diag(t[f"{m}.vera_lambda_b"])
+                @ b[:n_out]
+                @ torch.diag(t[f"{m}.vera_lambda_d"])
+                @ a[:, :n_in]
+            )
+            out[m] = d.T if fifo else d
+        else:  # AdaLoRA: divided by init_r, whatever rank is left
+            d = t[f"{m}.lora_B"] @ torch.diag(t[f"{m}.lora_E"][:, 0]) @ t[f"{m}.lora_A"]
+            scaling = config["lora_alpha"] if config["lora_alpha"] > 0 else t[f"{m}.lora_A"].shape[0]
+            d = d * scaling / (config["init_r"] + 1e-5)
+            out[m] = d.T if config["fan_in_fan_out"] else d
+        assert out[m].shape == w.shape, m
+    return out
+
+
+ALL = LLAMA_ADAPTERS + GPT2_ADAPTERS + ENCODER_ADAPTERS
+
+
+def test_the_adapters_are_what_the_tests_claim(workspace: dict) -> None:
+    """The fixture exercises what it says: low-rank LoKr factors, a pruned AdaLoRA module, fan_in_fan_out."""
+    _, lowrank, _ = _files(workspace, "lokr_lowrank")
+    assert any(k.endswith("lokr_w1_a") for k in lowrank) and any(k.endswith("lokr_w2_b") for k in lowrank)
+    assert not any(k.endswith(("lokr_w1", "lokr_w2")) for k in lowrank)
+    config, adalora, _ = _files(workspace, "adalora")
+    assert adalora[f"base_model.model.{ADALORA_PRUNED}.lora_E"].shape == (sum(ADALORA_KEEP), 1)
+    assert adalora["base_model.model.model.layers.1.self_attn.q_proj.lora_E"].shape == (6, 1)
+    assert config["rank_pattern"]
+    for name in GPT2_ADAPTERS:
+        assert _files(workspace, name)[0]["fan_in_fan_out"] is True
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_reference_deltas_equal_the_formula_written_here(workspace: dict, name: str) -> None:
+    config, tensors, base = _files(workspace, name)
+    expected = _expected_delta(config, tensors, base)
+    got = formulas.reference_deltas(config, tensors, base)
+    assert sorted(got) == sorted(expected) and len(got) >= 2
+    for m, d in expected.items():
+        assert got[m].dtype == torch.float64
+        # the same float64 products in another order: a few ulps of ΔW
+        assert (got[m] - d).abs().max() <= 1e-15 * d.abs().max(), m
+        assert d.abs().max() > 1e-3 * base[f"{m}.weight"].abs().max(), m  # ΔW is not negligible
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_peft_float64_delta_and_merge_equal_the_formula_written_here(workspace: dict, name: str) -> None:
+    """PEFT in float64: its ΔW (through core's peft_delta) and merge_and_unload() against W + ΔW from here."""
+    config, tensors, base = _files(workspace, name)
+    expected = _expected_delta(config, tensors, base)
+    model = _peft(workspace, name, torch.float64)
+    layers = formulas.adapted_modules(model)
+    assert sorted(layers) == sorted(expected)
+    for m, (layer, names) in layers.items():
+        delta = formulas.peft_delta(layer, names[0])
+        assert (delta - expected[m]).abs().max() <= 1e-15 * expected[m].abs().max(), m
+        assert (
+            formulas.peft_delta_source(layer, names[0]) == f"{config['peft_type'].lower()}.get_delta_weight"
+        )
+    merged = model.merge_and_unload().state_dict()
+    for m, d in expected.items():
+        exact = base[f"{m}.weight"] + d
+        # one float64 addition: at most half an ulp of the result
+        assert (merged[f"{m}.weight"] - exact).abs().max() <= 2.3e-16 * exact.abs().max(), m
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_peft_float32_delta_is_float32_rounding_of_the_formula(workspace: dict, name: str) -> None:
+    config, tensors, base = _files(workspace, name)
+    expected = _expected_delta(config, tensors, base)
+    for m, (layer, names) in formulas.adapted_modules(_peft(workspace, name, torch.float32)).items():
+        delta = formulas.peft_delta(layer, names[0])
+        assert delta.dtype == torch.float32
+        rel = ((delta.double() - expected[m]).norm() / expected[m].norm()).item()
+        assert 0 < rel < 1e-6, (m, rel)  # float32 products: ~1e-7 relative, never exact here
+
+
+def test_vera_projections_are_shared_keys(workspace: dict) -> None:
+    config, tensors, base = _files(workspace, "vera")
+    assert formulas.split_adapter_key("base_model.vera_A") is None  # no module of its own
+    modules = formulas.adapter_module_keys(tensors)
+    assert sorted(modules) == sorted(_expected_delta(config, tensors, base))
+    for mod in modules.values():
+        assert mod.keys["vera_A"] == "base_model.vera_A" and mod.keys["vera_B"] == "base_model.vera_B"
+    without = {k: v for k, v in tensors.items() if not k.startswith("base_model.vera_")}
+    with pytest.raises(ValueError, match="save_projection=False"):
+        formulas.reference_deltas(config, without, base)
+
+
+@pytest.mark.parametrize(
+    ("name", "key", "match"),
+    [
+        ("loha", "self_attn.q_proj.hada_w2_b", r"hada_w2_b has shape \(4, 31\)"),
+        ("lokr", "self_attn.q_proj.lokr_w2", r"lokr_w1 ⊗ lokr_w2 has shape \(32, 28\)"),
+        ("vera", "self_attn.q_proj.vera_lambda_b", r"vera_lambda_b has shape \(31,\)"),
+        ("adalora", "self_attn.q_proj.lora_A", r"lora_A has shape \(4, 31\)"),
+    ],
+)
+def test_shape_mismatch_names_the_module(workspace: dict, name: str, key: str, match: str) -> None:
+    config, tensors, base = _files(workspace, name)
+    full = f"base_model.model.model.layers.0.{key}"
+    tensors[full] = tensors[full][..., : tensors[full].shape[-1] - 1]  # one input too few
+    with pytest.raises(ValueError, match=rf"model.layers.0.self_attn.q_proj: {match}"):
+        formulas.reference_deltas(config, tensors, base)
+
+
+# --------------------------------------------------------------------------------------------------
+# The deltas and merge checks' rows, through the engine
+# --------------------------------------------------------------------------------------------------
+
+
+def _run(
+    workspace: dict,
+    base: str,
+    adapters: list[str],
+    checks: tuple[str, ...],
+    home: Path,
+    dtype: str = "float32",
+) -> RunRecord:
+    """Run `checks` on cpu/`dtype` through the engine (in process); the stored run."""
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(5))
+    spec = ProbeSpec(
+        base=ModelRef(path=str(workspace["models"][base])),
+        adapters=tuple(AdapterRef(path=str(workspace["adapters"][a]), name=a) for a in adapters),
+        targets=(Target.parse(f"cpu/{dtype}"),),
+        checks=checks,
+        probe=ProbeInputs(input_ids=tuple(tuple(int(i) for i in row) for row in ids)),
+    )
+    engine = Engine(home, runner=InProcessRunner())
+    job = engine.submit(spec)
+    assert job.wait(300) and job.state == "succeeded", job.error
+    return engine.store.open(job.run_id)
+
+
+@pytest.fixture(scope="module")
+def runs(workspace: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunRecord]:
+    """weights + deltas + merge on cpu/float32: the Llama with two LoRAs first and VeRA last (the merge
+    of the LoRAs together used to be skipped without a word when the last adapter was no LoRA); GPT-2;
+    RoBERTa."""
+    home = tmp_path_factory.mktemp("methods-home")
+    checks = ("weights", "deltas", "merge")
+    llama = ["lora_a", "lora_b", "loha", "lokr", "lokr_lowrank", "adalora", "vera"]
+    return {
+        "llama": _run(workspace, "llama", llama, checks, home),
+        "gpt2": _run(workspace, "gpt2", list(GPT2_ADAPTERS), checks, home),
+        "roberta": _run(workspace, "roberta", list(ENCODER_ADAPTERS), checks, home),
+    }
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_delta_and_merged_rows_equal_the_formula_written_here(workspace: dict, runs: dict, name: str) -> None:
+    """Every deltas row and every merge `delta`/`merged` row of the adapter: max |Δ| equals what PEFT in
+    float32 (its get_delta_weight; merge_and_unload on a fresh load) leaves against the float64 ΔW and
+    W + ΔW written here."""
+    table = runs[_configs()[name][0]].metrics()
+    rows = table[(table.adapter == name) & (table.target == "cpu/float32")]
+    config, tensors, base = _files(workspace, name)
+    expected = _expected_delta(config, tensors, base)
+    model = _peft(workspace, name, torch.float32)
+    want: dict[tuple[str, str], float] = {}
+    for m, (layer, names) in formulas.adapted_modules(model).items():
+        with torch.no_grad():
+            err = (layer.get_delta_weight(names[0]).double() - expected[m]).abs().max().item()
+        want[("deltas", m)] = want[("merge", f"delta:peft:{m}")] = err
+    merged = model.merge_and_unload().state_dict()
+    for m, d in expected.items():
+        exact = base[f"{m}.weight"] + d
+        err = (merged[f"{m}.weight"].double() - exact).abs().max().item()
+        # safe_merge adds the same ΔW to a copy of W: the same single rounding in float32
+        want[("merge", f"merged:merge_adapter:{m}")] = want[("merge", f"merged:safe_merge:{m}")] = err
+    roles = rows[(rows.check == "deltas") | rows.role.isin(["delta", "merged"])]
+    got = {(r.check, r.tensor): r.max_abs for r in roles.itertuples()}
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        assert 0 < value < 1e-6 * max(1.0, expected[key[1].rsplit(":", 1)[-1]].abs().max().item()), key
+        # the check's float64 reference is core's formula, the test's is its own: equal to ~1e-17
+        assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-15), key
+    assert set(rows[rows.role.isin(["delta", "merged"])].verdict) <= {
+        "identical",
+        "within tolerance",
+        "drift",
+    }
+    # the adapter's own tensors load as saved (float32 file, float32 target), VeRA's projections included
+    weights = rows[rows.check == "weights"]
+    assert len(weights) == len(tensors) and (weights.verdict == "identical").all()
+
+
+def test_loras_before_a_vera_are_merged_together(runs: dict) -> None:
+    table = runs["llama"].metrics()
+    subset = table[(table.adapter == "lora_a+lora_b") & (table.role == "merged")]
+    assert set(subset.stage) == {"subset merge_adapter sequential", "subset merge_adapter combined"}
+    findings = runs["llama"].table("merge_findings")
+    assert not len(findings), findings.to_dict("records")
+
+
+def test_an_adapter_merge_cannot_cover_says_so_and_the_loras_before_it_merge(
+    workspace: dict, tmp_path: Path
+) -> None:
+    """HRA (no formula here) as the last adapter: a finding row and a note name it; the LoRAs still merge."""
+    from peft import HRAConfig, get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = get_peft_model(
+            _load(workspace["models"]["llama"], torch.float32), HRAConfig(r=2, target_modules=["q_proj"])
+        )
+    model.save_pretrained(tmp_path / "hra")
+    ws = {**workspace, "adapters": {**workspace["adapters"], "hra": tmp_path / "hra"}}
+    run = _run(ws, "llama", ["lora_a", "lora_b", "hra"], ("merge",), tmp_path / "home")
+    table = run.metrics()
+    assert "subset merge_adapter combined" in set(table[table.adapter == "lora_a+lora_b"].stage)
+    assert not len(table[table.adapter == "hra"])
+    findings = run.table("merge_findings")
+    hra = findings[findings.adapter == "hra"]
+    assert list(zip(hra.target, hra.finding, strict=True)) == [("cpu/float32", "not covered")]
+    assert "hra is a hra adapter; its merge rule is not covered" in hra.detail.iloc[0]
+    assert f"merge: {hra.detail.iloc[0]}" in run.notes()
+
+
+def test_adalora_module_pruned_by_rank_pattern_loads_rounded_to_bfloat16(
+    workspace: dict, tmp_path: Path
+) -> None:
+    """PEFT rebuilds a module AdaLoRA's budget pruned when it loads the adapter, in the model's dtype,
+    and copies the file's float32 tensors into it: on bfloat16 they come back rounded to bfloat16
+    (upcast to float32 again), the other modules' exactly as saved. The weights rows show it and the
+    deltas row says why."""
+    run = _run(workspace, "llama", ["adalora"], ("weights", "deltas"), tmp_path, dtype="bfloat16")
+    table = run.metrics()
+    _, tensors, _ = _files(workspace, "adalora")
+    weights = table[table.check == "weights"].set_index("tensor")
+    for key, t in tensors.items():
+        row = weights.loc[key]
+        if ADALORA_PRUNED in key:
+            rounded = (t.double() - t.to(torch.bfloat16).double()).abs().max().item()
+            assert not row.bitwise_equal and row.max_abs == rounded > 0, key
+        else:
+            assert row.verdict == "identical", key
+    deltas = table[table.check == "deltas"].set_index("tensor")
+    assert "rounds its lora_A, lora_B and lora_E to bfloat16" in deltas.loc[ADALORA_PRUNED, "note"]
+    assert not any("rank_pattern" in n for n in deltas.drop(ADALORA_PRUNED).note)
+    # ΔW of the pruned module carries the rounding of its factors: 1e-3 relative, the others 1e-7
+    config, tensors, base = _files(workspace, "adalora")
+    expected = _expected_delta(config, tensors, base)
+    rel = {m: deltas.loc[m, "max_abs"] / expected[m].abs().max().item() for m in expected}
+    assert 1e-4 < rel[ADALORA_PRUNED] < 1e-2
+    assert all(v < 1e-6 for m, v in rel.items() if m != ADALORA_PRUNED), rel
