@@ -31,10 +31,25 @@ ADAPTER_TYPES = ("lora", "dora", "pissa", "boft", "oft", "ia3", "loha", "lokr", 
 """Adapter types this module knows the merge rule of."""
 ADDITIVE = ("lora", "loha", "lokr", "vera", "adalora")
 """Layer kinds whose merge adds PEFT's ``get_delta_weight`` to W as it is (ΔW does not depend on W)."""
+PROMPT_LEARNING = ("prompt_tuning", "multitask_prompt_tuning", "p_tuning", "prefix_tuning", "cpt")
+"""Adapter types whose trained tensors are virtual tokens fed with the input (PEFT's prompt learning):
+they change no weight of the base, so there is no ΔW and nothing to merge."""
+VIRTUAL_TOKENS = (
+    "its trained virtual tokens are prepended to the input (prefix tuning: to every layer's keys and values) "
+    "and change no weight of the base"
+)
+"""What a prompt-learning adapter does, in the words the checks that do not apply to it give."""
+PROMPT_KEY = "prompt_embeddings"
+"""The one key prompt learning saves its virtual tokens under (no module path: no dot)."""
+SAVED_MODULE = "modules_to_save"
+"""The role of a module an adapter saves whole (``modules_to_save``: a classifier head, embeddings)."""
 
 # PeftModel.save_pretrained writes keys as "base_model.model.<module path>.<param>"
 # (the adapter name is stripped); injected models without the wrapper have no prefix.
 _PEFT_PREFIX = "base_model.model."
+# Prompt-learning PeftModels hold the transformers model as `base_model` itself: their
+# modules_to_save copies are saved as "base_model.<module path>.<param>".
+_PROMPT_PREFIX = "base_model."
 
 # Parameter names an adapter checkpoint can hold per module, longest first so that
 # "lora_B.bias" is not mistaken for a module named "...lora_B".
@@ -155,19 +170,54 @@ def split_adapter_key(key: str) -> tuple[str, str] | None:
     return path[: -len(param) - 1], param
 
 
-def adapter_module_keys(adapter_tensors: Mapping[str, torch.Tensor]) -> dict[str, AdapterModule]:
+def saved_module_names(adapter_config: Mapping[str, Any]) -> tuple[str, ...]:
+    """The ``modules_to_save`` names of an ``adapter_config.json`` dict (PEFT may list one twice)."""
+    names = adapter_config.get("modules_to_save") or ()
+    if isinstance(names, str):
+        names = (names,)
+    return tuple(dict.fromkeys(str(n) for n in names))
+
+
+def split_saved_module_key(key: str, saved_modules: tuple[str, ...] | list[str]) -> tuple[str, str] | None:
+    """``base_model.model.classifier.dense.weight`` → (``classifier``, ``dense.weight``) when
+    ``classifier`` is one of ``saved_modules`` (PEFT's ``modules_to_save``); None otherwise.
+
+    PEFT saves such a module whole, under its own path with the wrapper's
+    ``modules_to_save.<adapter>`` part stripped (kept by older saves: stripped here too). A name matches
+    the module path or its end at a dot boundary, as PEFT matches ``modules_to_save``.
+    """
+    for prefix in (_PEFT_PREFIX, _PROMPT_PREFIX):
+        if key.startswith(prefix):
+            path = key[len(prefix) :]
+            break
+    else:
+        path = key
+    path = re.sub(r"\.modules_to_save\.[^.]+\.", ".", path)
+    parts = path.split(".")
+    for end in range(1, len(parts)):  # the shortest module path that is a saved module
+        module = ".".join(parts[:end])
+        if any(module == n or module.endswith("." + n) for n in saved_modules):
+            return module, ".".join(parts[end:])
+    return None
+
+
+def adapter_module_keys(
+    adapter_tensors: Mapping[str, torch.Tensor], saved_modules: tuple[str, ...] = ()
+) -> dict[str, AdapterModule]:
     """Group adapter-checkpoint keys by the base-model module they adapt.
 
     ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` becomes module
-    ``model.layers.0.self_attn.q_proj`` with parameter ``lora_A.weight``. Raises ``ValueError`` for
-    keys that are no known adapter parameter (``modules_to_save`` copies, trainable tokens, ...),
-    because silently leaving them out would report a partial ΔW as the whole one.
+    ``model.layers.0.self_attn.q_proj`` with parameter ``lora_A.weight``. Copies of the modules
+    ``saved_modules`` names (the config's ``modules_to_save``, see :func:`saved_module_names`) are left
+    out: such a module is replaced whole, it has no ΔW formula. Raises ``ValueError`` for other keys
+    that are no known adapter parameter (trainable tokens, ...), because silently leaving them out
+    would report a partial ΔW as the whole one.
     """
     modules: dict[str, dict[str, str]] = {}
     unknown: list[str] = []
     shared = {_SHARED_KEYS[k]: k for k in adapter_tensors if k in _SHARED_KEYS}
     for key in adapter_tensors:
-        if key in _SHARED_KEYS:
+        if key in _SHARED_KEYS or split_saved_module_key(key, saved_modules) is not None:
             continue
         split = split_adapter_key(key)
         if split is None:
@@ -179,7 +229,8 @@ def adapter_module_keys(adapter_tensors: Mapping[str, torch.Tensor]) -> dict[str
         more = f" (and {len(unknown) - 5} more)" if len(unknown) > 5 else ""
         raise ValueError(
             f"adapter checkpoint has tensors that are no {'/'.join(ADAPTER_TYPES)} parameter: {shown}{more}; "
-            "modules_to_save and trainable tokens are not covered by reference_deltas"
+            "trainable tokens and modules_to_save copies the config does not list are not covered "
+            "by reference_deltas"
         )
     # every module reads the shared projections (VeRA), so each lists their keys as its own
     return {m: AdapterModule(module=m, keys={**k, **shared}) for m, k in sorted(modules.items())}
@@ -601,7 +652,7 @@ def reference_deltas(
     formula = _FORMULAS.get(kind)
     if formula is None:
         raise ValueError(f"adapter type '{kind}' is not supported (supported: {', '.join(ADAPTER_TYPES)})")
-    modules = adapter_module_keys(adapter_tensors)
+    modules = adapter_module_keys(adapter_tensors, saved_module_names(adapter_config))
     if not modules:
         raise ValueError("adapter checkpoint holds no adapter tensors")
     with torch.no_grad():
@@ -651,7 +702,7 @@ def merged_weights(
         deltas = reference_deltas(adapter_config, adapter_tensors, base_weights)
     kind = adapter_type(adapter_config)
     fifo = bool(adapter_config.get("fan_in_fan_out"))
-    modules = adapter_module_keys(adapter_tensors)
+    modules = adapter_module_keys(adapter_tensors, saved_module_names(adapter_config))
     out: dict[str, torch.Tensor] = {}
     for name, delta in deltas.items():
         weight = _module_base_weight(modules[name], adapter_tensors, base_weights)

@@ -178,3 +178,38 @@ def test_merge_page_says_which_adapter_it_does_not_cover(hra_home, monkeypatch, 
     assert "did not run the `merge` check" not in text
     if "lora" in adapters:  # the covered adapter's rows are there to pick, the HRA is not offered
         assert at.selectbox(key="widget.adapter").options == ["lora"]
+
+
+@pytest.fixture(scope="module")
+def prompt_home(hra_home):
+    """The same llama with a prompt-tuning adapter (virtual tokens, no weight changed) in a merge run."""
+    from peft import PromptTuningConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    from core.spec import AdapterRef, ModelRef, ProbeSpec, Target
+
+    home, _ = hra_home
+    config = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2)
+    get_peft_model(LlamaForCausalLM.from_pretrained(home / "llama"), config).save_pretrained(home / "soft")
+    spec = ProbeSpec(
+        base=ModelRef(path=str(home / "llama")),
+        adapters=(AdapterRef(path=str(home / "soft"), name="soft"),),
+        targets=(Target.parse("cpu/float32"),),
+        checks=("merge",),
+    )
+    job = Engine(home, runner=InProcessRunner()).submit(spec)
+    assert job.wait(300) and job.state == "succeeded", job.error
+    return home, job.run_id
+
+
+def test_merge_page_says_merging_does_not_apply_to_prompt_tuning(prompt_home, monkeypatch):
+    from core.formulas import VIRTUAL_TOKENS
+
+    home, run = prompt_home
+    at = make_app(home, monkeypatch, run=run)
+    at.switch_page("views/merge.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    text = _page_text(at)
+    assert text.count("Merge does not apply") == 1
+    assert f"soft is a prompt_tuning adapter: {VIRTUAL_TOKENS}, so merging does not apply" in text
+    assert "did not run the `merge` check" not in text

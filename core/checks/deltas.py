@@ -1,11 +1,18 @@
 """`deltas`: per adapted module, ΔW on the target (PEFT's own code, in the dtype PEFT computes
 the adapter in) against ΔW computed in float64 on the CPU from the checkpoint with the method's
-formula."""
+formula.
+
+A module the adapter saves whole (``modules_to_save``: a classifier head) replaces the base's: its
+new W is the saved tensor, not W + ΔW by a formula. Its rows (role ``modules_to_save``) compare the
+copy the target uses with the adapter file. Adapters with no ΔW (prompt learning: virtual tokens) or
+no formula here get a note and a row of the `deltas_findings` table.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+import pandas as pd
 import torch
 
 from core import formulas
@@ -17,6 +24,12 @@ from core.spec import ProbeSpec, Target
 
 # Methods whose ΔW depends on W itself (rotations, scalings, DoRA's norm).
 MULTIPLICATIVE = ("dora", "boft", "oft", "ia3")
+# Capture names of a saved module's tensors: this prefix, then the tensor's key in the adapter file.
+SAVED_PREFIX = formulas.SAVED_MODULE + ":"
+REPLACED = (
+    "modules_to_save: the adapter replaces this module whole, so its new W is the saved tensor, not W + ΔW "
+    "by a formula; compared with the adapter file"
+)
 
 
 class DeltasCheck(Check):
@@ -30,12 +43,25 @@ class DeltasCheck(Check):
         adapter = loaded.adapter.name
         config = read_adapter_config(loaded.adapter)
         kind = formulas.adapter_type(config)
+        meta = out.meta.setdefault(self.name, {})
         if kind not in formulas.ADAPTER_TYPES:
-            out.notes.append(
-                f"deltas: {adapter} is a {kind} adapter; its ΔW is not covered "
-                f"(supported: {', '.join(formulas.ADAPTER_TYPES)}); its weights and outputs are"
-            )
+            if kind in formulas.PROMPT_LEARNING:
+                finding = "does not apply"
+                why = (
+                    f"{adapter} is a {kind} adapter: {formulas.VIRTUAL_TOKENS}, so there is no ΔW; "
+                    "its virtual tokens (weights check) and outputs are compared"
+                )
+            else:
+                finding = "not covered"
+                why = (
+                    f"{adapter} is a {kind} adapter; its ΔW is not covered "
+                    f"(supported: {', '.join(formulas.ADAPTER_TYPES)}); its weights and outputs are"
+                )
+            meta.setdefault("findings", []).append({"adapter": adapter, "finding": finding, "detail": why})
+            out.notes.append(f"deltas: {why}")
+            self._capture_saved_modules(loaded, config, out)
             return
+        self._capture_saved_modules(loaded, config, out)
         sources: dict[str, str] = {}
         with torch.no_grad():
             for module, (layer, names) in formulas.adapted_modules(loaded.model).items():
@@ -47,7 +73,20 @@ class DeltasCheck(Check):
         resized = (
             [k.split(".lora_E")[0] for k in (config.get("rank_pattern") or {})] if kind == "adalora" else []
         )
-        out.meta.setdefault(self.name, {})[adapter] = {"kind": kind, "sources": sources, "resized": resized}
+        meta[adapter] = {"kind": kind, "sources": sources, "resized": resized}
+
+    def _capture_saved_modules(self, loaded: Loaded, config: dict, out: Capture) -> None:
+        """The target's copies of the modules the adapter saves whole, under `SAVED_PREFIX` + file key."""
+        from peft import get_peft_model_state_dict
+
+        names = formulas.saved_module_names(config)
+        if not names:
+            return
+        adapter = loaded.adapter.name
+        state = get_peft_model_state_dict(loaded.model, adapter_name=adapter)
+        for key, tensor in state.items():
+            if formulas.split_saved_module_key(key, names) is not None:
+                out.add(TensorKey(self.name, adapter, SAVED_PREFIX + key), tensor)
 
     def reference(
         self, spec: ProbeSpec, keys: list[TensorKey], reference_capture: Capture | None
@@ -59,7 +98,10 @@ class DeltasCheck(Check):
         return self._reference(spec, [key])
 
     def _reference(self, spec: ProbeSpec, keys: list[TensorKey]) -> Reference:
-        """The float64 ΔW of the modules `keys` name, reading only their base weights and adapter tensors."""
+        """The float64 ΔW of the modules `keys` name, reading only their base weights and adapter tensors;
+        for a saved module's tensor, the tensor as the adapter file holds it."""
+        saved = [k for k in keys if k.name.startswith(SAVED_PREFIX)]
+        keys = [k for k in keys if not k.name.startswith(SAVED_PREFIX)]
         base = {
             k: v.to(torch.float64)
             for k, v in read_checkpoint(spec.base.path, names={f"{k.name}.weight" for k in keys}).items()
@@ -67,6 +109,12 @@ class DeltasCheck(Check):
         tensors: dict[str, torch.Tensor] = {}
         notes: dict[str, str] = {}
         for adapter in spec.adapters:
+            wanted_saved = {k.name.removeprefix(SAVED_PREFIX): k for k in saved if k.adapter == adapter.name}
+            if wanted_saved:
+                file = read_checkpoint(adapter.path, prefix="adapter_model", names=set(wanted_saved))
+                for name, tensor in file.items():
+                    tensors[wanted_saved[name].encode()] = tensor
+                    notes[wanted_saved[name].encode()] = REPLACED
             wanted = [k for k in keys if k.adapter == adapter.name]
             if not wanted:
                 continue
@@ -76,7 +124,8 @@ class DeltasCheck(Check):
                 continue
             # The adapter's tensor names from its index; only those of the wanted modules are read.
             modules = formulas.adapter_module_keys(
-                dict.fromkeys(Checkpoint.open(adapter.path, prefix="adapter_model").names())
+                dict.fromkeys(Checkpoint.open(adapter.path, prefix="adapter_model").names()),
+                formulas.saved_module_names(config),
             )
             names = {t for k in wanted if k.name in modules for t in modules[k.name].keys.values()}
             if not names:
@@ -90,7 +139,23 @@ class DeltasCheck(Check):
         return Reference(label="fp64 formula", tensors=tensors, notes=notes)
 
     def describe(self, key: TensorKey) -> dict[str, Any]:
+        if key.name.startswith(SAVED_PREFIX):
+            # the key is the file's; the module path is what follows PEFT's prefix, up to the parameter
+            path = key.name.removeprefix(SAVED_PREFIX).removeprefix("base_model.").removeprefix("model.")
+            module = path.rsplit(".", 1)[0]
+            return {
+                "layer": layer_of(module),
+                "module": module.rsplit(".", 1)[-1],
+                "role": formulas.SAVED_MODULE,
+            }
         return {"layer": layer_of(key.name), "module": key.name.rsplit(".", 1)[-1], "role": "delta"}
+
+    def tables(self, spec: ProbeSpec, captures: list[Capture]) -> dict[str, pd.DataFrame]:
+        """`deltas_findings`: per target, the adapters this check has no ΔW for, and why."""
+        rows = [
+            {"target": c.target, **f} for c in captures for f in c.meta.get(self.name, {}).get("findings", [])
+        ]
+        return {"deltas_findings": pd.DataFrame(rows, columns=["target", "adapter", "finding", "detail"])}
 
     def rows(self, spec: ProbeSpec, capture: Capture, reference: Reference) -> list[dict[str, Any]]:
         rows = super().rows(spec, capture, reference)

@@ -17,6 +17,11 @@ loaded weights are cloned first and restored bit for bit (verified) before the n
 6. with several adapters (``spec.merge_subset``, else the run's first two plain LoRA adapters), on a
    fresh base: PEFT's default merge of one after another against all at once (one ``cat`` adapter).
 
+A module the adapter saves whole (``modules_to_save``: a classifier head) is not merged but replaced:
+``merge_and_unload`` puts the adapter's copy in place of the base's, so its `modules_to_save` rows
+compare the merged model's tensors with the adapter file (there is no W + ΔW for it). Prompt learning
+(virtual tokens) changes no weight: merge does not apply, said in a note and a finding row.
+
 Tensor names in the capture are ``<role>:<stage>:<name>`` (see `key_name`); every output stage is
 compared with the unmerged output on the same target and with the cpu/float64 capture's unmerged
 output (the exact model), and a second verdict (`peft_verdict`) applies PEFT's own test tolerance.
@@ -64,9 +69,13 @@ SUBSET_STAGE_TEXT: dict[str, str] = {
 }
 OUTPUT_STAGES = tuple(STAGES)
 SUBSET_STAGES = tuple(SUBSET_STAGE_TEXT)
-ROLES = ("merged", "roundtrip", "delta", "tied", "output")
+ROLES = ("merged", "roundtrip", "delta", "tied", formulas.SAVED_MODULE, "output")
 SUBSET_SEP = "+"
 UNTIE = "untie before merging"
+SAVED_NOTE = (
+    "modules_to_save: merge_and_unload puts the adapter's copy of this module in place of the base's "
+    "(replaced, not merged: no W + ΔW); compared with the adapter file"
+)
 # Up to this many ulps at the tensor's scale is what rounding a merge's sums and products leaves
 # (measured on the demo: LoRA 1.9 in float32; in bfloat16 0.63 by PEFT's default merge, 1.1 by
 # safe_merge, which rounds ΔW to bfloat16 before adding it; BOFT 2.8 in float32).
@@ -108,6 +117,11 @@ class MergeCheck(Check):
         with torch.no_grad():
             if kind in formulas.ADAPTER_TYPES:
                 self._capture_adapter(ctx, loaded, out, meta)
+            elif kind in formulas.PROMPT_LEARNING:  # said in a note and a finding row (`findings_table`)
+                meta["does_not_apply"] = (
+                    f"{adapter} is a {kind} adapter: {formulas.VIRTUAL_TOKENS}, so merging does not apply"
+                )
+                out.notes.append(f"merge: {meta['does_not_apply']}")
             else:  # said in a note and a finding row (`findings_table`)
                 meta["not_covered"] = (
                     f"{adapter} is a {kind} adapter; its merge rule is not covered "
@@ -179,9 +193,26 @@ class MergeCheck(Check):
             meta["merge_and_unload_error"] = merging.error_text(e)
             return
         output("merge_and_unload", merged)
+        self._saved_modules_stage(out, loaded, merged)
         if ctx.target == ctx.spec.reference:
             return  # the exact model's save round trip is nobody's question: saves a second model
         meta["save"] = self._save_round_trip(ctx, merged, adapter, out, output)
+
+    def _saved_modules_stage(self, out: Capture, loaded: Loaded, merged) -> None:
+        """The tensors of the modules the adapter saves whole, as ``merge_and_unload`` left them in the
+        merged model (the adapter's copies, in place of the base's), under their adapter-file keys."""
+        adapter = loaded.adapter.name
+        names = formulas.saved_module_names(read_adapter_config(loaded.adapter))
+        if not names:
+            return
+        params = merged.state_dict()
+        for key in Checkpoint.open(loaded.adapter.path, prefix="adapter_model").names():
+            saved = formulas.split_saved_module_key(key, names)
+            if saved is None:
+                continue
+            tensor = params.get(f"{saved[0]}.{saved[1]}")
+            if tensor is not None:  # one it lacks gets no row here: the weights check names it
+                self._add(out, adapter, formulas.SAVED_MODULE, "merge_and_unload", key, tensor)
 
     def _merged_stage(
         self, out: Capture, adapter: str, model, layers: dict, tied: list, stage: str, output
@@ -317,6 +348,13 @@ class MergeCheck(Check):
         tensors: dict[str, torch.Tensor] = {}
         notes: dict[str, str] = {}
         parsed = [(k, *parse_name(k.name)) for k in keys]
+        by_adapter = {a.name: a for a in spec.adapters}
+        for adapter in sorted({p[0].adapter for p in parsed if p[1] == formulas.SAVED_MODULE}):
+            saved = {p[3]: p[0] for p in parsed if p[1] == formulas.SAVED_MODULE and p[0].adapter == adapter}
+            file = read_checkpoint(by_adapter[adapter].path, prefix="adapter_model", names=set(saved))
+            for name, tensor in file.items():
+                tensors[saved[name].encode()] = tensor
+                notes[saved[name].encode()] = SAVED_NOTE
         weight_keys = [p for p in parsed if p[1] in ("merged", "delta", "tied")]
         if weight_keys:
             # the adapted modules' base weights and the embedding a tied head shares, never the whole base
@@ -396,6 +434,14 @@ class MergeCheck(Check):
         role, stage, name = parse_name(key.name)
         if role == "output":
             return {"layer": None, "module": name, "role": "output", "stage": stage}
+        if role == formulas.SAVED_MODULE:  # `name` is the adapter file's key: module path, then parameter
+            module = name.rsplit(".", 1)[0]
+            return {
+                "layer": layer_of(module),
+                "module": module.rsplit(".", 1)[-1],
+                "role": role,
+                "stage": stage,
+            }
         return {"layer": layer_of(name), "module": name.rsplit(".", 1)[-1], "role": role, "stage": stage}
 
     def rows(self, spec: ProbeSpec, capture: Capture, reference: Reference) -> list[dict[str, Any]]:
@@ -411,9 +457,11 @@ class MergeCheck(Check):
             info = adapters_meta.get(key.adapter, {})
             kind = info.get("kind", "lora")
             tensor = capture.get(key)
-            if role in ("merged", "delta", "tied"):
+            if role in ("merged", "delta", "tied", formulas.SAVED_MODULE):
                 ref = reference.tensors.get(key.encode())
-                label = "fp64 formula" if role != "tied" else "base weight (checkpoint)"
+                label = {"tied": "base weight (checkpoint)", formulas.SAVED_MODULE: "checkpoint"}.get(
+                    role, "fp64 formula"
+                )
                 row = self._row(
                     spec, capture, key, tensor, ref, label, reference.notes.get(key.encode(), ""), dtype
                 )
@@ -692,16 +740,17 @@ def findings_table(captures: list[Capture]) -> pd.DataFrame:
     for c in captures:
         merge_meta = c.meta.get("merge", {})
         for adapter, info in merge_meta.get("adapters", {}).items():
-            if info.get("not_covered"):
-                rows.append(
-                    {
-                        "target": c.target,
-                        "adapter": adapter,
-                        "finding": "not covered",
-                        "module": "",
-                        "detail": info["not_covered"],
-                    }
-                )
+            for field, finding in (("not_covered", "not covered"), ("does_not_apply", "does not apply")):
+                if info.get(field):
+                    rows.append(
+                        {
+                            "target": c.target,
+                            "adapter": adapter,
+                            "finding": finding,
+                            "module": "",
+                            "detail": info[field],
+                        }
+                    )
             for f in info.get("tied", []):
                 rows.append(
                     {

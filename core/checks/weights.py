@@ -11,7 +11,7 @@ import torch
 from core.capture import BASE, Capture, TensorKey
 from core.checkpoint import Checkpoint, CheckpointError
 from core.checks.base import CaptureContext, Check, Reference, add_note, layer_of, missing_reference_row
-from core.formulas import split_adapter_key
+from core.formulas import PROMPT_KEY, SAVED_MODULE, split_adapter_key, split_saved_module_key
 from core.loading import Loaded, read_checkpoint
 from core.spec import ProbeSpec
 
@@ -27,9 +27,15 @@ class WeightsCheck(Check):
         else:
             from peft import get_peft_model_state_dict
 
-            state = get_peft_model_state_dict(loaded.model, adapter_name=loaded.adapter.name)
+            adapter = loaded.adapter.name
+            state = get_peft_model_state_dict(loaded.model, adapter_name=adapter)
             for name, tensor in state.items():
-                out.add(TensorKey(self.name, loaded.adapter.name, name), tensor)
+                out.add(TensorKey(self.name, adapter, name), tensor)
+            # The modules it saves whole (a classifier head): their rows get their own role (`rows`).
+            saved = getattr(loaded.model.peft_config[adapter], "modules_to_save", None) or []
+            out.meta.setdefault(self.name, {}).setdefault("saved_modules", {})[adapter] = list(
+                dict.fromkeys(saved)
+            )
 
     def _capture_base(self, path: str, model: torch.nn.Module, out: Capture) -> None:
         """The state dict (tied tensors once), plus the non-persistent buffers the checkpoint holds.
@@ -100,7 +106,11 @@ class WeightsCheck(Check):
         tied = meta.get("tied", {})
         buffers = set(meta.get("buffers", []))
         unused = meta.get("unused", {})
+        saved_modules = meta.get("saved_modules", {})
         for row in rows:
+            saved = split_saved_module_key(row["tensor"], saved_modules.get(row["adapter"]) or [])
+            if row["adapter"] is not None and saved is not None:
+                self._saved_module_labels(row, saved)
             if row["adapter"] is None:
                 partners = [k for k, v in tied.items() if v == row["tensor"]]
                 if partners:
@@ -133,15 +143,29 @@ class WeightsCheck(Check):
             if key.adapter == BASE and key.name in unused:
                 rows.append(self._unused_row(key, shape, capture, label, meta))
             else:
-                rows.append(
-                    {
-                        **self.row_labels(key, capture.target, label),
-                        "dtype": None,
-                        **missing_reference_row(shape),
-                        "explanation": "key mismatch: in the checkpoint but not loaded on the target",
-                    }
-                )
+                row = {
+                    **self.row_labels(key, capture.target, label),
+                    "dtype": None,
+                    **missing_reference_row(shape),
+                    "explanation": "key mismatch: in the checkpoint but not loaded on the target",
+                }
+                saved = split_saved_module_key(key.name, saved_modules.get(key.adapter) or [])
+                if saved is not None:
+                    self._saved_module_labels(row, saved)
+                rows.append(row)
         return rows
+
+    @staticmethod
+    def _saved_module_labels(row: dict[str, Any], saved: tuple[str, str]) -> None:
+        """Label a tensor of a module the adapter saves whole (``modules_to_save``) as such.
+
+        `saved` is (saved module path, parameter path within it). `describe` sees the key alone, which
+        does not say it (PEFT strips the wrapper's part from the key); the adapter's config does, and
+        the capture keeps its list. `module` is the tensor's own module, as on every other row.
+        """
+        module_path = f"{saved[0]}.{saved[1]}".rsplit(".", 1)[0]
+        row.update(layer=layer_of(module_path), module=module_path.rsplit(".", 1)[-1], role=SAVED_MODULE)
+        add_note(row, f"modules_to_save: the adapter's own copy of {saved[0]}, which replaces the base's")
 
     def _unused_row(
         self, key: TensorKey, shape: tuple[int, ...], capture: Capture, reference: Reference, meta: dict
@@ -173,8 +197,11 @@ class WeightsCheck(Check):
             module_path = key.name.rsplit(".", 1)[0]
             role = "base"
         else:
+            if key.name == PROMPT_KEY:  # prompt learning's virtual tokens: no module path
+                return {"layer": None, "module": "prompt_encoder", "role": PROMPT_KEY}
             split = split_adapter_key(key.name)
-            if split is None:  # a method formulas does not know (LoHa, VeRA, …): last part names the role
-                split = key.name.removeprefix("base_model.model.").removesuffix(".weight").rsplit(".", 1)
+            if split is None:  # a method formulas does not know (HRA, …): last part names the role
+                path = key.name.removeprefix("base_model.model.").removesuffix(".weight")
+                split = tuple(path.rsplit(".", 1)) if "." in path else (path, path)
             module_path, role = split[0], split[1].split(".")[0]
         return {"layer": layer_of(module_path), "module": module_path.rsplit(".", 1)[-1], "role": role}

@@ -35,13 +35,15 @@ scenario_buttons("merge")
 record = finished_run("merge")
 table = metrics_table(record)
 rows = table[table["check"] == "merge"] if len(table) else table
-# An adapter whose merge rule the check does not cover has no rows to pick: said first, once per adapter.
+# An adapter whose merge rule the check does not cover, or that merging does not apply to (prompt
+# learning), has no rows to pick: said first, once per adapter.
+NO_MERGE = {"not covered": "Merge not covered", "does not apply": "Merge does not apply"}
 all_findings = run_table(record, "merge_findings")
-not_covered = all_findings[all_findings["finding"] == "not covered"] if len(all_findings) else all_findings
-for detail in dict.fromkeys(not_covered["detail"] if len(not_covered) else []):
-    st.info(f"**Merge not covered**: {literal(detail)}", icon=":material/block:")
+no_merge = all_findings[all_findings["finding"].isin(list(NO_MERGE))] if len(all_findings) else all_findings
+for finding, detail in dict.fromkeys(zip(no_merge["finding"], no_merge["detail"], strict=True)):
+    st.info(f"**{NO_MERGE[finding]}**: {literal(detail)}", icon=":material/block:")
 if rows.empty:
-    if not len(not_covered):
+    if not len(no_merge):
         st.info("This run did not run the `merge` check (CLI: `--check merge`).")
     st.stop()
 rows, legacy = relabel_legacy(rows)
