@@ -26,6 +26,9 @@ from core.spec import ProbeSpec, Target
 MULTIPLICATIVE = ("dora", "boft", "oft", "ia3")
 # Capture names of a saved module's tensors: this prefix, then the tensor's key in the adapter file.
 SAVED_PREFIX = formulas.SAVED_MODULE + ":"
+# The deltas meta is keyed by adapter name; the findings sit beside under a key no adapter name can be
+# (a colon is not allowed in one: `core.spec`).
+FINDINGS = ":findings"
 REPLACED = (
     "modules_to_save: the adapter replaces this module whole, so its new W is the saved tensor, not W + ΔW "
     "by a formula; compared with the adapter file"
@@ -57,7 +60,7 @@ class DeltasCheck(Check):
                     f"{adapter} is a {kind} adapter; its ΔW is not covered "
                     f"(supported: {', '.join(formulas.ADAPTER_TYPES)}); its weights and outputs are"
                 )
-            meta.setdefault("findings", []).append({"adapter": adapter, "finding": finding, "detail": why})
+            meta.setdefault(FINDINGS, []).append({"adapter": adapter, "finding": finding, "detail": why})
             out.notes.append(f"deltas: {why}")
             self._capture_saved_modules(loaded, config, out)
             return
@@ -153,7 +156,7 @@ class DeltasCheck(Check):
     def tables(self, spec: ProbeSpec, captures: list[Capture]) -> dict[str, pd.DataFrame]:
         """`deltas_findings`: per target, the adapters this check has no ΔW for, and why."""
         rows = [
-            {"target": c.target, **f} for c in captures for f in c.meta.get(self.name, {}).get("findings", [])
+            {"target": c.target, **f} for c in captures for f in c.meta.get(self.name, {}).get(FINDINGS, [])
         ]
         return {"deltas_findings": pd.DataFrame(rows, columns=["target", "adapter", "finding", "detail"])}
 
