@@ -31,7 +31,17 @@ HEAD = [
 ]
 LORA_MODULES = [f"roberta.encoder.layer.{i}.attention.self.{m}" for i in range(2) for m in ("query", "value")]
 # Adapter names PEFT does not warn about (it refuses names inside its prefixes, e.g. "prefix_tuning_").
-PROMPT_ADAPTERS = {"soft": "prompt_tuning", "pfx": "prefix_tuning", "penc": "p_tuning"}
+PROMPT_ADAPTERS = {
+    "soft": "prompt_tuning",
+    "pfx": "prefix_tuning",
+    "penc": "p_tuning",
+    "soft_cls": "prompt_tuning",
+    "pfx_cls": "prefix_tuning",
+}
+# The prompt-learning adapters on the classifier: PEFT saves its head beside the virtual tokens.
+CLS_PROMPT = ("penc", "soft_cls", "pfx_cls")
+# (run, adapter) of every prompt-learning adapter: GPT-2's and the classifier's.
+PROMPT_CASES = [("gpt2", "soft"), ("gpt2", "pfx"), *(("roberta_cls", a) for a in CLS_PROMPT)]
 
 
 def _configs() -> dict[str, tuple[str, object]]:
@@ -56,6 +66,8 @@ def _configs() -> dict[str, tuple[str, object]]:
         ),
         "soft": ("gpt2", PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)),
         "pfx": ("gpt2", PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)),
+        "soft_cls": ("roberta_cls", PromptTuningConfig(task_type="SEQ_CLS", num_virtual_tokens=4)),
+        "pfx_cls": ("roberta_cls", PrefixTuningConfig(task_type="SEQ_CLS", num_virtual_tokens=4)),
     }
 
 
@@ -116,13 +128,13 @@ def _spec(workspace: dict[str, Path], base: str, adapters: list[str], checks: tu
 
 @pytest.fixture(scope="module")
 def runs(workspace: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunRecord]:
-    """weights, deltas, merge and outputs on cpu/float32: the classifier with its LoRA and P-tuning;
-    GPT-2 with prompt tuning and prefix tuning."""
+    """weights, deltas, merge and outputs on cpu/float32: the classifier with its LoRA, P-tuning, prompt
+    tuning and prefix tuning; GPT-2 with prompt tuning and prefix tuning."""
     engine = Engine(tmp_path_factory.mktemp("as-saved-home"), runner=InProcessRunner())
     checks = ("weights", "deltas", "merge", "outputs")
     out = {}
     for name, (base, adapters) in {
-        "roberta_cls": ("roberta_cls", ["cls_lora", "penc"]),
+        "roberta_cls": ("roberta_cls", ["cls_lora", *CLS_PROMPT]),
         "gpt2": ("gpt2", ["soft", "pfx"]),
     }.items():
         job = engine.submit(_spec(workspace, base, adapters, checks))
@@ -143,7 +155,8 @@ def test_the_adapters_are_what_the_tests_claim(workspace: dict[str, Path]) -> No
     keys = {name: sorted(load_file(workspace[name] / "adapter_model.safetensors")) for name in _configs()}
     lora = [f"base_model.model.{m}.lora_{ab}.weight" for m in LORA_MODULES for ab in "AB"]
     assert keys["cls_lora"] == sorted([f"base_model.model.{k}" for k in HEAD] + lora)
-    assert keys["penc"] == sorted([f"base_model.{k}" for k in HEAD] + [formulas.PROMPT_KEY])
+    for name in CLS_PROMPT:
+        assert keys[name] == sorted([f"base_model.{k}" for k in HEAD] + [formulas.PROMPT_KEY]), name
     assert keys["soft"] == keys["pfx"] == [formulas.PROMPT_KEY]
 
 
@@ -158,7 +171,7 @@ def test_modules_to_save_head_loads_as_saved_in_its_own_role(runs: dict[str, Run
     assert _rows(run, "weights", "cls_lora") == sorted(head + lora)
     table = run.metrics()
     notes = table[(table.check == "weights") & (table.role == formulas.SAVED_MODULE)].note
-    assert len(notes) == 8  # cls_lora's head and penc's
+    assert len(notes) == len(HEAD) * (1 + len(CLS_PROMPT))  # cls_lora's head and the prompt adapters'
     assert set(notes) == {"modules_to_save: the adapter's own copy of classifier, which replaces the base's"}
 
 
@@ -194,23 +207,23 @@ def test_modules_to_save_merge_puts_the_saved_head_in_place(runs: dict[str, RunR
     assert set(merged.verdict) == {"within tolerance"}
 
 
-@pytest.mark.parametrize(("run", "adapter"), [("gpt2", "soft"), ("gpt2", "pfx"), ("roberta_cls", "penc")])
+@pytest.mark.parametrize(("run", "adapter"), PROMPT_CASES)
 def test_prompt_learning_virtual_tokens_and_outputs_are_compared(
     runs: dict[str, RunRecord], run: str, adapter: str
 ) -> None:
     weights = _rows(runs[run], "weights", adapter)
     tokens = (formulas.PROMPT_KEY, "prompt_encoder", formulas.PROMPT_KEY, "identical")
     head = [(f"base_model.{k}", k.split(".")[1], formulas.SAVED_MODULE, "identical") for k in HEAD]
-    assert weights == sorted([tokens] + (head if adapter == "penc" else []))
+    assert weights == sorted([tokens] + (head if adapter in CLS_PROMPT else []))
     assert _rows(runs[run], "outputs", adapter) == [("logits", "logits", "output", "within tolerance")]
 
 
-@pytest.mark.parametrize(("run", "adapter"), [("gpt2", "soft"), ("gpt2", "pfx"), ("roberta_cls", "penc")])
+@pytest.mark.parametrize(("run", "adapter"), PROMPT_CASES)
 def test_prompt_learning_deltas_and_merge_say_they_do_not_apply(
     runs: dict[str, RunRecord], run: str, adapter: str
 ) -> None:
     """No ΔW and nothing merged: a note and a finding row each, in the same sentence; no merge row.
-    P-tuning's saved head still gets its deltas rows (the target's copy against the file)."""
+    A classifier's saved head still gets its deltas rows (the target's copy against the file)."""
     record = runs[run]
     kind = PROMPT_ADAPTERS[adapter]
     tables = {check: record.table(f"{check}_findings") for check in ("deltas", "merge")}
@@ -228,8 +241,8 @@ def test_prompt_learning_deltas_and_merge_say_they_do_not_apply(
         assert f"{check}: {why}" in record.notes()
     assert _rows(record, "merge", adapter) == []
     deltas = _rows(record, "deltas", adapter)
-    assert {r[2] for r in deltas} == ({formulas.SAVED_MODULE} if adapter == "penc" else set())
-    assert len(deltas) == (len(HEAD) if adapter == "penc" else 0)
+    assert {r[2] for r in deltas} == ({formulas.SAVED_MODULE} if adapter in CLS_PROMPT else set())
+    assert len(deltas) == (len(HEAD) if adapter in CLS_PROMPT else 0)
 
 
 @pytest.mark.parametrize(("base", "adapter"), [("roberta_cls", "cls_lora"), ("gpt2", "soft")])
