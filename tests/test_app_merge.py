@@ -213,3 +213,62 @@ def test_merge_page_says_merging_does_not_apply_to_prompt_tuning(prompt_home, mo
     assert text.count("Merge does not apply") == 1
     assert f"soft is a prompt_tuning adapter: {VIRTUAL_TOKENS}, so merging does not apply" in text
     assert "did not run the `merge` check" not in text
+
+
+@pytest.fixture(scope="module")
+def saved_head_home(tmp_path_factory):
+    """A tiny RoBERTa sequence classifier with a SEQ_CLS LoRA (PEFT saves the classifier head whole in
+    the adapter: modules_to_save), in a merge run."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import RobertaConfig, RobertaForSequenceClassification
+
+    from core.spec import AdapterRef, ModelRef, ProbeSpec, Target
+
+    home = tmp_path_factory.mktemp("saved-head-app")
+    torch.manual_seed(0)
+    config = RobertaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        max_position_embeddings=40,
+        num_labels=3,
+    )
+    RobertaForSequenceClassification(config).save_pretrained(home / "roberta_cls")
+    lora = LoraConfig(task_type="SEQ_CLS", r=2, target_modules=["query"], init_lora_weights=False)
+    model = get_peft_model(RobertaForSequenceClassification.from_pretrained(home / "roberta_cls"), lora)
+    model.save_pretrained(home / "cls_lora")
+    spec = ProbeSpec(
+        base=ModelRef(path=str(home / "roberta_cls")),
+        adapters=(AdapterRef(path=str(home / "cls_lora"), name="cls_lora"),),
+        targets=(Target.parse("cpu/float32"),),
+        checks=("merge",),
+    )
+    job = Engine(home, runner=InProcessRunner()).submit(spec)
+    assert job.wait(300) and job.state == "succeeded", job.error
+    return home, job.run_id
+
+
+def test_merge_page_lists_the_saved_head_as_replaced(saved_head_home, monkeypatch):
+    home, run = saved_head_home
+    at = make_app(home, monkeypatch, run=run)
+    at.switch_page("views/merge.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    markdown = [shown(m) for m in at.markdown]
+    title = (
+        "**The modules the adapter saves whole (modules_to_save), as merge_and_unload() puts them in place of "
+        "the base's, against the adapter file: replaced, not merged**"
+    )
+    assert title in markdown
+    # the table under it lists the head's four tensors, identical to the file
+    head = {
+        f"modules_to_save:merge_and_unload:base_model.model.classifier.{m}.{p}"
+        for m in ("dense", "out_proj")
+        for p in ("weight", "bias")
+    }
+    tables = [t.value for t in at.dataframe if "tensor" in t.value.columns]
+    saved = [t for t in tables if set(t["tensor"]) == head]
+    assert len(saved) == 1, [list(t["tensor"]) for t in tables]
+    assert set(saved[0]["verdict"]) == {"identical"}

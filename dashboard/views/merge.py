@@ -185,6 +185,11 @@ with st.expander("Worst modules, PEFT ΔW against the float64 formula, unmerge r
             "W after merge_adapter() + unmerge_adapter() (PEFT's default path) against W before: the round "
             "trip residual",
         ),
+        (
+            "modules_to_save",
+            "The modules the adapter saves whole (modules_to_save), as merge_and_unload() puts them in place "
+            "of the base's, against the adapter file: replaced, not merged",
+        ),
     ):
         part = weight_rows(mine, role=role)
         if len(part):
