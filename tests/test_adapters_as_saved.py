@@ -60,6 +60,13 @@ def _configs() -> dict[str, tuple[str, object]]:
                 init_lora_weights=False,
             ),
         ),
+        # a second head on the same base: PEFT activates one saved copy of a module at a time
+        "cls_lora2": (
+            "roberta_cls",
+            LoraConfig(
+                task_type="SEQ_CLS", r=2, lora_alpha=4, target_modules=["query"], init_lora_weights=False
+            ),
+        ),
         "penc": (
             "roberta_cls",
             PromptEncoderConfig(task_type="SEQ_CLS", num_virtual_tokens=4, encoder_hidden_size=16),
@@ -115,9 +122,13 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return folders
 
 
-def _spec(workspace: dict[str, Path], base: str, adapters: list[str], checks: tuple[str, ...]) -> ProbeSpec:
+def _spec(
+    workspace: dict[str, Path], base: str, adapters: list[str], checks: tuple[str, ...], **fields
+) -> ProbeSpec:
+    """`checks` on cpu/float32 with fixed probe ids; `fields`: further ProbeSpec fields (merge_subset)."""
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(5))
     return ProbeSpec(
+        **fields,
         base=ModelRef(path=str(workspace[base])),
         adapters=tuple(AdapterRef(path=str(workspace[a]), name=a) for a in adapters),
         targets=(Target.parse(TARGET),),
@@ -296,3 +307,43 @@ def test_adapter_module_keys_leave_out_saved_modules_only() -> None:
         ValueError, match=r"no lora/.* parameter: base_model\.model\.classifier\.dense\.weight"
     ):
         formulas.adapter_module_keys(keys)
+
+
+SAVES = "saves classifier, score whole (modules_to_save), and PEFT activates one saved copy at a time"
+
+
+@pytest.mark.parametrize(
+    ("subset", "detail"),
+    [
+        (
+            (),
+            "merge subset: fewer than two plain LoRA adapters in the run, nothing merged together; "
+            f"left out: cls_lora ({SAVES}), cls_lora2 ({SAVES})",
+        ),
+        (
+            ("cls_lora", "cls_lora2"),
+            "merge subset: only plain LoRA adapters can share one PeftModel and be combined into one adapter "
+            f"here; not cls_lora ({SAVES}), cls_lora2 ({SAVES})",
+        ),
+    ],
+    ids=["default", "named"],
+)
+def test_loras_with_saved_heads_are_not_merged_together_and_say_why(
+    workspace: dict[str, Path], tmp_path: Path, subset: tuple[str, ...], detail: str
+) -> None:
+    """Merging several adapters activates them all at once, which PEFT refuses for two saved copies of
+    one module (it used to fail the whole run): each adapter's own merge runs; the subset says why not."""
+    engine = Engine(tmp_path, runner=InProcessRunner())
+    spec = _spec(workspace, "roberta_cls", ["cls_lora", "cls_lora2"], ("merge",), merge_subset=subset)
+    job = engine.submit(spec)
+    assert job.wait(300) and job.state == "succeeded", job.error
+    run = engine.store.open(job.run_id)
+    findings = run.table("merge_findings")
+    assert list(zip(findings.target, findings.adapter, findings.finding, findings.detail, strict=True)) == [
+        (TARGET, "", "subset", detail)
+    ]
+    table = run.metrics()
+    saved = table[table.role == formulas.SAVED_MODULE]
+    assert sorted(zip(saved.adapter, saved.verdict, strict=True)) == sorted(
+        (a, "identical") for a in ("cls_lora", "cls_lora2") for _ in HEAD
+    )

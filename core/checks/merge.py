@@ -97,6 +97,25 @@ def _subset_label(names: list[str] | tuple[str, ...]) -> str:
     return SUBSET_SEP.join(names)
 
 
+def _not_for_subset(adapter: AdapterRef) -> str:
+    """Why `adapter` cannot be merged together with others here, in words; "" when it can.
+
+    A plain LoRA only: the others have no `cat` combination. A LoRA that saves modules whole
+    (modules_to_save, a classifier head) neither: all adapters of the subset are active at once, and
+    PEFT keeps one saved copy of a module active at a time (it refuses to activate several).
+    """
+    config = read_adapter_config(adapter)
+    kind = formulas.adapter_type(config)
+    if kind != "lora":
+        return kind
+    saved = formulas.saved_module_names(config)
+    if saved:
+        return (
+            f"saves {', '.join(saved)} whole (modules_to_save), and PEFT activates one saved copy at a time"
+        )
+    return ""
+
+
 class MergeCheck(Check):
     name = "merge"
     description = "merged weights vs W + ΔW in float64, merged vs unmerged outputs, save round trip"
@@ -275,18 +294,29 @@ class MergeCheck(Check):
             if unknown:
                 return [], f"merge subset names adapters not in the run: {', '.join(unknown)}"
             chosen = [by_name[n] for n in spec.merge_subset]
-            kinds = {a.name: formulas.adapter_type(read_adapter_config(a)) for a in chosen}
-            bad = [f"{n} ({k})" for n, k in kinds.items() if k != "lora"]
+            bad = [f"{a.name} ({why})" for a in chosen if (why := _not_for_subset(a))]
             if bad:
                 return [], (
                     "merge subset: only plain LoRA adapters can share one PeftModel and be combined "
                     f"into one adapter here; not {', '.join(bad)}"
                 )
-        else:
-            # Default: the run's first two plain LoRA adapters (name others with merge_subset).
-            chosen = [a for a in spec.adapters if formulas.adapter_type(read_adapter_config(a)) == "lora"][:2]
+            if len(chosen) < 2:  # `validate_merge_subset` refuses this up front; a stored spec may hold it
+                return (
+                    [],
+                    "merge subset: fewer than two plain LoRA adapters in the run, nothing merged together",
+                )
+            return chosen, ""
+        # Default: the run's first two plain LoRA adapters (name others with merge_subset).
+        why = {a.name: _not_for_subset(a) for a in spec.adapters}
+        chosen = [a for a in spec.adapters if not why[a.name]][:2]
         if len(chosen) < 2:
-            return [], "merge subset: fewer than two plain LoRA adapters in the run, nothing merged together"
+            # LoRAs left out for their saved modules are named: the user may expect them merged together
+            saving = [f"{n} ({w})" for n, w in why.items() if w.startswith("saves")]
+            return (
+                [],
+                "merge subset: fewer than two plain LoRA adapters in the run, nothing merged together"
+                + (f"; left out: {', '.join(saving)}" if saving else ""),
+            )
         return chosen, ""
 
     def _capture_subset(self, ctx: CaptureContext, out: Capture) -> None:
