@@ -28,7 +28,7 @@ import torch
 
 from core.checkpoint import Checkpoint
 
-__all__ = ["KeyConversion", "for_folder", "remember"]
+__all__ = ["KeyConversion", "for_folder", "read_loaded", "remember"]
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class KeyConversion:
 
     def loaded_shapes(self) -> dict[str, tuple[int, ...]]:
         """Loaded name → shape, for every loaded tensor the checkpoint provides (names as the model has them)."""
-        return {name: self._shapes[name] for name in self._groups}
+        return {name: self._shapes[name] for name in self._groups if name in self._shapes}
 
     @classmethod
     def of(cls, model: torch.nn.Module, names: Iterable[str]) -> KeyConversion:
@@ -107,6 +107,11 @@ class KeyConversion:
                 group = sorted(group, key=lambda member: order[member[1]])  # stable: load order within
             groups.append(_Group(first, tuple(group), converter, targets))
         return cls(groups, getattr(model, "config", None), shapes)
+
+    @classmethod
+    def identity(cls, names: Iterable[str]) -> KeyConversion:
+        """No conversion: every checkpoint key is loaded under its own name (shapes unknown: left out)."""
+        return cls([_Group(n, ((n, None),), None, (n,)) for n in names], None, {})
 
     def sources(self, name: str) -> tuple[str, ...]:
         """The checkpoint keys the loaded tensor `name` is built from; () when the file has none for it."""
@@ -175,7 +180,12 @@ def for_folder(folder: str | Path, checkpoint: Checkpoint) -> KeyConversion:
         known = _known.get(key)
     if known is not None:
         return known
-    conversion = KeyConversion.of(_meta_model(str(folder)), key[1])
+    try:
+        conversion = KeyConversion.of(_meta_model(str(folder)), key[1])
+    except Exception:  # any reason transformers cannot build it here
+        # An architecture this transformers does not know, or remote code (whose keys transformers does
+        # not convert either): the file's names are the loaded ones.
+        conversion = KeyConversion.identity(key[1])
     with _lock:
         _known[key] = conversion
     return conversion
@@ -193,3 +203,11 @@ def _meta_model(folder: str) -> torch.nn.Module:
         if hasattr(cls, "from_config"):  # an Auto class
             return cls.from_config(config)
         return cls(config)
+
+
+def read_loaded(folder: str | Path, names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """The base checkpoint's tensors for the loaded names `names` (those it provides), as transformers
+    builds them on load; CheckpointError naming the file when it is missing or corrupt."""
+    checkpoint = Checkpoint.open(folder)
+    conversion = for_folder(folder, checkpoint)
+    return {name: conversion.read(checkpoint, name) for name in names if conversion.sources(name)}

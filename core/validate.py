@@ -110,10 +110,8 @@ def loaded_shapes(folder: Path, file_shapes: dict[str, tuple[int, ...]]) -> dict
     from core.checkpoint import Checkpoint
     from core.conversion import for_folder
 
-    try:
-        return for_folder(folder, Checkpoint.open(folder)).loaded_shapes()
-    except Exception:  # any failure to build the model: the worker reports it with its reason on load
-        return file_shapes
+    shapes = for_folder(folder, Checkpoint.open(folder)).loaded_shapes()
+    return shapes or file_shapes  # none: no model was built (the identity conversion knows no shapes)
 
 
 def validate_model(model: ModelRef) -> dict[str, tuple[int, ...]] | None:

@@ -240,3 +240,36 @@ def test_vit_base_weights_are_identical(tiny_vit):
     assert rows["vit.layers.1.attention.q_proj.weight"]["note"] == (
         "renamed on load from the checkpoint's vit.encoder.layer.1.attention.attention.query.weight"
     )
+
+
+def test_adapters_check_reads_base_weights_under_their_loaded_names(tmp_path):
+    """The adapters check compares base weights after loading adapters with the file, by loaded name."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    from core.checks.adapters import BASE_WEIGHT
+
+    torch.manual_seed(5)
+    config = GPTNeoXConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        tie_word_embeddings=False,
+    )
+    GPTNeoXForCausalLM(config).save_pretrained(tmp_path)
+    spec = ProbeSpec(base=ModelRef(str(tmp_path)), adapters=(), targets=(Target.parse("cpu/float32"),))
+    key = TensorKey("adapters", "lora", BASE_WEIGHT + "lm_head.weight")
+    reference = CHECKS["adapters"].reference(spec, [key], None)
+    assert torch.equal(reference.tensors[key.encode()], Checkpoint.open(tmp_path).read("embed_out.weight"))
+
+
+def test_a_model_transformers_cannot_build_keeps_the_file_names(tmp_path):
+    from safetensors.torch import save_file
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
+    save_file({"encoder.LayerNorm.gamma": torch.ones(2)}, str(tmp_path / "model.safetensors"))
+    assert validate_model(ModelRef(str(tmp_path))) == {"encoder.LayerNorm.gamma": (2,)}
+    found = conversion.for_folder(tmp_path, Checkpoint.open(tmp_path))
+    assert found.sources("encoder.LayerNorm.gamma") == ("encoder.LayerNorm.gamma",)
+    assert found.converted() == {}
