@@ -36,7 +36,8 @@ class _Group:
     """The file tensors the loader gathers under one loaded name, and the converter (if any) it runs on them."""
 
     first: str  # the loaded name the loader keys the group by (a converter's first target)
-    members: tuple[tuple[str, str | None], ...]  # (file key, converter source pattern or None), in load order
+    # (file key, converter source pattern or None): in load order, grouped by pattern for a converter
+    members: tuple[tuple[str, str | None], ...]
     converter: Any  # a transformers WeightConverter, or None for a plain renaming
     targets: tuple[str, ...]  # every loaded name the group produces (several where a converter splits)
 
