@@ -99,6 +99,21 @@ def weight_shapes(folder: Path, prefix: str = "") -> dict[str, tuple[int, ...]]:
     return {name: checkpoint.info(name).shape for name in checkpoint.names()}
 
 
+def loaded_shapes(folder: Path, file_shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The base's tensors under the names the loaded model gives them (`core.conversion`), with its shapes.
+
+    transformers renames and fuses checkpoint keys on load (ViT's `encoder.layer.0.attention.attention.query`
+    is the model's `layers.0.attention.q_proj`), and PEFT names an adapter's modules as the loaded model has
+    them. Worked out from a model built on the meta device from the config (no weights read); where
+    transformers cannot build one here (an architecture it does not know, remote code), the file's own names.
+    """
+    from core.checkpoint import Checkpoint
+    from core.conversion import for_folder
+
+    shapes = for_folder(folder, Checkpoint.open(folder)).loaded_shapes()
+    return shapes or file_shapes  # none: no model was built (the identity conversion knows no shapes)
+
+
 def validate_model(model: ModelRef) -> dict[str, tuple[int, ...]] | None:
     """A local base model folder must exist, have config.json and intact weights."""
     path = Path(model.path).expanduser()
@@ -113,7 +128,7 @@ def validate_model(model: ModelRef) -> dict[str, tuple[int, ...]] | None:
     config = read_json_object(
         path / "config.json", f"base model {model.path}", "the model's settings, as transformers saves them"
     )
-    shapes = weight_shapes(path)
+    shapes = loaded_shapes(path, weight_shapes(path))
     if shapes is not None and "lm_head.weight" not in shapes and config.get("tie_word_embeddings", True):
         # A tied output head is stored once, as the input embedding; adapters may still target it.
         embedding = next((k for k in shapes if k.endswith(TIED_EMBEDDING_NAMES)), None)

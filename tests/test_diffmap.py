@@ -248,20 +248,20 @@ def test_as_2d():
 
 def test_weights_drilldown_reads_only_the_one_tensor_from_the_checkpoint(run, monkeypatch):
     """A drill-down must not load the whole checkpoint (GBs for a real base)."""
-    import core.loading
+    from core.checkpoint import Checkpoint
 
     record, table = run
     row = table[(table["check"] == "weights") & table["adapter"].isna()].iloc[0]
     calls = []
-    real = core.loading.read_checkpoint
+    real = Checkpoint.read
 
-    def spy(folder, prefix="", names=None):
-        calls.append(names)
-        return real(folder, prefix=prefix, names=names)
+    def spy(checkpoint, name):
+        calls.append(name)
+        return real(checkpoint, name)
 
-    monkeypatch.setattr("core.checks.weights.read_checkpoint", spy)
+    monkeypatch.setattr(Checkpoint, "read", spy)
     d = element_diff(record, "weights", row["target"], None, row["tensor"])
-    assert calls == [{row["tensor"]}]
+    assert calls == [row["tensor"]]
     assert float(np.abs(d.diff).max()) == row["max_abs"]
 
 

@@ -34,6 +34,7 @@ import torch
 
 from core import consistency, metrics
 from core.capture import BASE, Capture, TensorKey
+from core.checkpoint import CheckpointError
 from core.checks.base import (
     CaptureContext,
     Check,
@@ -44,7 +45,8 @@ from core.checks.base import (
     tolerance,
 )
 from core.checks.outputs import forward_output
-from core.loading import STRATEGIES, LoadError, read_adapter_config, read_checkpoint
+from core.conversion import read_loaded
+from core.loading import STRATEGIES, LoadError, read_adapter_config
 from core.spec import ProbeSpec, Target
 
 GROUND_TRUTH = "isolated"
@@ -161,8 +163,9 @@ class AdaptersCheck(Check):
         if not names:
             return Reference(label="checkpoint", tensors={}, notes={})
         try:
-            file = read_checkpoint(spec.base.path, names=names)
-        except LoadError as e:
+            # Under the loaded names: transformers renames (and fuses) checkpoint keys on load.
+            file = read_loaded(spec.base.path, names)
+        except CheckpointError as e:
             return Reference(label="checkpoint", tensors={}, notes={k.encode(): str(e) for k in keys})
         tensors = {
             k.encode(): file[k.name.removeprefix(BASE_WEIGHT)]

@@ -11,8 +11,9 @@ import torch
 from core.capture import BASE, Capture, TensorKey
 from core.checkpoint import Checkpoint, CheckpointError
 from core.checks.base import CaptureContext, Check, Reference, add_note, layer_of, missing_reference_row
+from core.conversion import KeyConversion, for_folder, remember
 from core.formulas import PROMPT_KEY, SAVED_MODULE, split_adapter_key, split_saved_module_key
-from core.loading import Loaded, read_checkpoint
+from core.loading import Loaded, LoadError
 from core.spec import ProbeSpec
 
 
@@ -40,9 +41,15 @@ class WeightsCheck(Check):
     def _capture_base(self, path: str, model: torch.nn.Module, out: Capture) -> None:
         """The state dict (tied tensors once), plus the non-persistent buffers the checkpoint holds.
 
-        Meta says which tensors are tied, which are non-persistent buffers, and which checkpoint
+        Meta says which tensors are tied, which are non-persistent buffers, which loaded tensors
+        transformers renamed or built from other checkpoint tensors on load, and which checkpoint
         tensors the model has no parameter or buffer for (it does not use them).
         """
+        # The conversion first: the comparator measures each tensor as it is added, against the file
+        # tensors transformers made it from.
+        checkpoint = Checkpoint.open(path)
+        conversion = KeyConversion.of(model, checkpoint.names())
+        remember(path, checkpoint, conversion)
         state = model.state_dict()
         seen: dict[int, str] = {}
         tied: dict[str, str] = {}
@@ -57,19 +64,21 @@ class WeightsCheck(Check):
         # A buffer registered with persistent=False is outside the state dict, yet a checkpoint saved
         # before it became one (BERT's `position_ids`) still holds it: the model uses its own values,
         # so those are what the file is compared with.
-        in_file = set(Checkpoint.open(path).names())
         buffers = dict(model.named_buffers())
-        non_persistent = sorted(n for n in buffers if n not in state and n in in_file)
+        non_persistent = sorted(n for n in buffers if n not in state and conversion.sources(n))
         for name in non_persistent:
             out.add(TensorKey(self.name, BASE, name), buffers[name])
+        converted = conversion.converted()
+        used = {k for n in [*state, *buffers] for k in conversion.sources(n)}
         ignore = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()
         unused = {
             name: any(re.search(pattern, name) for pattern in ignore)
-            for name in sorted(in_file - state.keys() - buffers.keys())
+            for name in sorted(set(checkpoint.names()) - used)
         }
         out.meta.setdefault(self.name, {}).update(
             tied=tied,
             buffers=non_persistent,
+            converted={n: list(keys) for n, keys in converted.items()},  # loaded name -> its file keys
             unused=unused,  # name -> listed in the model's _keys_to_ignore_on_load_unexpected
             model_class=type(model).__name__,
         )
@@ -85,20 +94,40 @@ class WeightsCheck(Check):
     ) -> Reference:
         # The tensors of `keys` only (those the worker did not compare itself: captures made before
         # it did), each read from its checkpoint; never a whole checkpoint.
-        tensors: dict[str, torch.Tensor] = {}
+        reference = Reference(label="checkpoint", tensors={}, notes={})
         for source in sorted({k.adapter for k in keys}):
             checkpoint = self._checkpoint(spec, source)
             for key in keys:
-                if key.adapter == source and key.name in checkpoint:
-                    tensors[key.encode()] = checkpoint.read(key.name)
-        return Reference(label="checkpoint", tensors=tensors, notes={})
+                if key.adapter == source:
+                    self._read(spec, checkpoint, key, reference)
+        return reference
 
     def reference_for(self, spec: ProbeSpec, key: TensorKey, reference_capture: Capture | None) -> Reference:
-        # One tensor read lazily from the checkpoint, not the whole file (GBs for a real base).
-        path = spec.base.path if key.adapter == BASE else {a.name: a.path for a in spec.adapters}[key.adapter]
-        prefix = "" if key.adapter == BASE else "adapter_model"
-        file = read_checkpoint(path, prefix=prefix, names={key.name})
-        return Reference(label="checkpoint", tensors={key.encode(): t for name, t in file.items()}, notes={})
+        # One tensor read lazily from the checkpoint (or the few a fused tensor is built from), not
+        # the whole file (GBs for a real base).
+        try:
+            checkpoint = self._checkpoint(spec, key.adapter)
+        except CheckpointError as e:
+            raise LoadError(str(e)) from e
+        reference = Reference(label="checkpoint", tensors={}, notes={})
+        self._read(spec, checkpoint, key, reference)
+        return reference
+
+    def _read(self, spec: ProbeSpec, checkpoint: Checkpoint, key: TensorKey, into: Reference) -> None:
+        """Put the checkpoint's tensor for `key` into `into`, when the checkpoint has one.
+
+        A base tensor is read as transformers loads it: through the model's key conversion, under
+        its loaded name (renamed, or built from several file tensors), with a note naming the file keys.
+        """
+        if key.adapter != BASE:
+            if key.name in checkpoint:
+                into.tensors[key.encode()] = checkpoint.read(key.name)
+            return
+        conversion = for_folder(spec.base.path, checkpoint)
+        if conversion.sources(key.name):
+            into.tensors[key.encode()] = conversion.read(checkpoint, key.name)
+            if how := conversion.how(key.name):
+                into.notes[key.encode()] = how
 
     def rows(self, spec: ProbeSpec, capture: Capture, reference: Reference) -> list[dict[str, Any]]:
         rows = super().rows(spec, capture, reference)
@@ -121,9 +150,16 @@ class WeightsCheck(Check):
             if ref_dtype and ref_dtype != row["dtype"] and row["verdict"] != "identical":
                 add_note(row, f"cast {ref_dtype} → {row['dtype']} on load")
         # What the checkpoints hold and the target did not load: the reference's tensors (when it
-        # holds any) and the checkpoints' indexes (nothing read).
+        # holds any) and the checkpoints' indexes (nothing read). A base tensor accounts for the file
+        # keys transformers built it from (its own name, unless it was converted on load).
+        converted = meta.get("converted", {})
         keys = capture.keys(self.name)
         captured = {k.encode() for k in keys}
+        accounted = {
+            TensorKey(self.name, k.adapter, name).encode()
+            for k in keys
+            for name in (converted.get(k.name, [k.name]) if k.adapter == BASE else [k.name])
+        }
         sources = {k.adapter for k in keys}
         absent = {e: tuple(t.shape) for e, t in reference.tensors.items() if e not in captured}
         for source in sorted(sources):
@@ -133,12 +169,13 @@ class WeightsCheck(Check):
                 continue
             for name in checkpoint.names():
                 encoded = TensorKey(self.name, source, name).encode()
-                if encoded not in captured:
+                if encoded not in accounted:
                     absent.setdefault(encoded, checkpoint.info(name).shape)
+        tied_sources = {k for name in tied for k in converted.get(name, [name])}
         label = Reference(label="checkpoint", tensors={}, notes={})
         for encoded, shape in absent.items():
             key = TensorKey.decode(encoded)
-            if key.adapter not in sources or key.name in tied:
+            if key.adapter not in sources or key.name in tied_sources:
                 continue
             if key.adapter == BASE and key.name in unused:
                 rows.append(self._unused_row(key, shape, capture, label, meta))
