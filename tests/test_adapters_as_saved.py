@@ -19,7 +19,7 @@ from core.checks.deltas import REPLACED
 from core.checks.merge import SAVED_NOTE
 from core.cli import main
 from core.engine import Engine, InProcessRunner
-from core.spec import AdapterRef, ModelRef, ProbeInputs, ProbeSpec, Target
+from core.spec import AdapterRef, ModelRef, ProbeInputs, ProbeSpec, Target, ToleranceOverride
 from core.store import RunRecord
 
 TARGET = "cpu/float32"
@@ -123,15 +123,20 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _spec(
-    workspace: dict[str, Path], base: str, adapters: list[str], checks: tuple[str, ...], **fields
+    workspace: dict[str, Path],
+    base: str,
+    adapters: list[str],
+    checks: tuple[str, ...],
+    target: str = TARGET,
+    **fields,
 ) -> ProbeSpec:
-    """`checks` on cpu/float32 with fixed probe ids; `fields`: further ProbeSpec fields (merge_subset)."""
+    """`checks` on `target` with fixed probe ids; `fields`: further ProbeSpec fields (merge_subset)."""
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(5))
     return ProbeSpec(
         **fields,
         base=ModelRef(path=str(workspace[base])),
         adapters=tuple(AdapterRef(path=str(workspace[a]), name=a) for a in adapters),
-        targets=(Target.parse(TARGET),),
+        targets=(Target.parse(target),),
         checks=checks,
         probe=ProbeInputs(input_ids=tuple(tuple(int(i) for i in row) for row in ids)),
     )
@@ -347,3 +352,25 @@ def test_loras_with_saved_heads_are_not_merged_together_and_say_why(
     assert sorted(zip(saved.adapter, saved.verdict, strict=True)) == sorted(
         (a, "identical") for a in ("cls_lora", "cls_lora2") for _ in HEAD
     )
+
+
+@pytest.mark.parametrize("override", [False, True], ids=["default", "zero-for-modules_to_save"])
+def test_a_tolerance_for_modules_to_save_judges_the_head(
+    workspace: dict[str, Path], tmp_path: Path, override: bool
+) -> None:
+    """On bfloat16 the head loads rounded from the float32 file (PEFT keeps the LoRA tensors in float32):
+    within bfloat16's tolerance by default, drift under a zero tolerance set for role modules_to_save,
+    in the weights rows (compared in the worker) as in the deltas rows; the LoRA rows stay identical."""
+    tolerances = {formulas.SAVED_MODULE: ToleranceOverride(rtol=0.0, atol=0.0)} if override else {}
+    engine = Engine(tmp_path, runner=InProcessRunner())
+    spec = _spec(
+        workspace, "roberta_cls", ["cls_lora"], ("weights", "deltas"), "cpu/bfloat16", tolerances=tolerances
+    )
+    job = engine.submit(spec)
+    assert job.wait(300) and job.state == "succeeded", job.error
+    table = engine.store.open(job.run_id).metrics()
+    rows = table[(table.adapter == "cls_lora") & (table.target == "cpu/bfloat16")]
+    head = rows[rows.role == formulas.SAVED_MODULE]
+    assert sorted(head.check) == ["deltas"] * len(HEAD) + ["weights"] * len(HEAD)
+    assert set(head.verdict) == {"drift" if override else "within tolerance"}
+    assert set(rows[rows.role.isin(["lora_A", "lora_B"])].verdict) == {"identical"}

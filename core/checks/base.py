@@ -205,13 +205,18 @@ class Check(ABC):
             return Measured(
                 reference.label, note, dtype, missing_reference_row(tensor), None, content_hash(tensor)
             )
-        tol = tolerance(spec, self.describe(key)["role"], getattr(torch, target.dtype))
+        tol = tolerance(spec, self.role_of(spec, key), getattr(torch, target.dtype))
         stats, sketch = metrics.measure(tensor, ref, tol)
         row = metrics.stats_to_row(stats)
         # the same bits hash alike: hash the reference where it is already on the host
         same = stats.bitwise_equal and ref.dtype == tensor.dtype
         digest = content_hash(ref if same else tensor)
         return Measured(reference.label, note, dtype, row, sketch, digest)
+
+    def role_of(self, spec: ProbeSpec, key: TensorKey) -> str:
+        """The role a tensor's row has and its tolerance is looked up by: `describe`'s, unless the check
+        labels the row from more than the key (the weights check: the adapter's modules_to_save)."""
+        return self.describe(key)["role"]
 
     def describe(self, key: TensorKey) -> dict[str, Any]:
         """Row labels for a tensor: layer, module, role (checks refine this)."""
@@ -235,7 +240,7 @@ class Check(ABC):
             if ref is None:
                 row.update(missing_reference_row(tensor))
             else:
-                stats = metrics.compare(tensor, ref, tolerance(spec, row["role"], target_dtype))
+                stats = metrics.compare(tensor, ref, tolerance(spec, self.role_of(spec, key), target_dtype))
                 row.update(metrics.stats_to_row(stats))
             row.update(self.extra_columns(key, tensor, ref))
             rows.append(row)

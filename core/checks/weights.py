@@ -12,8 +12,14 @@ from core.capture import BASE, Capture, TensorKey
 from core.checkpoint import Checkpoint, CheckpointError
 from core.checks.base import CaptureContext, Check, Reference, add_note, layer_of, missing_reference_row
 from core.conversion import KeyConversion, for_folder, remember
-from core.formulas import PROMPT_KEY, SAVED_MODULE, split_adapter_key, split_saved_module_key
-from core.loading import Loaded, LoadError
+from core.formulas import (
+    PROMPT_KEY,
+    SAVED_MODULE,
+    saved_module_names,
+    split_adapter_key,
+    split_saved_module_key,
+)
+from core.loading import Loaded, LoadError, read_adapter_config
 from core.spec import ProbeSpec
 
 
@@ -32,11 +38,6 @@ class WeightsCheck(Check):
             state = get_peft_model_state_dict(loaded.model, adapter_name=adapter)
             for name, tensor in state.items():
                 out.add(TensorKey(self.name, adapter, name), tensor)
-            # The modules it saves whole (a classifier head): their rows get their own role (`rows`).
-            saved = getattr(loaded.model.peft_config[adapter], "modules_to_save", None) or []
-            out.meta.setdefault(self.name, {}).setdefault("saved_modules", {})[adapter] = list(
-                dict.fromkeys(saved)
-            )
 
     def _capture_base(self, path: str, model: torch.nn.Module, out: Capture) -> None:
         """The state dict (tied tensors once), plus the non-persistent buffers the checkpoint holds.
@@ -135,10 +136,9 @@ class WeightsCheck(Check):
         tied = meta.get("tied", {})
         buffers = set(meta.get("buffers", []))
         unused = meta.get("unused", {})
-        saved_modules = meta.get("saved_modules", {})
         for row in rows:
-            saved = split_saved_module_key(row["tensor"], saved_modules.get(row["adapter"]) or [])
-            if row["adapter"] is not None and saved is not None:
+            saved = self._saved_module(spec, TensorKey(self.name, row["adapter"] or BASE, row["tensor"]))
+            if saved is not None:
                 self._saved_module_labels(row, saved)
             if row["adapter"] is None:
                 partners = [k for k, v in tied.items() if v == row["tensor"]]
@@ -186,19 +186,36 @@ class WeightsCheck(Check):
                     **missing_reference_row(shape),
                     "explanation": "key mismatch: in the checkpoint but not loaded on the target",
                 }
-                saved = split_saved_module_key(key.name, saved_modules.get(key.adapter) or [])
+                saved = self._saved_module(spec, key)
                 if saved is not None:
                     self._saved_module_labels(row, saved)
                 rows.append(row)
         return rows
 
+    def role_of(self, spec: ProbeSpec, key: TensorKey) -> str:
+        # A tensor of a module the adapter saves whole is judged by that role's tolerance, as its row
+        # is labelled (`rows`).
+        return SAVED_MODULE if self._saved_module(spec, key) is not None else super().role_of(spec, key)
+
+    @staticmethod
+    def _saved_module(spec: ProbeSpec, key: TensorKey) -> tuple[str, str] | None:
+        """(saved module path, parameter path) when `key` is a tensor of a module its adapter saves whole
+        (``modules_to_save``). The key alone does not say it (PEFT strips the wrapper's part from it);
+        the adapter's config lists the modules."""
+        adapter = next((a for a in spec.adapters if a.name == key.adapter), None)
+        if key.adapter == BASE or adapter is None:
+            return None
+        try:
+            config = read_adapter_config(adapter)
+        except LoadError:  # moved or gone since the capture: its rows keep the roles their keys give
+            return None
+        return split_saved_module_key(key.name, saved_module_names(config))
+
     @staticmethod
     def _saved_module_labels(row: dict[str, Any], saved: tuple[str, str]) -> None:
         """Label a tensor of a module the adapter saves whole (``modules_to_save``) as such.
 
-        `saved` is (saved module path, parameter path within it). `describe` sees the key alone, which
-        does not say it (PEFT strips the wrapper's part from the key); the adapter's config does, and
-        the capture keeps its list. `module` is the tensor's own module, as on every other row.
+        `saved` is what `_saved_module` found. `module` is the tensor's own module, as on every other row.
         """
         module_path = f"{saved[0]}.{saved[1]}".rsplit(".", 1)[0]
         row.update(layer=layer_of(module_path), module=module_path.rsplit(".", 1)[-1], role=SAVED_MODULE)
