@@ -44,7 +44,8 @@ from dashboard.state import engine, result_page, start_run, store
 from dashboard.text import literal
 
 DTYPES = ("float32", "bfloat16", "float16")
-ROLES = ("*", "base", "lora_A", "lora_B", "delta", "output")
+# "modules_to_save": the tensors of a module an adapter saves whole (a classifier head)
+ROLES = ("*", "base", "lora_A", "lora_B", "delta", "modules_to_save", "output")
 
 
 @dataclass
@@ -255,7 +256,7 @@ def run_form(manifest: dict | None) -> None:
                 names,
                 key="form.merge_subset",
                 help="Adapters the merge check also merges into one model, one after another and all at "
-                "once. Empty: the run's first two plain LoRA adapters.",
+                "once. Empty: the run's first two plain LoRA adapters that save no module whole (modules_to_save).",
             )
         merge_errors_at = st.container()
         role = st.selectbox(
