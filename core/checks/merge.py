@@ -36,6 +36,7 @@ from core.capture import Capture, TensorKey
 from core.checkpoint import Checkpoint
 from core.checks.base import CaptureContext, Check, Reference, add_note, layer_of, tolerance
 from core.checks.outputs import forward_output, nonfinite_output
+from core.conversion import read_loaded
 from core.loading import Loaded, attach_adapter, load_base, read_adapter_config, read_checkpoint, torch_dtype
 from core.spec import AdapterRef, ProbeSpec, Target
 from core.validate import TIED_EMBEDDING_NAMES
@@ -325,7 +326,7 @@ class MergeCheck(Check):
                 names |= {
                     n for n in Checkpoint.open(spec.base.path).names() if n.endswith(TIED_EMBEDDING_NAMES)
                 }
-            base = read_checkpoint(spec.base.path, names=names)
+            base = read_loaded(spec.base.path, names)  # by the loaded model's names
             base = _with_tied_aliases(spec, base)
             by_name = {a.name: a for a in spec.adapters}
             cache: dict[str, tuple[dict, dict]] = {}
