@@ -110,10 +110,10 @@ def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
     The shared load loop (strategy `isolated`) serves every check that does not run in its own
     worker; a task with a `variant` runs that one own-worker check's `run` instead.
     """
-    from core.capture import Capture, capture_folder_name
+    from core.capture import BASE, Capture, capture_folder_name
     from core.checks import get_checks
     from core.checks.base import CaptureContext
-    from core.loading import STRATEGIES, load_config, probe_input_ids, vocab_size
+    from core.loading import STRATEGIES, adapters_task_type, load_config, model_class, probe_inputs
     from core.spec import ProbeSpec, Target
     from core.targets import apply_flags, environment
 
@@ -141,8 +141,11 @@ def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
         variant=variant,
     )
     started = time.time()
-    input_ids = probe_input_ids(spec.probe, vocab_size(load_config(spec.base)), spec.seed)
-    ctx = CaptureContext(spec=spec, target=target, input_ids=input_ids, run_dir=run_dir)
+    config = load_config(spec.base)
+    probe = probe_inputs(
+        config, model_class(config, adapters_task_type(spec.adapters)), spec.probe, spec.seed
+    )
+    ctx = CaptureContext(spec=spec, target=target, probe=probe, run_dir=run_dir)
     if own is not None:
         own.run(ctx, variant, progress, capture)
     else:
@@ -154,11 +157,14 @@ def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
             for check in checks:
                 check.capture(ctx, loaded, capture)
             if loaded.notes:
-                # per adapter for the rows that need them, and as text for the run's notes
-                capture.meta.setdefault("load_notes", {})[loaded.adapter.name] = loaded.notes
-                capture.notes.extend(f"{loaded.adapter.name}: {note}" for note in loaded.notes)
+                # per model (the bare base too) for the rows that need them, and as text for the run's notes
+                name = BASE if loaded.adapter is None else loaded.adapter.name
+                capture.meta.setdefault("load_notes", {})[name] = loaded.notes
+                capture.notes.extend(f"{name}: {note}" for note in loaded.notes)
     capture.meta["timings"] = {"load_and_capture_s": round(time.time() - started, 3)}
-    capture.meta["input_ids"] = input_ids.tolist()
+    capture.meta["probe"] = {name: list(t.shape) for name, t in probe.items()}
+    if "input_ids" in probe:
+        capture.meta["input_ids"] = probe["input_ids"].tolist()
     progress("write capture")
     capture.save(run_dir / "captures" / capture_folder_name(target.slug, own.name if own else "", variant))
 

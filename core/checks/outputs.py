@@ -10,18 +10,23 @@ import torch
 from core import metrics
 from core.capture import BASE, Capture, TensorKey
 from core.checks.base import CaptureContext, Check, Reference, add_note
-from core.loading import Loaded, float64_forward
+from core.loading import FLOAT64_FORWARD, Loaded, float64_forward
 from core.spec import ProbeSpec, Target
 
 
-def forward_output(model, input_ids: torch.Tensor) -> tuple[str, torch.Tensor]:
-    """Run the model on `input_ids`; return ("logits", …) or ("last_hidden_state", …)."""
-    device = next(model.parameters()).device
-    ids = input_ids.to(device)
-    kwargs: dict[str, Any] = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    config = getattr(model, "config", None)
-    if getattr(config, "is_encoder_decoder", False):
-        kwargs["decoder_input_ids"] = ids
+def forward_output(model, probe: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor]:
+    """Run the model on the probe (`loading.probe_inputs`); return ("logits", …) or ("last_hidden_state", …).
+
+    Float inputs (pixel values, audio features) are cast to the dtype the model computes in: its
+    parameters', or float64 for a model held narrow for a float64 forward.
+    """
+    param = next(model.parameters())
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    dtype = torch.float64 if getattr(inner, FLOAT64_FORWARD, False) else param.dtype
+    kwargs: dict[str, Any] = {
+        name: t.to(param.device, dtype=dtype if t.is_floating_point() else t.dtype)
+        for name, t in probe.items()
+    }
     with torch.no_grad(), float64_forward(model):
         out = model(**kwargs)
     logits = getattr(out, "logits", None)
@@ -36,7 +41,7 @@ class OutputsCheck(Check):
     needs_reference_target = True
 
     def capture(self, ctx: CaptureContext, loaded: Loaded, out: Capture) -> None:
-        kind, tensor = forward_output(loaded.model, ctx.input_ids)
+        kind, tensor = forward_output(loaded.model, ctx.probe)
         adapter = BASE if loaded.adapter is None else loaded.adapter.name
         out.add(TensorKey(self.name, adapter, kind), tensor)
 
