@@ -321,6 +321,74 @@ def float64_forward(model: torch.nn.Module) -> Iterator[None]:
             h.remove()
 
 
+# Set on a model by `float32_fallbacks`: the names of the ops that ran in float32 in its float64 forward.
+FLOAT32_FALLBACKS = "weightdrift_float32_fallbacks"
+
+
+class _Float32Fallback(torch.overrides.TorchFunctionMode):
+    """Runs an op that fails on float64 inputs (no float64 kernel) in float32 from those inputs and
+    widens its result back, recording the op's name; any other failure is raised as it was."""
+
+    def __init__(self, used: set[str]):
+        super().__init__()
+        self.used = used
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_flatten, tree_map
+
+        kwargs = kwargs or {}
+        try:
+            return func(*args, **kwargs)
+        except (RuntimeError, NotImplementedError) as e:
+            floating = [
+                t
+                for t in tree_flatten((args, kwargs))[0]
+                if isinstance(t, torch.Tensor) and t.is_floating_point()
+            ]
+            # only where every float input is float64: a float64 tensor meeting a float32 one is a bug to show
+            if not floating or any(t.dtype != torch.float64 for t in floating):
+                raise
+            narrow_args, narrow_kwargs = tree_map(
+                lambda t: (
+                    t.to(torch.float32) if isinstance(t, torch.Tensor) and t.dtype == torch.float64 else t
+                ),
+                (args, kwargs),
+            )
+            try:
+                out = func(*narrow_args, **narrow_kwargs)
+            except Exception:
+                raise e from None  # not a float64 matter: the op's own error
+            self.used.add(getattr(func, "__name__", str(func)))
+            return tree_map(
+                lambda t: (
+                    t.to(torch.float64) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t
+                ),
+                out,
+            )
+
+
+@contextlib.contextmanager
+def float32_fallbacks(model: torch.nn.Module) -> Iterator[None]:
+    """Inside, an op of a float64 forward that has no float64 kernel runs in float32 from its float64
+    inputs instead of failing the reference; `float32_fallback_notes(model)` names those ops after."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    used = getattr(inner, FLOAT32_FALLBACKS, None)
+    if used is None:
+        used = set()
+        setattr(inner, FLOAT32_FALLBACKS, used)
+    with _Float32Fallback(used):
+        yield
+
+
+def float32_fallback_notes(model) -> list[str]:
+    """A note per op that `float32_fallbacks` ran in float32 in this model's forwards."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return [
+        f"{op} has no float64 kernel here: computed in float32 from float64 inputs, its result widened to float64"
+        for op in sorted(getattr(inner, FLOAT32_FALLBACKS, ()))
+    ]
+
+
 def read_adapter_config(adapter: AdapterRef) -> dict:
     """The adapter's `adapter_config.json` (`core.validate` checks it); LoadError saying what is wrong."""
     try:

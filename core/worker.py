@@ -113,7 +113,14 @@ def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
     from core.capture import BASE, Capture, capture_folder_name
     from core.checks import get_checks
     from core.checks.base import CaptureContext
-    from core.loading import STRATEGIES, adapters_task_type, load_config, model_class, probe_inputs
+    from core.loading import (
+        STRATEGIES,
+        adapters_task_type,
+        float32_fallback_notes,
+        load_config,
+        model_class,
+        probe_inputs,
+    )
     from core.spec import ProbeSpec, Target
     from core.targets import apply_flags, environment
 
@@ -156,11 +163,14 @@ def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
             progress("capture " + ("base" if loaded.adapter is None else loaded.adapter.name))
             for check in checks:
                 check.capture(ctx, loaded, capture)
-            if loaded.notes:
+            # how it was loaded, and the ops its forwards computed in float32 (a float64 reference's)
+            fallbacks = [n for n in float32_fallback_notes(loaded.model) if n not in loaded.notes]
+            notes = loaded.notes + fallbacks
+            if notes:
                 # per model (the bare base too) for the rows that need them, and as text for the run's notes
                 name = BASE if loaded.adapter is None else loaded.adapter.name
-                capture.meta.setdefault("load_notes", {})[name] = loaded.notes
-                capture.notes.extend(f"{name}: {note}" for note in loaded.notes)
+                capture.meta.setdefault("load_notes", {})[name] = notes
+                capture.notes.extend(f"{name}: {note}" for note in notes)
     capture.meta["timings"] = {"load_and_capture_s": round(time.time() - started, 3)}
     capture.meta["probe"] = {name: list(t.shape) for name, t in probe.items()}
     if "input_ids" in probe:
