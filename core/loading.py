@@ -175,17 +175,27 @@ def load_base(
         extra["experts_implementation"] = "eager"
         notes.append(EAGER_EXPERTS_NOTE)
     try:
-        m = cls.from_pretrained(
+        m, info = cls.from_pretrained(
             model.path,
             revision=model.revision,
             dtype=stored or dtype,
             device_map=device_map or target.device,
             trust_remote_code=model.trust_remote_code,
+            output_loading_info=True,
             **extra,
         )
     except Exception as e:
         how = f" with device_map={device_map!r}" if device_map else ""
         raise LoadError(f"{model.path}: the model did not load{how} ({_first_line(e)})") from e
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        # a task head the checkpoint lacks (an encoder saved bare, loaded for SEQ_CLS): random values,
+        # drawn anew on every load, so the bare base's outputs differ between targets by more than numerics
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        notes.append(
+            f"{cls.__name__} has tensors the checkpoint lacks, initialised at random on each load: "
+            f"{', '.join(missing[:3])}{more}"
+        )
     m.eval()
     if stored is not None:
         setattr(m, FLOAT64_FORWARD, True)

@@ -23,6 +23,8 @@ from core.loading import (
     EAGER_EXPERTS_NOTE,
     float32_fallback_notes,
     float32_fallbacks,
+    load_base,
+    load_notes,
     model_class,
     probe_inputs,
 )
@@ -317,3 +319,17 @@ def test_float32_fallback_leaves_other_failures_as_they_are() -> None:
     with pytest.raises(RuntimeError), float32_fallbacks(model):
         torch.mm(torch.ones(2, 3, dtype=torch.float64), torch.ones(2, 3, dtype=torch.float64))
     assert float32_fallback_notes(model) == []
+
+
+def test_a_head_the_checkpoint_lacks_is_noted(workspace: dict) -> None:
+    """BART saved with its LM head, loaded for SEQ_CLS: the classification head is random, and said so."""
+    model = load_base(
+        ModelRef(path=str(workspace["bart"][0])), Target.parse("cpu/float32"), task_type="SEQ_CLS"
+    )
+    assert type(model).__name__ == "BartForSequenceClassification"
+    assert load_notes(model) == [
+        "BartForSequenceClassification has tensors the checkpoint lacks, initialised at random on each load: "
+        "classification_head.dense.bias, classification_head.dense.weight, classification_head.out_proj.bias "
+        "and 1 more"
+    ]
+    assert load_notes(load_base(ModelRef(path=str(workspace["bart"][0])), Target.parse("cpu/float32"))) == []
