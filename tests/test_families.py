@@ -333,3 +333,20 @@ def test_a_head_the_checkpoint_lacks_is_noted(workspace: dict) -> None:
         "and 1 more"
     ]
     assert load_notes(load_base(ModelRef(path=str(workspace["bart"][0])), Target.parse("cpu/float32"))) == []
+
+
+def test_token_ids_for_an_image_model_are_refused_before_loading(workspace: dict, tmp_path: Path) -> None:
+    model = workspace["vit"][0]
+    engine = Engine(tmp_path / "home", runner=InProcessRunner())
+    spec = ProbeSpec(
+        base=ModelRef(path=str(model)),
+        adapters=(),
+        targets=(Target.parse("cpu/float32"),),
+        probe=ProbeInputs(input_ids=((1, 2, 3),)),
+    )
+    with pytest.raises(InputError) as e:
+        engine.submit(spec)
+    assert str(e.value) == (
+        f"base model {model}: probe input ids were given, but ViTForImageClassification takes no token ids"
+    )
+    assert engine.store.list_runs() == []
