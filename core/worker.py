@@ -14,7 +14,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -214,8 +214,9 @@ def run_compare(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
     """Turn the run's captures into the metrics table (`metrics.parquet`) and the checks' own tables."""
     from core.capture import Capture, capture_folder_name
     from core.checks import get_checks
-    from core.spec import ProbeSpec
-    from core.store import Store
+    from core.checks.base import add_note
+    from core.spec import ProbeSpec, Target
+    from core.store import Store, read_reference_fallback, reference_fallback_note
 
     run_dir = Path(task.run_dir)
     store = Store(run_dir.parent.parent)
@@ -236,6 +237,9 @@ def run_compare(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
         ]
     total = sum(c.compare_steps(by_check[c.name]) for c in checks) + 1
     progress = Progress(emit, should_cancel, total=total, target=None)
+    fallback = read_reference_fallback(run_dir)
+    if fallback is not None:  # the reference did not run: another target stands in (the engine chose it)
+        spec = replace(spec, reference=Target.parse(fallback["reference"]))
     ref_folder = captures_dir / spec.reference.slug
     reference_capture = Capture.load(ref_folder) if ref_folder.exists() else None
     rows: list[dict[str, Any]] = []
@@ -243,6 +247,10 @@ def run_compare(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
     for check in checks:
         rows.extend(check.compare(spec, by_check[check.name], reference_capture, progress))
         tables.update(check.tables(spec, by_check[check.name]))
+    if fallback is not None:
+        for row in rows:
+            if row.get("reference") == fallback["reference"]:
+                add_note(row, reference_fallback_note(fallback))
     progress("write metrics")
     for name, table in tables.items():
         store.write_table(run_dir.name, name, table)

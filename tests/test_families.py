@@ -21,6 +21,7 @@ import torch
 from core.engine import Engine, InProcessRunner
 from core.loading import (
     EAGER_EXPERTS_NOTE,
+    LoadError,
     float32_fallback_notes,
     float32_fallbacks,
     load_base,
@@ -350,3 +351,42 @@ def test_token_ids_for_an_image_model_are_refused_before_loading(workspace: dict
         f"base model {model}: probe input ids were given, but ViTForImageClassification takes no token ids"
     )
     assert engine.store.list_runs() == []
+
+
+def test_a_reference_that_cannot_run_is_replaced_by_the_next_best_target(
+    workspace: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cpu/float64 reference fails to load: the targets' captures stand, their outputs are compared
+    against cpu/float32 instead, and the rows and the run's notes say so."""
+
+    def no_float64(model: ModelRef) -> None:
+        raise LoadError("float64 refused here")
+
+    monkeypatch.setattr("core.loading.float64_offload_dtype", no_float64)
+    model, adapter = workspace["bart"]
+    engine = Engine(tmp_path / "home", runner=InProcessRunner())
+    spec = ProbeSpec(
+        base=ModelRef(path=str(model)),
+        adapters=(AdapterRef(path=str(adapter), name="lora"),),
+        targets=tuple(Target.parse(t) for t in ("cpu/bfloat16", "cpu/float32")),
+        probe=ProbeInputs(batch=2, seq_len=6),
+    )
+    job = engine.submit(spec)
+    assert job.wait(300) and job.state == "succeeded", job.error
+    assert job.tasks["cpu/float64"].state == "failed"
+    run = engine.store.open(job.run_id)
+    note = (
+        "the reference cpu/float64 did not run (cpu/float64: float64 refused here (stage 'load base', step 2 of "
+        "6)); compared against cpu/float32, the next-best target, instead"
+    )
+    assert run.notes()[0] == note
+    table = run.metrics()
+    outputs = table[table["check"] == "outputs"]
+    assert len(outputs) == 4 and set(outputs["reference"]) == {"cpu/float32"}
+    assert all(n.endswith(note) for n in outputs["note"])
+    by_target = outputs.groupby("target")["verdict"].agg(set).to_dict()
+    assert by_target == {"cpu/float32": {"identical"}, "cpu/bfloat16": {"drift"}}
+    # the weights are compared with the file, as ever, on both targets
+    weights = table[table["check"] == "weights"]
+    assert set(weights["target"]) == {"cpu/bfloat16", "cpu/float32"}
+    assert not weights["note"].fillna("").str.contains("did not run").any()
