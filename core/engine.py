@@ -27,7 +27,7 @@ from typing import Any
 
 from core.capture import capture_folder_name
 from core.spec import ProbeSpec, SpecError, Target
-from core.store import Store, StoreError
+from core.store import Store, StoreError, write_reference_fallback
 from core.worker import EXIT_CANCELLED, PREIMPORT_ENV, Cancelled, Task, run_task, task_json
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -75,6 +75,20 @@ class InProcessRunner(Runner):
         except Exception as e:
             return Outcome(ok=False, error=str(e))
         return Outcome(ok=True)
+
+
+# How close a dtype's results come to float64's, for the next-best reference: float16 keeps more
+# mantissa bits than bfloat16.
+_DTYPE_CLOSENESS = {"float64": 3, "float32": 2, "float16": 1, "bfloat16": 0}
+
+
+def next_best_reference(spec: ProbeSpec) -> Target:
+    """The target that stands in for a reference that could not run: the widest dtype, on the CPU
+    and without numerics flags where there is a choice."""
+    return max(
+        spec.targets,
+        key=lambda t: (_DTYPE_CLOSENESS.get(t.dtype, -1), t.device == "cpu", not t.flags),
+    )
 
 
 def _signal_name(code: int) -> str:
@@ -437,8 +451,18 @@ class Engine:
                 job.state, job.started = "running", time.time()
             self._persist(job)
             compare = Task(kind="compare", run_dir=str(job.run_dir), spec=job.spec.to_dict())
-            outcomes = self._run_captures(job, compare)
-            failed = [o for o in outcomes if not o.ok and not o.cancelled]
+            ran = self._run_captures(job, compare)
+            outcomes = [o for _, o in ran]
+            failed = [o for t, o in ran if not o.ok and not o.cancelled and not self._reference_only(job, t)]
+            reference_failed = [
+                o for t, o in ran if not o.ok and not o.cancelled and self._reference_only(job, t)
+            ]
+            if reference_failed and not failed:
+                # the other targets' captures stand: compare them against the next-best reference
+                stand_in = next_best_reference(job.spec)
+                write_reference_fallback(
+                    job.run_dir, str(stand_in), str(job.spec.reference), reference_failed[0].error or ""
+                )
             if failed:
                 self.runner.discard(compare)
                 self._finish(job, "failed", failed[0].error)
@@ -460,11 +484,19 @@ class Engine:
         except Exception as e:  # the engine must outlive any job
             self._finish(job, "failed", f"engine error: {type(e).__name__}: {e}")
 
-    def _run_captures(self, job: Job, compare: Task) -> list[Outcome]:
+    @staticmethod
+    def _reference_only(job: Job, task: Task) -> bool:
+        """Whether `task` captures only the reference (a target the user did not ask for)."""
+        spec = job.spec
+        return (
+            task.variant is None and task.target == str(spec.reference) and spec.reference not in spec.targets
+        )
+
+    def _run_captures(self, job: Job, compare: Task) -> list[tuple[Task, Outcome]]:
         by_device: dict[str, list[Task]] = {}
         for task in self._capture_tasks(job):
             by_device.setdefault(Target.parse(task.target).device, []).append(task)
-        outcomes: list[Outcome] = []
+        outcomes: list[tuple[Task, Outcome]] = []
 
         def device_queue(device: str, tasks: list[Task]) -> None:
             for i, task in enumerate(tasks):
@@ -472,7 +504,7 @@ class Engine:
                     if job.cancel_event.is_set():
                         with job.lock:
                             job.tasks[task.label].state = "cancelled"
-                        outcomes.append(Outcome(ok=False, cancelled=True))
+                        outcomes.append((task, Outcome(ok=False, cancelled=True)))
                         continue
                     # Once this task's worker is at work, the next one (or, after the last, the compare
                     # task's) is started, so its imports overlap this task. Not a memory timeline's:
@@ -486,8 +518,8 @@ class Engine:
                             self.runner.prepare(following, self._log_path(job, following))
 
                     outcome = self._run_task(job, task, on_start=prepare)
-                outcomes.append(outcome)
-                if not outcome.ok and not outcome.cancelled:
+                outcomes.append((task, outcome))
+                if not outcome.ok and not outcome.cancelled and not self._reference_only(job, task):
                     job.cancel_event.set()  # one failed target fails the job: stop the others early
                 if following is not None and job.cancel_event.is_set():
                     self.runner.discard(following)

@@ -60,20 +60,75 @@ def read_checkpoint(
         raise LoadError(str(e)) from e
 
 
-def model_class(config) -> type:
-    """The Auto class that matches the config: causal LM, seq2seq LM, or a bare encoder."""
+# The head a PEFT `task_type` trains, as transformers' Auto classes; several where one task has
+# several families (Whisper's seq2seq head is a speech one).
+TASK_HEADS: dict[str, tuple[str, ...]] = {
+    "CAUSAL_LM": ("AutoModelForCausalLM",),
+    "SEQ_2_SEQ_LM": ("AutoModelForSeq2SeqLM", "AutoModelForSpeechSeq2Seq"),
+    "SEQ_CLS": ("AutoModelForSequenceClassification",),
+    "TOKEN_CLS": ("AutoModelForTokenClassification",),
+    "QUESTION_ANS": ("AutoModelForQuestionAnswering",),
+    "FEATURE_EXTRACTION": ("AutoModel",),
+}
+
+
+def _head_for(config, autos: tuple[str, ...]) -> type | None:
+    """The concrete class the first of `autos` that knows this config maps it to; None when none does."""
     import transformers
 
-    archs = getattr(config, "architectures", None) or []
+    for name in autos:
+        mapping = getattr(transformers, name)._model_mapping
+        if type(config) in mapping:
+            return mapping[type(config)]
+    return None
+
+
+def model_class(config, task_type: str | None = None) -> type:
+    """The transformers class to load a checkpoint with, from its config and the adapter's task head.
+
+    An adapter's PEFT `task_type` names the head it was trained with, so it decides; without one,
+    the checkpoint's own class (`architectures`) where it has a head, else the LM head of an
+    encoder-decoder, else the class it names, else the bare model. LoadError when the task's head
+    does not exist for this family.
+    """
+    import transformers
+
+    if task_type in TASK_HEADS:
+        cls = _head_for(config, TASK_HEADS[task_type])
+        if cls is None:
+            raise LoadError(
+                f"the adapter was trained for {task_type}, but transformers has no such head for "
+                f"{type(config).__name__} (expected one of {', '.join(TASK_HEADS[task_type])})"
+            )
+        return cls
+    archs = [getattr(transformers, a, None) for a in getattr(config, "architectures", None) or []]
+    named = [c for c in archs if isinstance(c, type)]
+    bare = _head_for(config, ("AutoModel",))
+    headed = [c for c in named if c is not bare]
+    if headed:
+        return headed[0]
     if getattr(config, "is_encoder_decoder", False):
-        return transformers.AutoModelForSeq2SeqLM
-    if any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in archs):
-        return transformers.AutoModelForCausalLM
-    for arch in archs:
-        cls = getattr(transformers, arch, None)
+        cls = _head_for(config, ("AutoModelForSeq2SeqLM", "AutoModelForSpeechSeq2Seq"))
         if cls is not None:
             return cls
-    return transformers.AutoModel
+    if named:
+        return named[0]
+    return bare or transformers.AutoModel
+
+
+def adapters_task_type(adapters: Collection[AdapterRef]) -> str | None:
+    """The task head the adapters were trained with (PEFT `task_type`); None when none names one.
+
+    Every adapter of a run sits on one base model, so they must agree; LoadError when they do not.
+    """
+    kinds = {a.name: read_adapter_config(a).get("task_type") for a in adapters}
+    named = {k for k in kinds.values() if k}
+    if len(named) > 1:
+        by = ", ".join(f"{n}: {k}" for n, k in kinds.items() if k)
+        raise LoadError(
+            f"the adapters were trained with different task heads ({by}); they cannot share one base"
+        )
+    return next(iter(named), None)
 
 
 def load_config(model: ModelRef):
@@ -95,33 +150,77 @@ def vocab_size(config) -> int:
 
 
 def load_base(
-    model: ModelRef, target: Target, dtype: torch.dtype | None = None, device_map: str | None = None
+    model: ModelRef,
+    target: Target,
+    dtype: torch.dtype | None = None,
+    device_map: str | None = None,
+    task_type: str | None = None,
 ):
     """Load the base model in the target's dtype directly onto the target's device, in eval mode.
 
     `device_map` replaces the target's device (e.g. "auto": accelerate spreads it over every GPU).
+    `task_type` is the adapters' PEFT task head (`adapters_task_type`), which picks the class.
+    Anything about how it was loaded that a reader of its rows must know is in `load_notes(model)`.
     """
     config = load_config(model)
-    cls = model_class(config)
+    cls = model_class(config, task_type)
     dtype = dtype or torch_dtype(target.dtype)
     stored = None
     if dtype == torch.float64 and device_map is None:
         stored = float64_offload_dtype(model)
+    extra, notes = {}, []
+    if dtype == torch.float64 and _has_experts_implementation(cls):
+        # Mixture-of-experts layers default to a grouped matmul that has no float64 kernel; the
+        # per-expert loop computes the same sums with float64 matmuls.
+        extra["experts_implementation"] = "eager"
+        notes.append(EAGER_EXPERTS_NOTE)
     try:
-        m = cls.from_pretrained(
+        m, info = cls.from_pretrained(
             model.path,
             revision=model.revision,
             dtype=stored or dtype,
             device_map=device_map or target.device,
             trust_remote_code=model.trust_remote_code,
+            output_loading_info=True,
+            **extra,
         )
     except Exception as e:
         how = f" with device_map={device_map!r}" if device_map else ""
         raise LoadError(f"{model.path}: the model did not load{how} ({_first_line(e)})") from e
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        # a task head the checkpoint lacks (an encoder saved bare, loaded for SEQ_CLS): random values,
+        # drawn anew on every load, so the bare base's outputs differ between targets by more than numerics
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        notes.append(
+            f"{cls.__name__} has tensors the checkpoint lacks, initialised at random on each load: "
+            f"{', '.join(missing[:3])}{more}"
+        )
     m.eval()
     if stored is not None:
         setattr(m, FLOAT64_FORWARD, True)
+    setattr(m, LOAD_NOTES, notes)
     return m
+
+
+# Set by `load_base` on the model: its notes (`load_notes`).
+LOAD_NOTES = "weightdrift_load_notes"
+EAGER_EXPERTS_NOTE = (
+    "mixture-of-experts layers ran transformers' per-expert loop (experts_implementation='eager') "
+    "in float64: its grouped matmul has no float64 kernel"
+)
+
+
+def _has_experts_implementation(cls: type) -> bool:
+    """Whether the class has mixture-of-experts layers whose implementation a load can choose."""
+    can = getattr(cls, "_can_set_experts_implementation", None)
+    return bool(can and can())
+
+
+def load_notes(model) -> list[str]:
+    """What `load_base` noted about how this model (or the base under a PeftModel) was loaded."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return list(getattr(inner, LOAD_NOTES, []))
 
 
 # Set on a model held in its checkpoint's dtype whose forward runs in float64 block by block.
@@ -232,6 +331,74 @@ def float64_forward(model: torch.nn.Module) -> Iterator[None]:
             h.remove()
 
 
+# Set on a model by `float32_fallbacks`: the names of the ops that ran in float32 in its float64 forward.
+FLOAT32_FALLBACKS = "weightdrift_float32_fallbacks"
+
+
+class _Float32Fallback(torch.overrides.TorchFunctionMode):
+    """Runs an op that fails on float64 inputs (no float64 kernel) in float32 from those inputs and
+    widens its result back, recording the op's name; any other failure is raised as it was."""
+
+    def __init__(self, used: set[str]):
+        super().__init__()
+        self.used = used
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_flatten, tree_map
+
+        kwargs = kwargs or {}
+        try:
+            return func(*args, **kwargs)
+        except (RuntimeError, NotImplementedError) as e:
+            floating = [
+                t
+                for t in tree_flatten((args, kwargs))[0]
+                if isinstance(t, torch.Tensor) and t.is_floating_point()
+            ]
+            # only where every float input is float64: a float64 tensor meeting a float32 one is a bug to show
+            if not floating or any(t.dtype != torch.float64 for t in floating):
+                raise
+            narrow_args, narrow_kwargs = tree_map(
+                lambda t: (
+                    t.to(torch.float32) if isinstance(t, torch.Tensor) and t.dtype == torch.float64 else t
+                ),
+                (args, kwargs),
+            )
+            try:
+                out = func(*narrow_args, **narrow_kwargs)
+            except Exception:
+                raise e from None  # not a float64 matter: the op's own error
+            self.used.add(getattr(func, "__name__", str(func)))
+            return tree_map(
+                lambda t: (
+                    t.to(torch.float64) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t
+                ),
+                out,
+            )
+
+
+@contextlib.contextmanager
+def float32_fallbacks(model: torch.nn.Module) -> Iterator[None]:
+    """Inside, an op of a float64 forward that has no float64 kernel runs in float32 from its float64
+    inputs instead of failing the reference; `float32_fallback_notes(model)` names those ops after."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    used = getattr(inner, FLOAT32_FALLBACKS, None)
+    if used is None:
+        used = set()
+        setattr(inner, FLOAT32_FALLBACKS, used)
+    with _Float32Fallback(used):
+        yield
+
+
+def float32_fallback_notes(model) -> list[str]:
+    """A note per op that `float32_fallbacks` ran in float32 in this model's forwards."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return [
+        f"{op} has no float64 kernel here: computed in float32 from float64 inputs, its result widened to float64"
+        for op in sorted(getattr(inner, FLOAT32_FALLBACKS, ()))
+    ]
+
+
 def read_adapter_config(adapter: AdapterRef) -> dict:
     """The adapter's `adapter_config.json` (`core.validate` checks it); LoadError saying what is wrong."""
     try:
@@ -285,15 +452,17 @@ def load_isolated(
     note says so.
     """
     stage("load base")
-    model = load_base(base, target)
-    yield Loaded(adapter=None, model=model, notes=[])
+    task_type = adapters_task_type(adapters)
+    model = load_base(base, target, task_type=task_type)
+    yield Loaded(adapter=None, model=model, notes=load_notes(model))
     for i, adapter in enumerate(adapters):
         notes: list[str] = []
         upcast = _pissa_upcast(adapter, target)
         if i > 0 or upcast:
             stage(f"load base for {adapter.name}")
             del model
-            model = load_base(base, target, dtype=torch.float32 if upcast else None)
+            model = load_base(base, target, dtype=torch.float32 if upcast else None, task_type=task_type)
+        notes.extend(load_notes(model))
         stage(f"load adapter {adapter.name}")
         peft_model = attach_adapter(model, adapter, target)
         if upcast and float64_offload_dtype(base) is not None:
@@ -386,7 +555,7 @@ def load_onto(
             "PiSSA cannot be initialised in float64; the model was cast to float32 for this load and "
             "back to float64 (exact for weights stored in float32)"
         )
-    return peft_model, notes + _peft_warnings(caught)
+    return peft_model, load_notes(model) + notes + _peft_warnings(caught)
 
 
 def load_from_pretrained_loop(
@@ -406,8 +575,8 @@ def load_from_pretrained_loop(
     from peft import PeftModel
 
     stage("load base")
-    model = load_base(base, target)
-    yield Loaded(adapter=None, model=model, notes=[])
+    model = load_base(base, target, task_type=adapters_task_type(adapters))
+    yield Loaded(adapter=None, model=model, notes=load_notes(model))
     for adapter in adapters:
         stage(f"load adapter {adapter.name}")
 
@@ -430,8 +599,8 @@ def _load_adapter_strategy(low_cpu_mem_usage: bool) -> Callable[..., Iterator[Lo
         from peft import PeftModel
 
         stage("load base")
-        model = load_base(base, target)
-        yield Loaded(adapter=None, model=model, notes=[])
+        model = load_base(base, target, task_type=adapters_task_type(adapters))
+        yield Loaded(adapter=None, model=model, notes=load_notes(model))
         peft_model = None
         for adapter in adapters:
             stage(f"load adapter {adapter.name}")
@@ -487,15 +656,60 @@ STRATEGIES["load_adapter"] = Strategy(load=load_adapter_loop, stages=shared_base
 STRATEGIES["load_adapter_low_mem"] = Strategy(load=load_adapter_low_mem, stages=shared_base_stages)
 
 
-def probe_input_ids(probe: ProbeInputs, vocab_size: int, seed: int) -> torch.Tensor:
-    """The run's fixed probe token ids (explicit, or drawn from the seed on the CPU)."""
+def probe_inputs(config, cls: type, probe: ProbeInputs, seed: int) -> dict[str, torch.Tensor]:
+    """The run's fixed probe, as keyword arguments of the model's forward, on the CPU.
+
+    What the model takes decides the family: token ids (explicit, or drawn from the seed), pixel
+    values (`num_channels` × `image_size`², standard normal), or audio features (`num_mel_bins` ×
+    twice `max_source_positions` frames, as Whisper's encoder requires, with decoder ids beside
+    them). Float inputs are drawn in float32, so every dtype's model sees the same values (a
+    float64 model gets them widened, exactly). LoadError when the model takes none of these, or
+    explicit ids were given for a model that takes no ids.
+    """
+    import inspect
+
+    takes = inspect.signature(cls.forward).parameters
+    g = torch.Generator().manual_seed(seed)
+    name = type(config).__name__
+    shape = (probe.batch, probe.seq_len)
+    if "input_ids" in takes:
+        inputs = {"input_ids": probe_input_ids(probe, vocab_size(config), g)}
+        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+        if getattr(config, "is_encoder_decoder", False):
+            inputs["decoder_input_ids"] = inputs["input_ids"]
+        return inputs
+    if probe.input_ids:
+        raise LoadError(f"probe input ids were given, but {cls.__name__} takes no token ids")
+    if "pixel_values" in takes:
+        side = getattr(config, "image_size", None)
+        channels = getattr(config, "num_channels", None)
+        if side is None or channels is None:
+            raise LoadError(f"{name} has no image_size or num_channels to make a probe image of")
+        h, w = (side, side) if isinstance(side, int) else tuple(side)
+        return {"pixel_values": torch.randn(probe.batch, channels, h, w, generator=g)}
+    if "input_features" in takes:
+        mels = getattr(config, "num_mel_bins", None)
+        positions = getattr(config, "max_source_positions", None)
+        if mels is None or positions is None:
+            raise LoadError(f"{name} has no num_mel_bins or max_source_positions to make probe audio of")
+        # Whisper's encoder convolves with stride 2 and requires exactly 2 × max_source_positions frames.
+        inputs = {"input_features": torch.randn(probe.batch, mels, 2 * positions, generator=g)}
+        if "decoder_input_ids" in takes:
+            inputs["decoder_input_ids"] = torch.randint(0, vocab_size(config), shape, generator=g)
+        return inputs
+    raise LoadError(
+        f"{cls.__name__} takes neither token ids, pixel values nor audio features; no probe input can be made for it"
+    )
+
+
+def probe_input_ids(probe: ProbeInputs, vocab_size: int, generator: torch.Generator) -> torch.Tensor:
+    """The run's fixed probe token ids (explicit, or drawn from `generator` on the CPU)."""
     if probe.input_ids:
         ids = torch.tensor(probe.input_ids, dtype=torch.long)
         if int(ids.max()) >= vocab_size:
             raise LoadError(f"probe input id {int(ids.max())} is outside the vocabulary (size {vocab_size})")
         return ids
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab_size, (probe.batch, probe.seq_len), generator=g)
+    return torch.randint(0, vocab_size, (probe.batch, probe.seq_len), generator=generator)
 
 
 def _first_line(e: BaseException) -> str:

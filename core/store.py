@@ -199,6 +199,37 @@ def table_problem(path: Path) -> str | None:
     return _VERIFIED[key]
 
 
+# In a run's captures folder when its reference could not run and another target stood in for it.
+REFERENCE_FALLBACK = "reference_fallback.json"
+
+
+def write_reference_fallback(run_dir: Path, reference: str, instead_of: str, error: str) -> None:
+    """Record that `reference` stands in for `instead_of`, which failed with `error` (its first line)."""
+    first = error.strip().splitlines()[0] if error.strip() else "no reason given"
+    atomic_write_json(
+        run_dir / "captures" / REFERENCE_FALLBACK,
+        {"reference": reference, "instead_of": instead_of, "error": first},
+    )
+
+
+def read_reference_fallback(run_dir: Path) -> dict[str, str] | None:
+    """The run's reference fallback (`write_reference_fallback`), or None when its reference ran."""
+    path = run_dir / "captures" / REFERENCE_FALLBACK
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def reference_fallback_note(fallback: dict[str, str]) -> str:
+    """The warning on the rows and the page of a run compared against a stand-in reference."""
+    return (
+        f"the reference {fallback.get('instead_of')} did not run ({fallback.get('error')}); compared against "
+        f"{fallback.get('reference')}, the next-best target, instead"
+    )
+
+
 @dataclass
 class RunRecord:
     """A stored run as read back: its spec, its status and where it lives."""
@@ -254,6 +285,9 @@ class RunRecord:
     def notes(self) -> list[str]:
         """What the workers noted while capturing (e.g. how a reference was made), each once."""
         notes: dict[str, None] = {}
+        fallback = read_reference_fallback(self.run_dir)
+        if fallback is not None:
+            notes[reference_fallback_note(fallback)] = None
         for _, doc in self._capture_docs():
             found = doc.get("notes", [])
             if isinstance(found, list):

@@ -234,3 +234,21 @@ def validate_inputs(spec: ProbeSpec) -> None:
     validate_merge_subset(spec.merge_subset, names, spec.checks)
     for adapter in spec.adapters:
         validate_adapter(adapter, base_shapes, spec.base.path)
+    if base_shapes is not None:  # a local folder (a hub id's config is fetched by the worker)
+        validate_family(spec)
+
+
+def validate_family(spec: ProbeSpec) -> None:
+    """The model's class (from its config and the adapters' task head) and its probe input, from the
+    config alone: a model the tool cannot run is refused here, not after loading it."""
+    from core.loading import LoadError, adapters_task_type, load_config, model_class, probe_inputs
+
+    try:
+        config = load_config(spec.base)
+    except LoadError as e:
+        raise InputError(str(e)) from e  # it names the folder
+    try:
+        cls = model_class(config, adapters_task_type(spec.adapters))
+        probe_inputs(config, cls, spec.probe, spec.seed)
+    except LoadError as e:
+        raise InputError(f"base model {spec.base.path}: {e}") from e

@@ -14,7 +14,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -110,10 +110,17 @@ def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
     The shared load loop (strategy `isolated`) serves every check that does not run in its own
     worker; a task with a `variant` runs that one own-worker check's `run` instead.
     """
-    from core.capture import Capture, capture_folder_name
+    from core.capture import BASE, Capture, capture_folder_name
     from core.checks import get_checks
     from core.checks.base import CaptureContext
-    from core.loading import STRATEGIES, load_config, probe_input_ids, vocab_size
+    from core.loading import (
+        STRATEGIES,
+        adapters_task_type,
+        float32_fallback_notes,
+        load_config,
+        model_class,
+        probe_inputs,
+    )
     from core.spec import ProbeSpec, Target
     from core.targets import apply_flags, environment
 
@@ -141,8 +148,11 @@ def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
         variant=variant,
     )
     started = time.time()
-    input_ids = probe_input_ids(spec.probe, vocab_size(load_config(spec.base)), spec.seed)
-    ctx = CaptureContext(spec=spec, target=target, input_ids=input_ids, run_dir=run_dir)
+    config = load_config(spec.base)
+    probe = probe_inputs(
+        config, model_class(config, adapters_task_type(spec.adapters)), spec.probe, spec.seed
+    )
+    ctx = CaptureContext(spec=spec, target=target, probe=probe, run_dir=run_dir)
     if own is not None:
         own.run(ctx, variant, progress, capture)
     else:
@@ -153,12 +163,18 @@ def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
             progress("capture " + ("base" if loaded.adapter is None else loaded.adapter.name))
             for check in checks:
                 check.capture(ctx, loaded, capture)
-            if loaded.notes:
-                # per adapter for the rows that need them, and as text for the run's notes
-                capture.meta.setdefault("load_notes", {})[loaded.adapter.name] = loaded.notes
-                capture.notes.extend(f"{loaded.adapter.name}: {note}" for note in loaded.notes)
+            # how it was loaded, and the ops its forwards computed in float32 (a float64 reference's)
+            fallbacks = [n for n in float32_fallback_notes(loaded.model) if n not in loaded.notes]
+            notes = loaded.notes + fallbacks
+            if notes:
+                # per model (the bare base too) for the rows that need them, and as text for the run's notes
+                name = BASE if loaded.adapter is None else loaded.adapter.name
+                capture.meta.setdefault("load_notes", {})[name] = notes
+                capture.notes.extend(f"{name}: {note}" for note in notes)
     capture.meta["timings"] = {"load_and_capture_s": round(time.time() - started, 3)}
-    capture.meta["input_ids"] = input_ids.tolist()
+    capture.meta["probe"] = {name: list(t.shape) for name, t in probe.items()}
+    if "input_ids" in probe:
+        capture.meta["input_ids"] = probe["input_ids"].tolist()
     progress("write capture")
     capture.save(run_dir / "captures" / capture_folder_name(target.slug, own.name if own else "", variant))
 
@@ -198,8 +214,9 @@ def run_compare(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
     """Turn the run's captures into the metrics table (`metrics.parquet`) and the checks' own tables."""
     from core.capture import Capture, capture_folder_name
     from core.checks import get_checks
-    from core.spec import ProbeSpec
-    from core.store import Store
+    from core.checks.base import add_note
+    from core.spec import ProbeSpec, Target
+    from core.store import Store, read_reference_fallback, reference_fallback_note
 
     run_dir = Path(task.run_dir)
     store = Store(run_dir.parent.parent)
@@ -220,6 +237,9 @@ def run_compare(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
         ]
     total = sum(c.compare_steps(by_check[c.name]) for c in checks) + 1
     progress = Progress(emit, should_cancel, total=total, target=None)
+    fallback = read_reference_fallback(run_dir)
+    if fallback is not None:  # the reference did not run: another target stands in (the engine chose it)
+        spec = replace(spec, reference=Target.parse(fallback["reference"]))
     ref_folder = captures_dir / spec.reference.slug
     reference_capture = Capture.load(ref_folder) if ref_folder.exists() else None
     rows: list[dict[str, Any]] = []
@@ -227,6 +247,10 @@ def run_compare(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
     for check in checks:
         rows.extend(check.compare(spec, by_check[check.name], reference_capture, progress))
         tables.update(check.tables(spec, by_check[check.name]))
+    if fallback is not None:
+        for row in rows:
+            if row.get("reference") == fallback["reference"]:
+                add_note(row, reference_fallback_note(fallback))
     progress("write metrics")
     for name, table in tables.items():
         store.write_table(run_dir.name, name, table)

@@ -74,12 +74,12 @@ def run_strategy(ws: dict, strategy: str, names: tuple[str, ...], target: Target
     ):
         name = "-" if loaded.adapter is None else loaded.adapter.name
         step = {
-            "logits": forward_output(loaded.model, IDS)[1],
+            "logits": forward_output(loaded.model, {"input_ids": IDS})[1],
             "fingerprint": consistency.fingerprint(loaded.model),
         }
         if loaded.adapter is not None:
             with loaded.model.disable_adapter():
-                step["disabled"] = forward_output(loaded.model, IDS)[1]
+                step["disabled"] = forward_output(loaded.model, {"input_ids": IDS})[1]
             step["structure"] = consistency.module_structure(loaded.model)
             step["notes"] = loaded.notes
             step["base_tensors"] = dict(consistency.base_parameters(loaded.model))

@@ -247,7 +247,9 @@ def _weights_rows(tmp_path, model, file):
     spec = ProbeSpec(base=ModelRef(str(tmp_path)), adapters=(), targets=(Target.parse("cpu/float32"),))
     check = CHECKS["weights"]
     capture = Capture(target="cpu/float32")
-    ctx = CaptureContext(spec=spec, target=spec.targets[0], input_ids=torch.zeros(1, 1, dtype=torch.long))
+    ctx = CaptureContext(
+        spec=spec, target=spec.targets[0], probe={"input_ids": torch.zeros(1, 1, dtype=torch.long)}
+    )
     check.capture(ctx, Loaded(adapter=None, model=model, notes=[]), capture)
     reference = check.reference(spec, capture.keys("weights"), None)
     return {r["tensor"]: r for r in check.rows(spec, capture, reference)}

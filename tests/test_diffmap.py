@@ -278,7 +278,17 @@ def test_deltas_drilldown_reads_one_base_weight_only(run, monkeypatch):
         calls.append((prefix, names))
         return real(folder, prefix=prefix, names=names)
 
+    import core.conversion
+
+    real_loaded = core.conversion.read_loaded
+
+    def spy_loaded(folder, names):
+        calls.append(("", set(names)))
+        return real_loaded(folder, names)
+
     monkeypatch.setattr("core.checks.deltas.read_checkpoint", spy)
+    # the base is read by the loaded model's names (transformers may rename keys on load)
+    monkeypatch.setattr("core.checks.deltas.read_loaded", spy_loaded)
     d = element_diff(record, "deltas", row["target"], row["adapter"], row["tensor"])
     assert ("", {f"{row['tensor']}.weight"}) in calls  # the base: one weight, read lazily
     assert float(np.abs(d.diff).max()) == row["max_abs"]

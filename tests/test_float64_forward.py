@@ -25,7 +25,9 @@ def _outputs(base: str, adapters: tuple[AdapterRef, ...], offload: bool, monkeyp
             assert (
                 torch.float64 not in dtypes or loaded.adapter is not None and "pissa" in loaded.adapter.name
             )
-        out.append((loaded.adapter.name if loaded.adapter else "-", forward_output(loaded.model, ids)))
+        out.append(
+            (loaded.adapter.name if loaded.adapter else "-", forward_output(loaded.model, {"input_ids": ids}))
+        )
         # the forward leaves the weights as they were held
         assert {p.dtype for p in loaded.model.parameters()} == dtypes
     return out

@@ -120,7 +120,7 @@ def _direct(manifest, adapters, targets):
     for target in [*spec.targets, REFERENCE_TARGET]:
         capture = Capture(target=str(target))
         for loaded in load_isolated(spec.base, spec.adapters, target):
-            check.capture(CaptureContext(spec=spec, target=target, input_ids=ids), loaded, capture)
+            check.capture(CaptureContext(spec=spec, target=target, probe={"input_ids": ids}), loaded, capture)
         captures[str(target)] = capture
     keys = sorted({k for c in captures.values() for k in c.keys("merge")}, key=lambda k: k.encode())
     reference = check.reference(spec, keys, captures[str(REFERENCE_TARGET)])

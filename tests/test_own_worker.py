@@ -34,7 +34,7 @@ class VariantCheck(Check):
     def run(self, ctx, variant, stage, out):
         stage("first")
         stage("second")
-        out.add(TensorKey(self.name, "-", "ids"), ctx.input_ids.to(torch.float32))
+        out.add(TensorKey(self.name, "-", "ids"), ctx.probe["input_ids"].to(torch.float32))
         out.meta[self.name] = {"variant": variant, "run_dir": str(ctx.run_dir)}
 
     def capture(self, ctx, loaded, out):

@@ -108,7 +108,7 @@ class AdaptersCheck(Check):
             model = loaded.model
             name = BASE if loaded.adapter is None else loaded.adapter.name
             stage(f"capture {'base' if loaded.adapter is None else name}")
-            kind, logits = forward_output(model, ctx.input_ids)
+            kind, logits = forward_output(model, ctx.probe)
             meta["output"] = kind
             out.add(TensorKey(self.name, name, kind), logits)
             fp = consistency.fingerprint(model)
@@ -118,9 +118,7 @@ class AdaptersCheck(Check):
             step: dict[str, Any] = {"adapter": name, "error": None, "notes": list(loaded.notes)}
             try:
                 with model.disable_adapter():
-                    out.add(
-                        TensorKey(self.name, name, DISABLED + kind), forward_output(model, ctx.input_ids)[1]
-                    )
+                    out.add(TensorKey(self.name, name, DISABLED + kind), forward_output(model, ctx.probe)[1])
             except Exception as e:  # a PEFT model kind without disable_adapter(): say so, go on
                 step["notes"].append(f"disable_adapter() failed: {type(e).__name__}: {e}")
             changed = consistency.changed_tensors(pristine, fp)

@@ -63,7 +63,8 @@ class CaptureContext:
 
     spec: ProbeSpec
     target: Target
-    input_ids: torch.Tensor  # on the CPU; checks move it where the model lives
+    # the model's forward arguments (`loading.probe_inputs`), on the CPU; `forward_output` moves them
+    probe: dict[str, torch.Tensor]
     run_dir: Path | None = None  # the run's folder (e.g. to save a merged model into)
 
 

@@ -19,6 +19,7 @@ from core import formulas
 from core.capture import Capture, TensorKey
 from core.checkpoint import Checkpoint
 from core.checks.base import CaptureContext, Check, Reference, add_note, layer_of
+from core.conversion import read_loaded
 from core.loading import Loaded, read_adapter_config, read_checkpoint
 from core.spec import ProbeSpec, Target
 
@@ -107,7 +108,8 @@ class DeltasCheck(Check):
         keys = [k for k in keys if not k.name.startswith(SAVED_PREFIX)]
         base = {
             k: v.to(torch.float64)
-            for k, v in read_checkpoint(spec.base.path, names={f"{k.name}.weight" for k in keys}).items()
+            # by the names the loaded model has (transformers may rename checkpoint keys on load)
+            for k, v in read_loaded(spec.base.path, {f"{k.name}.weight" for k in keys}).items()
         }
         tensors: dict[str, torch.Tensor] = {}
         notes: dict[str, str] = {}

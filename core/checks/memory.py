@@ -146,7 +146,7 @@ class MemoryCheck(Check):
         stage("first forward")
         forward_error = None
         try:
-            forward_output(model, ctx.input_ids)
+            forward_output(model, ctx.probe)
         except Exception as e:  # tensors on different devices: a finding, not a crash of the run
             forward_error = _one_line(e)
         sampler.sample(memory.FIRST_FORWARD)
@@ -189,10 +189,13 @@ class MemoryCheck(Check):
         out.notes.extend(notes)
 
     def _load_base(self, spec: ProbeSpec, target: Target, variant: str):
-        from core.loading import load_base
+        from core.loading import adapters_task_type, load_base
 
         # device_map="auto": accelerate spreads the base over every GPU, in the target's dtype
-        return load_base(spec.base, target, device_map="auto" if variant == DEVICE_MAP_AUTO else None)
+        device_map = "auto" if variant == DEVICE_MAP_AUTO else None
+        return load_base(
+            spec.base, target, device_map=device_map, task_type=adapters_task_type(spec.adapters)
+        )
 
     def _attach(self, model, adapter: AdapterRef, target: Target, variant: str) -> tuple[Any, list[str]]:
         """The model with `adapter` loaded the variant's way, and how the load went (notes)."""

@@ -41,7 +41,16 @@ from core.capture import Capture, TensorKey
 from core.checkpoint import Checkpoint
 from core.checks.base import CaptureContext, Check, Reference, add_note, layer_of, tolerance
 from core.checks.outputs import forward_output, nonfinite_output
-from core.loading import Loaded, attach_adapter, load_base, read_adapter_config, read_checkpoint, torch_dtype
+from core.conversion import read_loaded
+from core.loading import (
+    Loaded,
+    adapters_task_type,
+    attach_adapter,
+    load_base,
+    read_adapter_config,
+    read_checkpoint,
+    torch_dtype,
+)
 from core.spec import AdapterRef, ProbeSpec, Target
 from core.validate import TIED_EMBEDDING_NAMES
 
@@ -160,7 +169,7 @@ class MergeCheck(Check):
 
         def output(stage: str, m) -> torch.Tensor:
             # Named for what the model returns: logits, or an encoder's last_hidden_state.
-            kind, t = forward_output(m, ctx.input_ids)
+            kind, t = forward_output(m, ctx.probe)
             self._add(out, adapter, "output", stage, kind, t)
             return t
 
@@ -328,14 +337,14 @@ class MergeCheck(Check):
         names = [a.name for a in chosen]
         label = _subset_label(names)
         meta["subset"] = names
-        model = load_base(ctx.spec.base, ctx.target)
+        model = load_base(ctx.spec.base, ctx.target, task_type=adapters_task_type(ctx.spec.adapters))
         for a in chosen:
             model = attach_adapter(model, a, ctx.target)
         layers = {m: lay for m, (lay, _) in formulas.adapted_modules(model).items()}
         state = merging.base_state(layers)
 
         def output(stage: str) -> None:
-            self._add(out, label, "output", stage, *forward_output(model, ctx.input_ids))
+            self._add(out, label, "output", stage, *forward_output(model, ctx.probe))
 
         def merged_stage(stage: str) -> None:
             for module, layer in layers.items():
@@ -393,7 +402,7 @@ class MergeCheck(Check):
                 names |= {
                     n for n in Checkpoint.open(spec.base.path).names() if n.endswith(TIED_EMBEDDING_NAMES)
                 }
-            base = read_checkpoint(spec.base.path, names=names)
+            base = read_loaded(spec.base.path, names)  # by the loaded model's names
             base = _with_tied_aliases(spec, base)
             by_name = {a.name: a for a in spec.adapters}
             cache: dict[str, tuple[dict, dict]] = {}

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -10,19 +11,27 @@ import torch
 from core import metrics
 from core.capture import BASE, Capture, TensorKey
 from core.checks.base import CaptureContext, Check, Reference, add_note
-from core.loading import Loaded, float64_forward
+from core.loading import FLOAT64_FORWARD, Loaded, float32_fallbacks, float64_forward
 from core.spec import ProbeSpec, Target
 
 
-def forward_output(model, input_ids: torch.Tensor) -> tuple[str, torch.Tensor]:
-    """Run the model on `input_ids`; return ("logits", …) or ("last_hidden_state", …)."""
-    device = next(model.parameters()).device
-    ids = input_ids.to(device)
-    kwargs: dict[str, Any] = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    config = getattr(model, "config", None)
-    if getattr(config, "is_encoder_decoder", False):
-        kwargs["decoder_input_ids"] = ids
-    with torch.no_grad(), float64_forward(model):
+def forward_output(model, probe: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor]:
+    """Run the model on the probe (`loading.probe_inputs`); return ("logits", …) or ("last_hidden_state", …).
+
+    Float inputs (pixel values, audio features) are cast to the dtype the model computes in: its
+    parameters', or float64 for a model held narrow for a float64 forward. In float64, an op with no
+    float64 kernel runs in float32 (`loading.float32_fallbacks`), named by `float32_fallback_notes`.
+    """
+    param = next(model.parameters())
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    dtype = torch.float64 if getattr(inner, FLOAT64_FORWARD, False) else param.dtype
+    kwargs: dict[str, Any] = {
+        name: t.to(param.device, dtype=dtype if t.is_floating_point() else t.dtype)
+        for name, t in probe.items()
+    }
+    # a reference's op without a float64 kernel runs in float32 rather than failing the run
+    fallback = float32_fallbacks(model) if dtype == torch.float64 else contextlib.nullcontext()
+    with torch.no_grad(), float64_forward(model), fallback:
         out = model(**kwargs)
     logits = getattr(out, "logits", None)
     if logits is not None:
@@ -36,7 +45,7 @@ class OutputsCheck(Check):
     needs_reference_target = True
 
     def capture(self, ctx: CaptureContext, loaded: Loaded, out: Capture) -> None:
-        kind, tensor = forward_output(loaded.model, ctx.input_ids)
+        kind, tensor = forward_output(loaded.model, ctx.probe)
         adapter = BASE if loaded.adapter is None else loaded.adapter.name
         out.add(TensorKey(self.name, adapter, kind), tensor)
 

