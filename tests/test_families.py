@@ -36,8 +36,9 @@ from core.validate import InputError
 FAMILIES = ("vit", "whisper", "mixtral", "bart")
 TARGETS = ("cpu/float32", "cpu/bfloat16")
 # Families whose checkpoint keys transformers renames on load (ViT: `encoder.layer.*.attention.attention.query`
-# is loaded as `layers.*.attention.q_proj`).
-RENAMED_KEYS = {"vit"}
+# is loaded as `layers.*.attention.q_proj`): matched through transformers' own conversion (core.conversion),
+# so they run every default check like the others.
+RENAMED_KEYS: set[str] = set()
 
 
 def _models() -> dict[str, tuple[object, object]]:
@@ -183,7 +184,7 @@ PROBES = {
 # The logits each family's outputs rows compare: image classes; a token distribution per position.
 LOGITS = {"vit": "2x5", "whisper": "2x6x64", "mixtral": "2x6x64", "bart": "2x6x64"}
 # Attention blocks holding q_proj and v_proj: 2 layers; 2 encoder, 2 decoder and 2 cross-attention.
-ATTENTION_BLOCKS = {"mixtral": 2, "whisper": 6, "bart": 6}
+ATTENTION_BLOCKS = {"vit": 2, "mixtral": 2, "whisper": 6, "bart": 6}
 
 
 @pytest.mark.parametrize("family", FAMILIES)

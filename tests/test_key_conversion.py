@@ -231,7 +231,7 @@ def test_vit_base_weights_are_identical(tiny_vit):
     spec = ProbeSpec(base=ModelRef(base), adapters=(), targets=(Target.parse("cpu/float32"),))
     check = CHECKS["weights"]
     capture = Capture(target="cpu/float32")
-    ctx = CaptureContext(spec=spec, target=spec.targets[0], input_ids=torch.zeros(1, 1, dtype=torch.long))
+    ctx = CaptureContext(spec=spec, target=spec.targets[0], probe={})
     check.capture(ctx, Loaded(adapter=None, model=load_base(spec.base, spec.targets[0]), notes=[]), capture)
     reference = check.reference(spec, capture.keys("weights"), None)
     rows = {r["tensor"]: r for r in check.rows(spec, capture, reference)}
