@@ -19,7 +19,7 @@ from dashboard.figures_merge import (
     worst_modules,
 )
 from dashboard.state import bound_select, metrics_table, run_table
-from dashboard.text import inert, literal
+from dashboard.text import inert, literal, trusted
 from dashboard.ui import (
     METRIC_COLUMN_CONFIG,
     csv_download,
@@ -40,8 +40,9 @@ rows = table[table["check"] == "merge"] if len(table) else table
 NO_MERGE = {"not covered": "Merge not covered", "does not apply": "Merge does not apply"}
 all_findings = run_table(record, "merge_findings")
 no_merge = all_findings[all_findings["finding"].isin(list(NO_MERGE))] if len(all_findings) else all_findings
-for finding, detail in dict.fromkeys(zip(no_merge["finding"], no_merge["detail"], strict=True)):
-    st.info(f"**{NO_MERGE[finding]}**: {literal(detail)}", icon=":material/block:")
+pairs = zip(no_merge["finding"], no_merge["detail"], strict=True) if len(no_merge) else ()
+for finding, detail in dict.fromkeys(pairs):
+    st.info(f"**{trusted(NO_MERGE[finding])}**: {literal(detail)}", icon=":material/block:")
 if rows.empty:
     if not len(no_merge):
         st.info("This run did not run the `merge` check (CLI: `--check merge`).")
