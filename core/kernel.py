@@ -45,6 +45,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from core.sketch import as_2d
+
 __all__ = [
     "DEFAULT_BLOCK",
     "PARALLEL_MIN",
@@ -219,12 +221,8 @@ def to_kernel_array(t: torch.Tensor) -> np.ndarray:
     return flat.view(torch.uint8).numpy()
 
 
-def default_fold(shape: tuple[int, ...]) -> tuple[int, int]:
-    """The 2-D reading of a tensor for its pooled map: (rows, cols) = (prod(shape[:-1]), shape[-1])."""
-    if len(shape) == 0:
-        return 1, 1
-    cols = shape[-1]
-    return math.prod(shape[:-1]), cols
+# The 2-D reading of a tensor for its pooled map: the drill-down's own fold (`core.sketch.as_2d`).
+default_fold = as_2d
 
 
 def hist_bin_edges(bins: np.ndarray | int) -> np.ndarray:
