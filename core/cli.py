@@ -319,13 +319,23 @@ def watch(job, stream=sys.stderr, interval: float = 0.25) -> None:
 
 
 def cmd_run(args) -> int:
-    from core import report
     from core.engine import Engine, InProcessRunner, ProcessRunner
+
+    runner = InProcessRunner() if args.in_process else ProcessRunner()
+    runner.warm()  # the first worker imports its libraries while this process checks the inputs
+    try:
+        return _run_and_report(args, Engine, runner)
+    finally:
+        runner.kill_all()  # a worker made ready for a task that never came
+
+
+def _run_and_report(args, engine_class, runner) -> int:
+    from core import report
     from core.store import RunRecord
 
     home = weightdrift_home(args.home)
     spec = spec_from_args(args, home)
-    engine = Engine(home, runner=InProcessRunner() if args.in_process else ProcessRunner())
+    engine = engine_class(home, runner=runner)
     job = engine.submit(spec)
     print(
         f"run {job.run_id}: {len(spec.targets)} target(s), checks {', '.join(spec.checks)}", file=sys.stderr
