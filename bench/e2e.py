@@ -401,12 +401,15 @@ def run_e2e_size(
             run["run_bytes"] / checkpoint.model_bytes if "run_bytes" in run else None
         ),
     }
+    # The baseline is the by-hand script per target (its table: 5.6 s + 6.6 s for a 374M
+    # model, which only whole processes take; the load and forward alone take ~1 s there). The
+    # load+forward alone is reported beside it, as `run_over_baseline`.
     targets_met = {
-        f"run ≤ {TARGET_RUN_OVER_BASELINE:g}× summed baseline": _meets(
+        f"run ≤ {TARGET_RUN_OVER_BASELINE:g}× summed by-hand scripts": _meets(
             "run_over_baseline",
             size,
-            ratios["run_over_baseline"],
-            (ratios["run_over_baseline"] or float("inf")) <= TARGET_RUN_OVER_BASELINE,
+            ratios["run_over_baseline_processes"],
+            (ratios["run_over_baseline_processes"] or float("inf")) <= TARGET_RUN_OVER_BASELINE,
         ),
         f"peak RSS ≤ {TARGET_PEAK_RSS_OVER_CHECKPOINT:g}× checkpoint": _meets(
             "peak_rss",
