@@ -413,7 +413,7 @@ def import_captures(placed: Sequence[Imported], run_dir: Path) -> None:
                 "label": p.machine,
                 "created": s.created,
                 "source_run": s.source_run,
-                "targets": [str(p.target(c.target)) for c in s.captures if not c.check],
+                "targets": [str(replace(t, machine=p.machine)) for t in s.spec.targets],
                 "checkpoint_hashes": s.hashes.to_dict(),
             }
         )

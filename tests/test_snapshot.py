@@ -209,3 +209,51 @@ def test_target_names_carry_their_machine():
     assert t.slug != t.local.slug
     with pytest.raises(SpecError, match="machine 'a b' must be"):
         Target.parse("a b/cpu/float32")
+
+
+def test_the_runs_page_imports_snapshots_and_every_page_renders_the_comparison(made, tmp_path, monkeypatch):
+    import sys
+    import time
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from apptest import make_app, no_exceptions, texts
+
+    _, files = made
+    home = tmp_path / "dash"
+    at = make_app(home, monkeypatch)
+    at.switch_page("views/runs.py").run()
+    no_exceptions(at)
+    at.text_area(key="runs.snapshot_paths").set_value(f"{files['a']}\n{files['b']}").run()
+    at.button(key="runs.compare").click().run()
+    no_exceptions(at)
+    store = Store(home)
+    (record,) = store.list_runs()
+    deadline = time.time() + 60
+    while store.open(record.run_id).status in ("queued", "running") and time.time() < deadline:
+        time.sleep(0.2)
+    assert store.open(record.run_id).status == "succeeded", store.open(record.run_id).error
+    machine = machine_name()
+    at.query_params["run"] = record.run_id
+    for page in (
+        "views/overview.py",
+        "views/drift.py",
+        "views/outputs.py",
+        "views/merge.py",
+        "views/runs.py",
+    ):
+        at.switch_page(page).run()
+        no_exceptions(at)
+    at.switch_page("views/overview.py").run()
+    shown = texts(at)
+    assert "Every target against every other" in shown and "Imported from snapshots" in shown
+    assert "setting(s) differ between targets" in shown  # threads differ: highlighted
+    (sources,) = [d.value for d in at.dataframe if "targets named" in d.value.columns]
+    assert list(sources["targets"]) == [f"{machine}/cpu/float32", f"{machine}/cpu/float32+threads=1"]
+    # a damaged file: said where the button is, nothing stored changes
+    bad = tmp_path / "bad.wdsnap"
+    bad.write_bytes(files["a"].read_bytes()[:1000])
+    at.switch_page("views/runs.py").run()
+    at.text_area(key="runs.snapshot_paths").set_value(str(bad)).run()
+    at.button(key="runs.compare").click().run()
+    assert "not a complete zip archive" in "\n".join(str(e.value) for e in at.error)
+    assert [r.run_id for r in store.list_runs()] == [record.run_id]
