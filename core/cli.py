@@ -442,7 +442,11 @@ def cmd_compare(args) -> int:
                 "--target names a target of this machine (DEVICE/DTYPE[+FLAG…]), without a machine"
             )
         spec, install = comparison(snapshots, targets, base, adapters)
-        return execute(args, home, spec, install=install)
+
+        def sources(record) -> dict[str, Any]:
+            return {"snapshots": record.imported()}
+
+        return execute(args, home, spec, install=install, after=sources)
 
 
 def execute(args, home: Path, spec: ProbeSpec, install=None, after=None) -> int:
@@ -527,7 +531,11 @@ def execute(args, home: Path, spec: ProbeSpec, install=None, after=None) -> int:
         for note in record.notes():
             print(f"note: {note}")
         for key, value in extra.items():
-            print(f"{key}: {value}")
+            if key == "snapshots":  # where an imported run's targets came from, one line each
+                for i in value:
+                    print(f"from {i['snapshot']}: machine {i['machine']}, targets {', '.join(i['targets'])}")
+            else:
+                print(f"{key}: {value}")
     return code
 
 

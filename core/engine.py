@@ -337,6 +337,12 @@ class Engine:
         starts; if it fails, the run is stored as failed with the reason and the error is raised.
         """
         self.validate(spec)
+        if install is None and any(t.machine for t in spec.targets):
+            named = next(t for t in spec.targets if t.machine)
+            raise SpecError(
+                f"target {named} names machine {named.machine}: a target of another machine comes from its "
+                "snapshot (python -m core compare FILE…); targets run here are DEVICE/DTYPE[+FLAG…]"
+            )
         record = self.store.create_run(spec)
         if install is not None:
             try:

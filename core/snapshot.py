@@ -92,10 +92,12 @@ class CheckpointHashes:
         )
 
     def to_dict(self) -> dict[str, Any]:
+        """As stored in a snapshot's manifest."""
         return {"base": self.base, "adapters": self.adapters}
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> CheckpointHashes:
+        """Read back `to_dict`'s form."""
         return CheckpointHashes(base=d.get("base"), adapters=dict(d.get("adapters") or {}))
 
     def difference(self, other: CheckpointHashes) -> str | None:
@@ -149,6 +151,7 @@ class Snapshot:
 
     @property
     def name(self) -> str:
+        """The file's name, as messages and the dashboard show it."""
         return self.path.name
 
 

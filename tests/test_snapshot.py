@@ -257,3 +257,19 @@ def test_the_runs_page_imports_snapshots_and_every_page_renders_the_comparison(m
     at.button(key="runs.compare").click().run()
     assert "not a complete zip archive" in "\n".join(str(e.value) for e in at.error)
     assert [r.run_id for r in store.list_runs()] == [record.run_id]
+
+
+def test_a_run_cannot_name_a_target_of_another_machine(demo_workspace, tmp_path, capfd):
+    code, _, err = _cli(
+        capfd,
+        "run",
+        *_base_args(demo_workspace),
+        "--target",
+        "gpu-box/cuda:0/float32",
+        "--home",
+        str(tmp_path),
+    )
+    assert code == 2
+    assert (
+        "target gpu-box/cuda:0/float32 names machine gpu-box: a target of another machine comes from" in err
+    )
