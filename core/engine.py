@@ -66,7 +66,8 @@ class Runner(ABC):
 
 
 class InProcessRunner(Runner):
-    """Runs tasks in the calling process (unit tests). Flags it applies stay applied."""
+    """Runs tasks in the calling process (unit tests). Flags it applies stay applied, but for the
+    thread count, which each task gets back as it found it."""
 
     def run(self, task, on_event, cancel, log_path) -> Outcome:
         import torch
