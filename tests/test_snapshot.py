@@ -273,3 +273,32 @@ def test_a_run_cannot_name_a_target_of_another_machine(demo_workspace, tmp_path,
     assert (
         "target gpu-box/cuda:0/float32 names machine gpu-box: a target of another machine comes from" in err
     )
+
+
+def test_snapshots_compare_where_the_model_files_are_not(made, tmp_path, capfd):
+    """A laptop without the model: the snapshots' recorded paths do not exist here, and the rows
+    are the same (every tensor was measured where it was captured)."""
+    _, files = made
+    moved = []
+    for name in ("a", "b"):
+        out = tmp_path / f"{name}.wdsnap"
+        with zipfile.ZipFile(files[name]) as src, zipfile.ZipFile(out, "w") as dst:
+            for item in src.infolist():
+                data = src.read(item)
+                if item.filename == "snapshot.json":
+                    manifest = json.loads(data)
+                    manifest["spec"]["base"]["path"] = "/elsewhere/tiny-llama"
+                    for a in manifest["spec"]["adapters"]:
+                        a["path"] = f"/elsewhere/{a['name']}"
+                    data = json.dumps(manifest).encode()
+                dst.writestr(item, data)
+        moved.append(str(out))
+    home = tmp_path / "home"
+    code, out, err = _cli(capfd, "compare", *moved, "--home", str(home), "--json")
+    here_code, here_out, _ = _cli(
+        capfd, "compare", str(files["a"]), str(files["b"]), "--home", str(home), "--json"
+    )
+    assert code == here_code and json.loads(out)["status"] == "succeeded", err
+    store = Store(home)
+    elsewhere, here = (store.open(json.loads(o)["run_id"]).metrics() for o in (out, here_out))
+    pd.testing.assert_frame_equal(_canonical(elsewhere), _canonical(here))

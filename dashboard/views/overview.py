@@ -89,7 +89,8 @@ envs = record.environments()
 env = environment_table(envs)
 n_diff = int(env["differs"].sum()) if len(env) else 0
 st.caption(
-    f"{n_diff:d} setting(s) differ between targets (highlighted). The reference cpu/float64 is listed too."
+    f"{n_diff:d} setting(s) differ between targets (highlighted). The reference "
+    f"{literal(record.spec.reference if record.spec else 'cpu/float64')} is listed too."
     if n_diff
     else "Every target ran with the same environment."
 )
