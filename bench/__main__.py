@@ -224,9 +224,11 @@ def e2e_notes(results: list[dict[str, Any]]) -> str:
         procs = sorted(r["run"].get("processes") or [], key=lambda p: -p["hwm"])[:4]
         if procs:
             out.append(
-                "  - run's process peaks (VmHWM): "
+                "  - run's process peaks (VmHWM / anonymous, sampled): "
                 + ", ".join(
-                    f"`{p['cmd']}` ({p['first_s']:.0f}–{p['last_s']:.0f} s) {_gb(p['hwm'])} GB" for p in procs
+                    f"`{p['cmd']}` ({p['first_s']:.0f}–{p['last_s']:.0f} s) {_gb(p['hwm'])} / "
+                    f"{_gb(p.get('anon_peak'))} GB"
+                    for p in procs
                 )
             )
         tasks = r["run"].get("task_durations_s") or {}

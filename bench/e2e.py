@@ -60,10 +60,20 @@ def vm_hwm(pid: int | str) -> int | None:
     Unlike ``ru_maxrss``, it starts afresh at exec: a child forked from a large parent does not
     inherit the parent's peak.
     """
+    return _status_bytes(pid, "VmHWM:")
+
+
+def rss_anon(pid: int | str) -> int | None:
+    """The process's anonymous resident memory now (RssAnon, bytes): its RSS without the pages of
+    mapped files (a memory-mapped checkpoint), which the kernel can drop and read again."""
+    return _status_bytes(pid, "RssAnon:")
+
+
+def _status_bytes(pid: int | str, field: str) -> int | None:
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -103,13 +113,21 @@ class TreeSampler:
                 seen = self.processes.get(p.pid)
                 if seen is None:
                     cmd = " ".join(p.cmdline()[1:5])[:120]
-                    seen = self.processes[p.pid] = {"cmd": cmd, "hwm": 0, "first_s": now, "last_s": now}
+                    seen = self.processes[p.pid] = {
+                        "cmd": cmd,
+                        "hwm": 0,
+                        "anon_peak": 0,
+                        "first_s": now,
+                        "last_s": now,
+                    }
                 seen["last_s"] = now  # lifetimes tell which task a worker ran (match the stages)
             except psutil.NoSuchProcess:  # exited between the listing and the read
                 continue
-            hwm = vm_hwm(p.pid)
+            hwm, anon = vm_hwm(p.pid), rss_anon(p.pid)
             if hwm is not None:
                 seen["hwm"] = max(seen["hwm"], hwm)
+            if anon is not None:  # sampled: a peak shorter than the interval can be missed
+                seen["anon_peak"] = max(seen["anon_peak"], anon)
         return TreeSample(t=now, rss=rss, n=n)
 
     def _loop(self) -> None:
@@ -401,12 +419,15 @@ def run_e2e_size(
             run["run_bytes"] / checkpoint.model_bytes if "run_bytes" in run else None
         ),
     }
+    # The issue's baseline is the by-hand script per target (its table: 5.6 s + 6.6 s for a 374M
+    # model, which only whole processes take; the load and forward alone take ~1 s there). The
+    # load+forward alone is reported beside it, as `run_over_baseline`.
     targets_met = {
-        f"run ≤ {TARGET_RUN_OVER_BASELINE:g}× summed baseline": _meets(
+        f"run ≤ {TARGET_RUN_OVER_BASELINE:g}× summed by-hand scripts": _meets(
             "run_over_baseline",
             size,
-            ratios["run_over_baseline"],
-            (ratios["run_over_baseline"] or float("inf")) <= TARGET_RUN_OVER_BASELINE,
+            ratios["run_over_baseline_processes"],
+            (ratios["run_over_baseline_processes"] or float("inf")) <= TARGET_RUN_OVER_BASELINE,
         ),
         f"peak RSS ≤ {TARGET_PEAK_RSS_OVER_CHECKPOINT:g}× checkpoint": _meets(
             "peak_rss",

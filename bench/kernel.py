@@ -146,14 +146,19 @@ def naive_stats(t: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> d
     }
 
 
-def _agreement(stats: Any, naive: dict[str, float]) -> dict[str, Any]:
-    """Whether compare's result matches the naive float64 one (the two measure the same thing)."""
+def _agreement(stats: Any, naive: dict[str, float], rule: torch.dtype) -> dict[str, Any]:
+    """Whether compare's result matches the naive float64 one (the two measure the same thing).
+
+    min_atol is exact in the rule's dtype (`rule`: isclose rounds there), the naive one is
+    float64's: they agree to a few units of the rule's dtype.
+    """
     checks: dict[str, bool] = {}
     for key in ("n_mismatch", "max_abs", "max_ulp"):
         checks[key] = getattr(stats, key, None) == naive[key]
     for key in ("mean_abs", "rmse", "rel_l2", "cos_sim", "min_atol"):
         got = getattr(stats, key, None)
-        checks[key] = got is not None and math.isclose(got, naive[key], rel_tol=1e-9, abs_tol=1e-300)
+        rel_tol = 8 * torch.finfo(rule).eps if key == "min_atol" else 1e-9
+        checks[key] = got is not None and math.isclose(got, naive[key], rel_tol=rel_tol, abs_tol=1e-300)
     return {"agree": all(checks.values()), "fields": checks}
 
 
@@ -260,7 +265,9 @@ def bench_case(case: str, size_bytes: int, repeats: int, seed: int = 0) -> dict[
             "max_abs": getattr(stats, "max_abs", None),
         },
         "allclose": bool(results["allclose"]),
-        "agreement_with_naive": _agreement(stats, results["naive f64"]),
+        "agreement_with_naive": _agreement(
+            stats, results["naive f64"], torch.promote_types(t.dtype, r.dtype)
+        ),
     }
 
 

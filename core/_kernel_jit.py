@@ -625,12 +625,86 @@ def _first_max(x):
 
 
 @njit(**_JIT)
-def _pass2(mode, t, r, lo, key, nvb, aux, flg, m_d, m_n, n_mis, rtol, out_i, out_f):
+def passes_narrow(mode, a, b, rtol, rtol32, x):
+    """torch.isclose(a, b, rtol, atol=x, equal_nan=True) for a finite pair in the promoted float32,
+    bfloat16 or float16 `mode`, with the float64 atol x converted as torch's CPU kernels do (via
+    float32, then the dtype: `kernel._scalar_in`)."""
+    x32 = np.float32(x)
+    tol_on = (rtol != 0.0) | (x != 0.0)
+    if mode == KIND_F32:
+        return not mis32(a, b, rtol32, x32, tol_on)
+    if mode == KIND_BF16:
+        return not mis_bf16(a, b, rtol32, round_bf16(x32), tol_on)
+    return not mis_f16(a, b, rtol32, round_f16(x32), tol_on)
+
+
+@njit(**_JIT)
+def least_atol_narrow(mode, a, b, rtol, rtol32, lo):
+    """The least float64 atol >= lo passing the finite pair (a, b) in `mode`; inf where none does.
+
+    The rule is monotonic in atol, so bisect on float64 bit patterns with the rule itself: exact
+    whatever the rounding of atol, of the bound and of the difference in the narrow dtype.
+    """
+    if passes_narrow(mode, a, b, rtol, rtol32, lo):
+        return lo
+    if not passes_narrow(mode, a, b, rtol, rtol32, INF):
+        return INF  # the difference overflows the dtype: no atol passes it
+    lo_b = f64_bits(lo)
+    hi_b = f64_bits(INF)
+    while hi_b - lo_b > 1:
+        mid = lo_b + (hi_b - lo_b) // 2
+        if passes_narrow(mode, a, b, rtol, rtol32, bits_f64(mid)):
+            hi_b = mid
+        else:
+            lo_b = mid
+    return bits_f64(hi_b)
+
+
+# Per narrow mode (F32, BF16, F16): the dtype's eps, its least subnormal, and a magnitude below
+# which a difference cannot overflow it.
+_NARROW_EPS = (2.0**-23, 2.0**-7, 2.0**-10)
+_NARROW_TINY = (2.0**-149, 2.0**-133, 2.0**-24)
+_NARROW_OVF = (3.0e38, 3.0e38, 6.0e4)
+
+
+@njit(**_JIT)
+def _least_atol_block_narrow(mode, t, r, key, nvb, flg, max_abs, top, rtol, rtol32):
+    """The block's exact least passing atol under a float32/bfloat16/float16 rule.
+
+    The float64 naive need |d| - |rtol r| is within a few units of the narrow dtype of the rule's
+    own need (the rule rounds the difference, rtol·|r|, atol and their sum), so only elements whose
+    naive need is within that margin of the block's greatest can hold the answer, plus any whose
+    difference could overflow the dtype. Each is tested at the best atol so far (one evaluation)
+    and bisected only where it needs more.
+    """
+    m = mode - 1
+    eps = _NARROW_EPS[m]
+    thr = top - 16.0 * eps * max_abs - 16.0 * _NARROW_TINY[m]
+    ovf = _NARROW_OVF[m]
+    best = 0.0
+    for j in range(t.size):
+        if (flg[j] & 2) == 0:
+            continue  # NaN/Inf pass or fail whatever the atol
+        if (bits_f64(nvb[j]) < thr) & (bits_f64(key[j]) < ovf):
+            continue
+        a = np.float32(t[j])
+        b = np.float32(r[j])
+        if a == b:
+            continue
+        if not passes_narrow(mode, a, b, rtol, rtol32, best):
+            best = least_atol_narrow(mode, a, b, rtol, rtol32, best)
+            if best == INF:
+                break
+    return best
+
+
+@njit(**_JIT)
+def _pass2(mode, t, r, lo, key, nvb, aux, flg, m_d, m_n, n_mis, rtol, rtol32, out_i, out_f):
     """The rare, index-bearing results of one block, from the scratch of `_pass1`.
 
     The first index of max |d|; the exact least passing atol over the few candidates whose
-    naive need is within rounding of the block's greatest; the greatest mismatched abs and
-    rel difference in the promoted dtype.
+    naive need is within rounding of the block's greatest (in the promoted dtype's rule); the
+    greatest mismatched abs and rel difference in the promoted dtype.
     """
     n = t.size
     if m_d > 0:
@@ -642,6 +716,8 @@ def _pass2(mode, t, r, lo, key, nvb, aux, flg, m_d, m_n, n_mis, rtol, out_i, out
     top = bits_f64(m_n)
     if max_abs == INF:
         out_f[F_MINATOL] = INF
+    elif mode != KIND_F64:
+        out_f[F_MINATOL] = _least_atol_block_narrow(mode, t, r, key, nvb, flg, max_abs, top, rtol, rtol32)
     elif top > 0.0:
         # Candidates: naive need within 8 ulps of any |d| here of the block's greatest (one
         # predictable comparison per element; non-positive needs have non-positive bits).
@@ -717,7 +793,7 @@ def _block(raw_t, raw_r, tk, rk, mode, lo, hi, tv, rv, key, nvb, aux, flg, rtol,
     out_f[F_MAXABS] = bits_f64(m_d)
     out_f[F_MAXULP] = bits_f64(m_u)
     if n_same < n:
-        _pass2(mode, t, r, lo, key, nvb, aux, flg, m_d, m_n, n_mis, rtol, out_i, out_f)
+        _pass2(mode, t, r, lo, key, nvb, aux, flg, m_d, m_n, n_mis, rtol, rtol32, out_i, out_f)
 
 
 @njit(**_JIT)

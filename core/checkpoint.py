@@ -153,22 +153,47 @@ class Checkpoint:
 
     @classmethod
     def open(cls, folder: str | Path, prefix: str = "") -> Checkpoint:
-        """Index `folder`'s weights. CheckpointError names the file when one is missing or corrupt."""
+        """Index `folder`'s weights. CheckpointError names the file when one is missing or corrupt.
+
+        A folder whose safetensors files have not changed (names, sizes, modification times) is
+        indexed once per process: a worker reads its reference tensors one at a time.
+        """
         folder = Path(folder)
         files = sorted(folder.glob(f"{prefix}*.safetensors"))
         if files:
-            indexed = _index_shards(folder, prefix)
-            if indexed is not None:
-                missing = sorted(set(indexed.values()) - {f.name for f in files})
-                if missing:
-                    raise CheckpointError(
-                        f"{folder}: the shard index names {', '.join(missing)}, which the folder does not hold"
-                    )
-                files = [f for f in files if f.name in set(indexed.values())]
-            tensors: dict[str, TensorInfo] = {}
-            for f in files:
-                tensors.update(_parse_header(f))
-            return cls(folder, tensors, {})
+            try:
+                indexes = sorted(folder.glob(f"{prefix}*.safetensors.index.json"))
+                signature = (str(folder.resolve()), prefix, tuple(map(_file_signature, files + indexes)))
+            except OSError:
+                signature = None
+            cached = _OPENED.get(signature) if signature is not None else None
+            if cached is not None:
+                return cached
+            opened = cls._open_safetensors(folder, prefix, files)
+            if signature is not None:
+                if len(_OPENED) >= 8:
+                    _OPENED.pop(next(iter(_OPENED)))
+                _OPENED[signature] = opened
+            return opened
+        return cls._open_bin(folder, prefix)
+
+    @classmethod
+    def _open_safetensors(cls, folder: Path, prefix: str, files: list[Path]) -> Checkpoint:
+        indexed = _index_shards(folder, prefix)
+        if indexed is not None:
+            missing = sorted(set(indexed.values()) - {f.name for f in files})
+            if missing:
+                raise CheckpointError(
+                    f"{folder}: the shard index names {', '.join(missing)}, which the folder does not hold"
+                )
+            files = [f for f in files if f.name in set(indexed.values())]
+        tensors: dict[str, TensorInfo] = {}
+        for f in files:
+            tensors.update(_parse_header(f))
+        return cls(folder, tensors, {})
+
+    @classmethod
+    def _open_bin(cls, folder: Path, prefix: str) -> Checkpoint:
         bins = sorted(folder.glob(f"{prefix}*.bin"))
         if bins:
             pickled: dict[str, torch.Tensor] = {}
@@ -246,6 +271,15 @@ class Checkpoint:
     def files(self) -> list[Path]:
         """The weight files behind this checkpoint."""
         return sorted({t.file for t in self._tensors.values()})
+
+
+# Checkpoints indexed in this process, by folder, prefix and their files' signatures.
+_OPENED: dict[tuple, Checkpoint] = {}
+
+
+def _file_signature(path: Path) -> tuple[str, int, int]:
+    st = path.stat()
+    return path.name, st.st_size, st.st_mtime_ns
 
 
 def _index_shards(folder: Path, prefix: str) -> dict[str, str] | None:

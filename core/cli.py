@@ -384,28 +384,25 @@ def watch(job, stream=sys.stderr, interval: float = 0.25) -> None:
 
 
 def cmd_run(args) -> int:
-    home = weightdrift_home(args.home)
-    return execute(args, home, spec_from_args(args, home))
+    return execute(args)
 
 
 def cmd_snapshot(args) -> int:
     """`run`, then its captures packed into one file (`core.snapshot`)."""
     from core.snapshot import write_snapshot
 
-    home = weightdrift_home(args.home)
-    spec = spec_from_args(args, home)
     out = Path(args.output).expanduser()
 
     def pack(record) -> dict[str, Any]:
         try:
-            write_snapshot(record.run_dir, spec, out, machine=args.machine)
+            write_snapshot(record.run_dir, record.spec, out, machine=args.machine)
         except OSError as e:
             raise UsageError(f"cannot write the snapshot {out}: {e.strerror or e}") from e
         size = out.stat().st_size
         print(f"snapshot {out}: {size / 2**20:.2f} MiB", file=sys.stderr, flush=True)
         return {"snapshot": str(out), "snapshot_bytes": size}
 
-    code = execute(args, home, spec, after=pack)
+    code = execute(args, after=pack)
     return EXIT_ERROR if code == EXIT_ERROR else EXIT_OK
 
 
@@ -416,11 +413,11 @@ def cmd_compare(args) -> int:
     from core.snapshot import comparison, read_snapshot, write_snapshot
     from core.store import Store
 
-    home = weightdrift_home(args.home)
     if not args.files and not args.run:
         raise UsageError("give at least one snapshot FILE (or --run RUN_ID)")
-    snapshots = [read_snapshot(f) for f in args.files]
-    with tempfile.TemporaryDirectory(prefix="weightdrift-compare-") as tmp:
+
+    def plan(home: Path):
+        snapshots = [read_snapshot(f) for f in args.files]
         store = Store(home)
         for run_id in args.run:
             # a stored run joins as a snapshot of it: one way to import captures
@@ -441,25 +438,41 @@ def cmd_compare(args) -> int:
             raise UsageError(
                 "--target names a target of this machine (DEVICE/DTYPE[+FLAG…]), without a machine"
             )
-        spec, install = comparison(snapshots, targets, base, adapters)
+        return comparison(snapshots, targets, base, adapters)
 
-        def sources(record) -> dict[str, Any]:
-            return {"snapshots": record.imported()}
+    def sources(record) -> dict[str, Any]:
+        return {"snapshots": record.imported()}
 
-        return execute(args, home, spec, install=install, after=sources)
+    # the captures of --run runs are packed here, and unpacked into the new run before it starts
+    with tempfile.TemporaryDirectory(prefix="weightdrift-compare-") as tmp:
+        return execute(args, plan, after=sources)
 
 
-def execute(args, home: Path, spec: ProbeSpec, install=None, after=None) -> int:
-    """Run `spec` as a job with progress on stderr, then print its summary (or JSON); the exit code.
+def execute(args, plan=None, after=None) -> int:
+    """Run a spec as a job with progress on stderr, then print its summary (or JSON); the exit code.
 
-    `install` puts imported captures into the run folder first (`Engine.submit`); `after(record)`
-    runs once the run succeeded and returns what to add to the report.
+    `plan(home)` gives the spec and what installs imported captures into its run folder
+    (`Engine.submit`), by default `run`'s spec from the arguments; it is called once the first
+    worker is starting, so its checks overlap the worker's imports. `after(record)` runs once the
+    run succeeded and returns what to add to the report.
     """
-    from core import report
     from core.engine import Engine, InProcessRunner, ProcessRunner
+
+    runner = InProcessRunner() if args.in_process else ProcessRunner()
+    runner.warm()  # the first worker imports its libraries while this process checks the inputs
+    try:
+        return _run_and_report(args, Engine, runner, plan, after)
+    finally:
+        runner.kill_all()  # a worker made ready for a task that never came
+
+
+def _run_and_report(args, engine_class, runner, plan=None, after=None) -> int:
+    from core import report
     from core.store import RunRecord
 
-    engine = Engine(home, runner=InProcessRunner() if args.in_process else ProcessRunner())
+    home = weightdrift_home(args.home)
+    spec, install = plan(home) if plan is not None else (spec_from_args(args, home), None)
+    engine = engine_class(home, runner=runner)
     job = engine.submit(spec, install=install)
     print(
         f"run {job.run_id}: {len(spec.targets)} target(s), checks {', '.join(spec.checks)}", file=sys.stderr

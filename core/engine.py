@@ -26,7 +26,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.capture import capture_folder_name
 from core.spec import ProbeSpec, SpecError, Target
 from core.store import Store, StoreError, write_reference_fallback
 from core.worker import EXIT_CANCELLED, PREIMPORT_ENV, Cancelled, Task, run_task, task_json
@@ -62,6 +61,11 @@ class Runner(ABC):
 
     def kill_all(self) -> None:
         """Kill every worker this runner started that is still alive (the process is going away)."""
+        return None
+
+    def warm(self, count: int = 1) -> None:
+        """Have `count` workers ready for whatever task comes next (a runner with workers starts them
+        now, so that their imports overlap what the caller does before its first task)."""
         return None
 
 
@@ -123,6 +127,8 @@ class ProcessRunner(Runner):
         self.grace_s = grace_s
         self.python = python or sys.executable
         self._prepared: dict[tuple[str, str], subprocess.Popen] = {}
+        # started ahead of any task (`warm`): libraries imported, waiting for a task and its log
+        self._spares: list[subprocess.Popen] = []
         self._live: set[subprocess.Popen] = set()  # every worker started and not yet reaped
         self._lock = threading.Lock()
         self._live_lock = threading.Lock()  # apart: _spawn runs under _lock in prepare
@@ -130,6 +136,7 @@ class ProcessRunner(Runner):
     def kill_all(self) -> None:
         with self._lock:
             self._prepared.clear()
+            self._spares.clear()
         with self._live_lock:
             procs = list(self._live)
         for proc in procs:
@@ -137,12 +144,30 @@ class ProcessRunner(Runner):
                 proc.kill()
             proc.wait()
 
+    def warm(self, count: int = 1) -> None:
+        with self._lock:
+            self._spares = [p for p in self._spares if p.poll() is None]
+            while len(self._spares) < count:
+                self._spares.append(self._spawn_worker(None, preimport=True))
+
+    def _take_spare(self, task: Task) -> subprocess.Popen | None:
+        """A live spare worker for `task` (not a memory timeline's: its process must start with its task)."""
+        if task.own_check == "memory":
+            return None
+        while self._spares:
+            proc = self._spares.pop(0)
+            if proc.poll() is None:
+                return proc
+        return None
+
     def prepare(self, task: Task, log_path: Path) -> None:
-        """Start `task`'s worker now: it imports torch, transformers and PEFT, then waits for its task,
-        so those seconds overlap the task before it on the same device."""
+        """Get `task`'s worker ready now: a spare if there is one, else a new worker that imports
+        torch, transformers, PEFT and this package's task code and then waits for its task, so those
+        seconds overlap the task before it on the same device."""
         with self._lock:
             if (task.run_dir, task.label) not in self._prepared:
-                self._prepared[(task.run_dir, task.label)] = self._spawn(task, log_path)
+                proc = self._take_spare(task)
+                self._prepared[(task.run_dir, task.label)] = proc or self._spawn(task, log_path)
 
     def discard(self, task: Task) -> None:
         with self._lock:
@@ -152,12 +177,17 @@ class ProcessRunner(Runner):
             proc.wait()
 
     def _spawn(self, task: Task, log_path: Path) -> subprocess.Popen:
-        log_path.parent.mkdir(parents=True, exist_ok=True)
+        # A memory timeline measures what importing the libraries costs: its worker imports them itself.
+        return self._spawn_worker(log_path, preimport=task.own_check != "memory")
+
+    def _spawn_worker(self, log_path: Path | None, preimport: bool) -> subprocess.Popen:
+        """A worker process; its stderr goes to `log_path` (a spare's: nowhere until its task names its log)."""
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-        # A memory timeline measures what importing the libraries costs: its worker imports them itself.
-        env[PREIMPORT_ENV] = "" if task.own_check == "memory" else "1"
-        with open(log_path, "ab") as log:
+        env[PREIMPORT_ENV] = "1" if preimport else ""
+        if log_path is not None:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path if log_path is not None else os.devnull, "ab") as log:
             proc = subprocess.Popen(
                 [self.python, "-m", "core.worker"],
                 stdin=subprocess.PIPE,
@@ -172,8 +202,9 @@ class ProcessRunner(Runner):
         return proc
 
     def run(self, task, on_event, cancel, log_path) -> Outcome:
+        log_path.parent.mkdir(parents=True, exist_ok=True)  # a spare worker opens it itself
         with self._lock:
-            proc = self._prepared.pop((task.run_dir, task.label), None)
+            proc = self._prepared.pop((task.run_dir, task.label), None) or self._take_spare(task)
         if proc is None or proc.poll() is not None:
             proc = self._spawn(task, log_path)
         last: dict[str, Any] = {"final": None}
@@ -193,7 +224,7 @@ class ProcessRunner(Runner):
         reader.start()
         assert proc.stdin is not None
         try:
-            proc.stdin.write(task_json(task).encode())
+            proc.stdin.write(task_json(task, str(log_path)).encode())
             proc.stdin.close()
         except BrokenPipeError:
             pass
@@ -295,12 +326,18 @@ class Job:
 class Engine:
     """Accepts specs, runs them as jobs in background threads, keeps them in the store."""
 
-    def __init__(self, home: Path, runner: Runner | None = None, devices: list | None = None):
+    def __init__(
+        self, home: Path, runner: Runner | None = None, devices: list | None = None, spares: int = 0
+    ):
+        """`spares`: workers kept ready for the next job (started now and again after each job ends),
+        so that a run's first target starts without waiting for its libraries to import."""
         from core.targets import discover_devices
 
         self.store = Store(home)
         self.store.sweep()  # what killed processes left behind
         self.runner = runner or ProcessRunner()
+        self.spares = spares
+        self.runner.warm(spares)
         self.devices = devices if devices is not None else discover_devices()
         self._device_locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
@@ -475,6 +512,9 @@ class Engine:
 
     @staticmethod
     def _log_path(job: Job, task: Task) -> Path:
+        # core.capture imports torch: not when this module is imported (the CLI starts a worker first)
+        from core.capture import capture_folder_name
+
         folder = (
             capture_folder_name(Target.parse(task.target).slug, task.own_check or "", task.variant or "")
             if task.target
@@ -586,4 +626,8 @@ class Engine:
             self._persist(job)
         finally:
             self.store.release(job.run_id)
+            others = [j for j in self._jobs.values() if j is not job and not j.done_event.is_set()]
+            if self.spares and not others:
+                with contextlib.suppress(OSError):  # no spare is no error: the next run starts its own
+                    self.runner.warm(self.spares)  # ready for the next job, now that this one is over
             job.done_event.set()

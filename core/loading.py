@@ -306,13 +306,30 @@ def float64_forward(model: torch.nn.Module) -> Iterator[None]:
     handles = []
 
     held: dict[int, dict[int, torch.Tensor]] = {}  # unit → parameter → its narrow storage
+    # Float64 buffers given back by earlier units, by shape, kept on the model for its next forward:
+    # widening into memory already touched costs no page faults. Only Linear layers' parameters
+    # (their outputs are never views of them) of shapes more than one unit has (decoder blocks), so
+    # the pool holds about one block.
+    pool: dict[tuple[int, ...], list[torch.Tensor]] = inner.__dict__.setdefault(_FLOAT64_POOL, {})
+    units = forward_units(model)
+    unit_shapes = [
+        {tuple(p.shape) for m in u.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters(False)}
+        for u in units
+    ]
+    shared = {shape for shape in set().union(*unit_shapes) if sum(shape in u for u in unit_shapes) > 1}
 
     def widen(unit, args):
         narrow_of = held.setdefault(id(unit), {})
-        for p in unit.parameters():
-            if p.is_floating_point() and p.dtype != torch.float64 and id(p) not in narrow_of:
-                narrow_of[id(p)] = p.data
-                p.data = p.data.to(torch.float64)
+        for owner in unit.modules():
+            linear = isinstance(owner, torch.nn.Linear)
+            for p in owner.parameters(recurse=False):
+                reusable = linear and tuple(p.shape) in shared
+                if p.is_floating_point() and p.dtype != torch.float64 and id(p) not in narrow_of:
+                    narrow_of[id(p)] = p.data
+                    free = pool.get(tuple(p.shape)) if reusable and p.device.type == "cpu" else None
+                    p.data = free.pop().copy_(p.data) if free else p.data.to(torch.float64)
+                    if reusable:
+                        narrow_of[-id(p)] = p.data  # the buffer goes back to the pool with the unit
 
     def narrow(unit, args, output):
         # the narrow storage itself comes back: no conversion, and bit for bit what was held
@@ -320,8 +337,11 @@ def float64_forward(model: torch.nn.Module) -> Iterator[None]:
         for p in unit.parameters():
             if id(p) in narrow_of:
                 p.data = narrow_of[id(p)]
+                buffer = narrow_of.get(-id(p))
+                if buffer is not None and buffer.device.type == "cpu":
+                    pool.setdefault(tuple(buffer.shape), []).append(buffer)
 
-    for unit in forward_units(model):
+    for unit in units:
         handles.append(unit.register_forward_pre_hook(widen))
         handles.append(unit.register_forward_hook(narrow))
     try:
@@ -330,6 +350,8 @@ def float64_forward(model: torch.nn.Module) -> Iterator[None]:
         for h in handles:
             h.remove()
 
+
+_FLOAT64_POOL = "_weightdrift_float64_pool"
 
 # Set on a model by `float32_fallbacks`: the names of the ops that ran in float32 in its float64 forward.
 FLOAT32_FALLBACKS = "weightdrift_float32_fallbacks"

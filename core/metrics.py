@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -624,7 +624,7 @@ def compare(
 
     if _kernel_applies(target, reference):
         # A GPU tensor crosses to the host once, one tensor at a time, for the fused kernel.
-        stats, _ = _kernel_measure(target.cpu(), reference.cpu(), tol, fields, chunk_elems, sketch=False)
+        stats, _ = _kernel_measure(target.cpu(), reference.cpu(), tol, fields, sketch=False)
         if stats is not None:
             return stats
 
@@ -734,7 +734,6 @@ def _kernel_measure(
     reference: torch.Tensor,
     tol: Tolerance,
     fields: dict[str, Any],
-    chunk_elems: int,
     sketch: bool,
 ) -> tuple[DiffStats | None, Sketch | None]:
     """`compare` (and the sketch, when asked) in the fused kernel's one pass; (None, None) where it does not measure."""
@@ -742,12 +741,6 @@ def _kernel_measure(
     stats = _from_kernel(k, fields, target, reference)
     if stats is None:
         return None, None
-    rule = rule_dtype(target.dtype, reference.dtype)
-    if rule != torch.float64 and not stats.bitwise_equal:
-        # The kernel's min_atol is exact in float64; a narrower rule dtype rounds atol and the
-        # bound to itself, so the least passing atol is found by the rule itself.
-        t_flat, r_flat = target.reshape(-1), reference.reshape(-1)
-        stats = replace(stats, min_atol=_rule_min_atol(t_flat, r_flat, rule, tol, stats, chunk_elems))
     if not sketch or stats.bitwise_equal:
         return stats, None
     return stats, _sketch_from_kernel(
@@ -794,7 +787,7 @@ def measure(
     target, reference = target.detach(), reference.detach()
     if _kernel_applies(target, reference):
         fields = _fields(target, reference, tolerance)
-        stats, sketch = _kernel_measure(target.cpu(), reference.cpu(), tolerance, fields, chunk_elems, True)
+        stats, sketch = _kernel_measure(target.cpu(), reference.cpu(), tolerance, fields, True)
         if stats is not None:
             return stats, sketch
     stats = compare(target, reference, tolerance, chunk_elems)
@@ -803,26 +796,6 @@ def measure(
     return stats, make_sketch(
         target, reference, lambda t, r: ~close_mask(t, r, tolerance).to(t.device), chunk_elems=chunk_elems
     )
-
-
-def _rule_min_atol(
-    t_flat: torch.Tensor,
-    r_flat: torch.Tensor,
-    rule: torch.dtype,
-    tol: Tolerance,
-    stats: DiffStats,
-    chunk_elems: int,
-) -> float:
-    """The least atol passing every element finite in both under the rule in `rule` (the chunked path's)."""
-    acc = _Accumulator(t_flat.dtype, rule, tol)
-    nonfinite = stats.n_nan or stats.n_inf or stats.ref_nan or stats.ref_inf
-    for start, stop in _chunks(t_flat.numel(), chunk_elems):
-        tp, rp = t_flat[start:stop].to(rule), r_flat[start:stop].to(rule)
-        finite = (tp.isfinite() & rp.isfinite()) if nonfinite else None
-        acc.min_atol = acc._least_passing_atol(tp, rp, (tp - rp).abs(), finite)
-        if acc.min_atol == math.inf:
-            break
-    return acc.min_atol
 
 
 def _from_kernel(

@@ -301,8 +301,7 @@ def main() -> int:
 
     _sample_process("import torch")
     if os.environ.get(PREIMPORT_ENV):
-        import peft  # noqa: F401
-        import transformers  # noqa: F401
+        preimport()
     events = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # anything a library prints goes to the log, not into the event stream
     cancel = {"requested": False}
@@ -315,7 +314,18 @@ def main() -> int:
     def emit(event: Event) -> None:
         events.write(json.dumps(event, default=str) + "\n")
 
-    task = Task(**json.loads(sys.stdin.read()))
+    message = sys.stdin.read()
+    if not message.strip():
+        return EXIT_OK  # a spare worker whose runner went away before giving it a task
+    fields = json.loads(message)
+    log_path = fields.pop("log_path", None)
+    if log_path:
+        # A spare worker learns its log with its task: from here on, what libraries print goes there.
+        fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(fd, 2)
+        os.dup2(fd, 1)
+        os.close(fd)
+    task = Task(**fields)
     from core.loading import LoadError
     from core.spec import SpecError
 
@@ -337,9 +347,38 @@ def main() -> int:
     return EXIT_OK
 
 
-def task_json(task: Task) -> str:
-    return json.dumps(asdict(task))
+def preimport() -> None:
+    """What every task needs before its first stage, done while the worker waits for its task:
+    the libraries, this package's task modules, and the compiled comparison kernel (loaded from
+    numba's cache by a first tiny call). Each second here overlaps the task before it."""
+    import peft  # noqa: F401
+    import transformers  # noqa: F401
+
+    import core.capture  # noqa: F401
+    import core.checks  # noqa: F401
+    import core.loading  # noqa: F401
+    import core.store  # noqa: F401
+    from core import kernel, metrics
+
+    if kernel.available():
+        import torch
+
+        a = torch.arange(8, dtype=torch.float32)
+        metrics.measure(a.to(torch.bfloat16), a, metrics.Tolerance(1e-2, 1e-5))
+
+
+def task_json(task: Task, log_path: str | None = None) -> str:
+    """The message a worker reads on stdin: the task, and the log its output goes to."""
+    fields = asdict(task)
+    if log_path is not None:
+        fields["log_path"] = log_path
+    return json.dumps(fields)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip the interpreter's teardown (seconds of freeing a loaded model object by object): the
+    # capture is written and the events are flushed; the runner starts the next task on exit.
+    os._exit(code)

@@ -34,7 +34,9 @@ def home() -> Path:
 
 @st.cache_resource(show_spinner=False)
 def _engine(home_dir: str, runner: str) -> Engine:
-    made = Engine(Path(home_dir), runner=InProcessRunner() if runner == "in-process" else ProcessRunner())
+    in_process = runner == "in-process"
+    # one worker waits ready (libraries imported) for the next Run: its first heatmap comes sooner
+    made = Engine(Path(home_dir), runner=InProcessRunner() if in_process else ProcessRunner(), spares=1)
     # When the server stops (Ctrl-C, SIGTERM, and SIGHUP under `python -m dashboard`), its jobs are
     # cancelled and marked so, and no worker outlives it.
     atexit.register(made.shutdown, "cancelled: the dashboard server stopped")

@@ -171,3 +171,22 @@ def test_shutdown_cancels_running_jobs_marks_them_and_leaves_no_worker(tmp_path,
     record = engine.store.open(job.run_id)
     assert record.status == "cancelled" and record.error == "cancelled: the dashboard server stopped"
     engine.store.delete(job.run_id)  # ownership given up with the job
+
+
+@pytest.mark.e2e
+def test_a_spare_worker_takes_the_first_task_and_is_replaced_after_the_job(tmp_path, demo_workspace):
+    # The spare started before the run existed: it learns its task's log with its task, runs it,
+    # and the engine starts another spare once the job is over (and kills it on shutdown).
+    engine = Engine(tmp_path, runner=ProcessRunner(), spares=1)
+    runner = engine.runner
+    (spare,) = runner._spares
+    base = demo_workspace["models"]["tiny-llama"]
+    job = engine.submit(_spec(base, ["cpu/float32"], checks=("weights",)))
+    assert job.wait(120) and job.state == "succeeded", job.error
+    assert spare.wait(10) == 0  # it ran a task (a task-less spare is only ever killed)
+    log = job.run_dir / "logs" / "cpu_float32.log"
+    assert log.exists()  # the spare's output went to the task's log
+    (replacement,) = runner._spares
+    assert replacement.pid != spare.pid and replacement.poll() is None
+    engine.shutdown("test over")
+    assert replacement.wait(10) is not None and not runner._spares

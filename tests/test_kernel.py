@@ -89,12 +89,20 @@ def reference(t: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> dic
     out["rel_l2"] = math.sqrt(float((d * d).sum())) / r_norm if r_norm else None
     out["cos_sim"] = float((tf * rf).sum()) / (t_norm * r_norm) if t_norm and r_norm else None
     out["_ad"], out["_rel"] = ad, (rf * rtol).abs()
+    out["_promoted"] = (a[fin], b[fin], rtol)
     return out
 
 
 def passes(ad: torch.Tensor, rel: torch.Tensor, atol: float) -> bool:
     """The float64 rule min_atol is defined by: every finite element has |d| <= atol + |rtol r|."""
     return bool((ad <= atol + rel).all())
+
+
+def passes_promoted(promoted: tuple, atol: float) -> bool:
+    """The rule min_atol is defined by in general: torch.isclose in the promoted dtype, at `atol`,
+    passes every element finite in both."""
+    a, b, rtol = promoted
+    return bool(torch.isclose(a, b, rtol=rtol, atol=atol, equal_nan=True).all())
 
 
 def same_float(x: float | None, y: float | None) -> bool:
@@ -120,14 +128,21 @@ def check_against_reference(t, r, rtol, atol, **kw) -> kernel.KernelStats:
     ):
         assert same_float(getattr(k, name), ref[name]), (name, getattr(k, name), ref[name], ctx)
     assert k.bitwise_equal is False
-    # min_atol: the least float64 atol that passes, exactly.
-    ad, rel = ref["_ad"], ref["_rel"]
-    if k.min_atol == math.inf:
-        assert ref["max_abs"] == math.inf, ctx
+    # min_atol: the least float64 atol that passes, exactly, under the promoted dtype's rule.
+    if torch.promote_types(t.dtype, r.dtype) == F64:
+        ad, rel = ref["_ad"], ref["_rel"]
+        if k.min_atol == math.inf:
+            assert ref["max_abs"] == math.inf, ctx
+        else:
+            assert passes(ad, rel, k.min_atol), ctx
+            if k.min_atol > 0:
+                assert not passes(ad, rel, math.nextafter(k.min_atol, 0.0)), ctx
+    elif k.min_atol == math.inf:
+        assert not passes_promoted(ref["_promoted"], math.inf), ctx
     else:
-        assert passes(ad, rel, k.min_atol), ctx
+        assert passes_promoted(ref["_promoted"], k.min_atol), ctx
         if k.min_atol > 0:
-            assert not passes(ad, rel, math.nextafter(k.min_atol, 0.0)), ctx
+            assert not passes_promoted(ref["_promoted"], math.nextafter(k.min_atol, 0.0)), ctx
     if ref["plain_sums_ok"] and ref["n_finite"]:
         for name in ("mean_abs", "rmse"):
             assert getattr(k, name) == pytest.approx(ref[name], rel=1e-12, abs=0.0), (name, ctx)

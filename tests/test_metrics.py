@@ -853,3 +853,46 @@ def test_tolerance_must_be_non_negative():
         Tolerance(rtol=-1e-3, atol=0.0)
     with pytest.raises(ValueError):
         Tolerance(rtol=0.0, atol=math.nan)
+
+
+NARROW_RULE_PAIRS = [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.float32),
+    (torch.float16, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float16),
+    (torch.bfloat16, torch.float16),
+]
+
+
+@pytest.mark.parametrize("pair", NARROW_RULE_PAIRS, ids=lambda p: "-".join(str(d)[6:] for d in p))
+def test_kernel_min_atol_in_a_narrow_rule_is_the_chunked_paths(pair, monkeypatch):
+    # Under a float32/bfloat16/float16 rule, isclose rounds the difference, rtol·|r|, atol and their
+    # sum to that dtype: the kernel finds the least passing atol in that same rule, exactly as the
+    # chunked path's bisection with torch.isclose itself does.
+    t_dtype, r_dtype = pair
+    rule = torch.promote_types(t_dtype, r_dtype)
+    g = torch.Generator()
+    for seed in range(12):
+        g.manual_seed(seed)
+        n = 3000
+        scale = 10.0 ** torch.randint(-6, 4, (n,), generator=g)
+        reference = (torch.randn(n, generator=g, dtype=F64) * scale).to(r_dtype)
+        tol = default_tolerance(t_dtype)
+        # differences around rtol·|r| (a few ulps either side), so rounding in the rule decides
+        k = torch.randint(-4, 5, (n,), generator=g).double()
+        target = (reference.double() * (1 + tol.rtol * (1 + k * 2.0**-8))).to(t_dtype)
+        if seed % 3 == 0:
+            target[::97] = math.nan
+        kernel_atol = compare(target, reference, tol).min_atol
+        monkeypatch.setattr(metrics, "_kernel_applies", lambda t, r: False)
+        chunked_atol = compare(target, reference, tol, chunk_elems=1000).min_atol
+        monkeypatch.undo()
+        assert kernel_atol == chunked_atol, (seed, kernel_atol, chunked_atol)
+        a, b = target.to(rule), reference.to(rule)
+        finite = a.isfinite() & b.isfinite()
+        a, b = a[finite], b[finite]
+        assert torch.isclose(a, b, rtol=tol.rtol, atol=kernel_atol, equal_nan=True).all(), seed
+        if kernel_atol > 0:
+            below = math.nextafter(kernel_atol, 0.0)
+            assert not torch.isclose(a, b, rtol=tol.rtol, atol=below, equal_nan=True).all(), seed
