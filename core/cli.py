@@ -78,6 +78,80 @@ def build_parser() -> ArgumentParser:
     demo.add_argument("--json", action="store_true", help="print the workspace's models and adapters as JSON")
 
     run = sub.add_parser("run", help="run checks on targets and print a verdict summary")
+    add_run_options(run)
+
+    snapshot = sub.add_parser(
+        "snapshot",
+        help="run the captures on this machine and write them to one portable snapshot file",
+        description="The same inputs as `run`; the run is stored here too, and its captures (rows, sketches, "
+        "content hashes, logits, environment, memory timelines) go into FILE with the hashes of the "
+        "checkpoint files. Exit 0 when FILE is written, 2 otherwise.",
+    )
+    add_run_options(snapshot)
+    snapshot.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        metavar="FILE",
+        help="the snapshot file to write (e.g. gpu-box.wdsnap)",
+    )
+    snapshot.add_argument(
+        "--machine", help="the machine name its targets carry when compared (default: this host's name)"
+    )
+
+    compare = sub.add_parser(
+        "compare",
+        help="compare snapshots (and local targets) as one run: same metrics table, same exit codes as run",
+    )
+    compare.add_argument("files", nargs="*", metavar="FILE", help="snapshot files (python -m core snapshot)")
+    compare.add_argument(
+        "--run",
+        metavar="RUN_ID",
+        action="extend",
+        nargs="+",
+        default=[],
+        help="a stored run of this home whose captures join the comparison as this machine's targets",
+    )
+    compare.add_argument(
+        "--target",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="SPEC",
+        help="local targets to run here and compare too (needs the same base and adapters here)",
+    )
+    compare.add_argument(
+        "--base", help="the base model here, for local targets (default: the path the snapshot recorded)"
+    )
+    compare.add_argument(
+        "--adapter",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="PATH=NAME",
+        help="the adapters here, by the snapshot's names (default: the paths the snapshot recorded)",
+    )
+    compare.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
+    compare.add_argument("--home")
+    compare.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    compare.add_argument(
+        "--top", type=int, default=10, help="how many worst rows to report (3 per check in text)"
+    )
+
+    runs = sub.add_parser("runs", help="list stored runs")
+    runs.add_argument("--home")
+    runs.add_argument("--json", action="store_true")
+
+    scenarios = sub.add_parser("scenarios", help="list the demo scenarios")
+    scenarios.add_argument("--json", action="store_true")
+
+    devices = sub.add_parser("devices", help="print the devices and the environment")
+    devices.add_argument("--json", action="store_true")
+    return p
+
+
+def add_run_options(run: ArgumentParser) -> None:
+    """The options of `run`, shared with `snapshot` (the same inputs, the same checks)."""
     run.add_argument("--base", help="base model folder or hub id")
     run.add_argument("--adapter", action="extend", nargs="+", default=[], metavar="PATH[=NAME]")
     run.add_argument(
@@ -139,17 +213,6 @@ def build_parser() -> ArgumentParser:
         "--top", type=int, default=10, help="how many worst rows to report (3 per check in text)"
     )
 
-    runs = sub.add_parser("runs", help="list stored runs")
-    runs.add_argument("--home")
-    runs.add_argument("--json", action="store_true")
-
-    scenarios = sub.add_parser("scenarios", help="list the demo scenarios")
-    scenarios.add_argument("--json", action="store_true")
-
-    devices = sub.add_parser("devices", help="print the devices and the environment")
-    devices.add_argument("--json", action="store_true")
-    return p
-
 
 def main(argv: list[str] | None = None) -> int:
     from core.store import StoreError
@@ -160,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         commands = {
             "demo": cmd_demo,
             "run": cmd_run,
+            "snapshot": cmd_snapshot,
+            "compare": cmd_compare,
             "runs": cmd_runs,
             "scenarios": cmd_scenarios,
             "devices": cmd_devices,
@@ -319,24 +384,96 @@ def watch(job, stream=sys.stderr, interval: float = 0.25) -> None:
 
 
 def cmd_run(args) -> int:
+    return execute(args)
+
+
+def cmd_snapshot(args) -> int:
+    """`run`, then its captures packed into one file (`core.snapshot`)."""
+    from core.snapshot import write_snapshot
+
+    out = Path(args.output).expanduser()
+
+    def pack(record) -> dict[str, Any]:
+        try:
+            write_snapshot(record.run_dir, record.spec, out, machine=args.machine)
+        except OSError as e:
+            raise UsageError(f"cannot write the snapshot {out}: {e.strerror or e}") from e
+        size = out.stat().st_size
+        print(f"snapshot {out}: {size / 2**20:.2f} MiB", file=sys.stderr, flush=True)
+        return {"snapshot": str(out), "snapshot_bytes": size}
+
+    code = execute(args, after=pack)
+    return EXIT_ERROR if code == EXIT_ERROR else EXIT_OK
+
+
+def cmd_compare(args) -> int:
+    """A run whose targets are the snapshots' captures (plus `--run` runs' and local `--target`s)."""
+    import tempfile
+
+    from core.snapshot import comparison, read_snapshot, write_snapshot
+    from core.store import Store
+
+    if not args.files and not args.run:
+        raise UsageError("give at least one snapshot FILE (or --run RUN_ID)")
+
+    def plan(home: Path):
+        snapshots = [read_snapshot(f) for f in args.files]
+        store = Store(home)
+        for run_id in args.run:
+            # a stored run joins as a snapshot of it: one way to import captures
+            try:
+                record = store.open(run_id)
+            except KeyError as e:
+                raise UsageError(
+                    f"no run {run_id} in {store.runs_dir} (python -m core runs lists them)"
+                ) from e
+            if record.status != "succeeded" or record.spec is None:
+                raise UsageError(f"run {run_id} is {record.status}: only a finished run can be compared")
+            path = write_snapshot(record.run_dir, record.spec, Path(tmp) / f"{run_id}.wdsnap")
+            snapshots.append(read_snapshot(path))
+        base = ModelRef(path=args.base) if args.base else None
+        adapters = [AdapterRef.parse(a) for a in args.adapter] or None
+        targets = [Target.parse(t) for t in args.target]
+        if any(t.machine for t in targets):
+            raise UsageError(
+                "--target names a target of this machine (DEVICE/DTYPE[+FLAG…]), without a machine"
+            )
+        return comparison(snapshots, targets, base, adapters)
+
+    def sources(record) -> dict[str, Any]:
+        return {"snapshots": record.imported()}
+
+    # the captures of --run runs are packed here, and unpacked into the new run before it starts
+    with tempfile.TemporaryDirectory(prefix="weightdrift-compare-") as tmp:
+        return execute(args, plan, after=sources)
+
+
+def execute(args, plan=None, after=None) -> int:
+    """Run a spec as a job with progress on stderr, then print its summary (or JSON); the exit code.
+
+    `plan(home)` gives the spec and what installs imported captures into its run folder
+    (`Engine.submit`), by default `run`'s spec from the arguments; it is called once the first
+    worker is starting, so its checks overlap the worker's imports. `after(record)` runs once the
+    run succeeded and returns what to add to the report.
+    """
     from core.engine import Engine, InProcessRunner, ProcessRunner
 
     runner = InProcessRunner() if args.in_process else ProcessRunner()
     runner.warm()  # the first worker imports its libraries while this process checks the inputs
     try:
-        return _run_and_report(args, Engine, runner)
+        return _run_and_report(args, Engine, runner, plan, after)
     finally:
         runner.kill_all()  # a worker made ready for a task that never came
 
 
-def _run_and_report(args, engine_class, runner) -> int:
+def _run_and_report(args, engine_class, runner, plan=None, after=None) -> int:
     from core import report
     from core.store import RunRecord
 
     home = weightdrift_home(args.home)
-    spec = spec_from_args(args, home)
+    spec, install = plan(home) if plan is not None else (spec_from_args(args, home), None)
     engine = engine_class(home, runner=runner)
-    job = engine.submit(spec)
+    job = engine.submit(spec, install=install)
     print(
         f"run {job.run_id}: {len(spec.targets)} target(s), checks {', '.join(spec.checks)}", file=sys.stderr
     )
@@ -380,6 +517,7 @@ def _run_and_report(args, engine_class, runner) -> int:
         print(f"error: run {job.run_id} {status}: {error}", file=sys.stderr)
         return EXIT_ERROR
     code = report.exit_code(table)
+    extra = after(record) if after is not None else {}
     if args.json:
         worst = report.worst_rows(table, args.top)
         by = report.verdicts_by_check_target(table)
@@ -395,6 +533,7 @@ def _run_and_report(args, engine_class, runner) -> int:
                     "verdicts_by_check_target": report.records(by),
                     "worst": report.records(worst),
                     "notes": record.notes(),
+                    **extra,
                 },
                 indent=2,
                 default=str,
@@ -404,6 +543,12 @@ def _run_and_report(args, engine_class, runner) -> int:
         print_summary(job.run_id, record.run_dir, duration, table, min(args.top, 3))
         for note in record.notes():
             print(f"note: {note}")
+        for key, value in extra.items():
+            if key == "snapshots":  # where an imported run's targets came from, one line each
+                for i in value:
+                    print(f"from {i['snapshot']}: machine {i['machine']}, targets {', '.join(i['targets'])}")
+            else:
+                print(f"{key}: {value}")
     return code
 
 

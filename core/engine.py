@@ -70,15 +70,23 @@ class Runner(ABC):
 
 
 class InProcessRunner(Runner):
-    """Runs tasks in the calling process (unit tests). Flags it applies stay applied."""
+    """Runs tasks in the calling process (unit tests). Flags it applies stay applied, but for the
+    thread count, which each task gets back as it found it."""
 
     def run(self, task, on_event, cancel, log_path) -> Outcome:
+        import torch
+
+        # A `threads=N` target would leave N threads to every later task in this process (the
+        # float64 reference, PiSSA's SVD): give each task the count a fresh worker would start with.
+        threads = torch.get_num_threads()
         try:
             run_task(task, on_event, cancel.is_set)
         except Cancelled:
             return Outcome(ok=False, cancelled=True)
         except Exception as e:
             return Outcome(ok=False, error=str(e))
+        finally:
+            torch.set_num_threads(threads)
         return Outcome(ok=True)
 
 
@@ -353,13 +361,43 @@ class Engine:
                 f"unknown load strategy {', '.join(map(repr, unknown)) or '(none given)'}; "
                 f"available: {', '.join(STRATEGIES)}"
             )
-        check_targets_exist((*spec.targets, spec.reference), self.devices)
-        validate_inputs(spec)
+        # Targets imported from snapshots (`Target.machine`) ran elsewhere: only local ones must exist here,
+        # and a comparison of snapshots alone loads nothing, so it needs no model files here.
+        local = [t for t in (*spec.targets, spec.reference) if t.machine is None]
+        check_targets_exist(local, self.devices)
+        if any(t.machine is None for t in spec.targets):
+            validate_inputs(spec)
 
-    def submit(self, spec: ProbeSpec) -> Job:
-        """Validate, store and start a run; returns its Job at once."""
+    def submit(self, spec: ProbeSpec, install: Callable[[Path], None] | None = None) -> Job:
+        """Validate, store and start a run; returns its Job at once.
+
+        `install` puts captures made elsewhere (snapshots) into the new run folder before the job
+        starts; if it fails, the run is stored as failed with the reason and the error is raised.
+        """
         self.validate(spec)
+        if install is None and any(t.machine for t in spec.targets):
+            named = next(t for t in spec.targets if t.machine)
+            raise SpecError(
+                f"target {named} names machine {named.machine}: a target of another machine comes from its "
+                "snapshot (python -m core compare FILE…); targets run here are DEVICE/DTYPE[+FLAG…]"
+            )
         record = self.store.create_run(spec)
+        if install is not None:
+            try:
+                install(record.run_dir)
+            except Exception as e:
+                now = time.time()
+                with contextlib.suppress(StoreError):
+                    self.store.update(
+                        record.run_id,
+                        status="failed",
+                        error=str(e),
+                        started=now,
+                        finished=now,
+                        duration_s=0.0,
+                    )
+                self.store.release(record.run_id)
+                raise
         job = Job(run_id=record.run_id, run_dir=record.run_dir, spec=spec)
         for task in self._capture_tasks(job):
             job.tasks[task.label] = TaskProgress(name=task.label)
@@ -392,17 +430,15 @@ class Engine:
             )
 
         shared = tuple(c.name for c in checks if not c.own_worker)
-        tasks = [task(t, shared) for t in spec.targets] if shared else []
+        # a target imported from a snapshot has its captures in the run folder already
+        local = [t for t in spec.targets if t.machine is None]
+        tasks = [task(t, shared) for t in local] if shared else []
         # Checks that load models their own way get a fresh worker per target and variant.
         tasks += [
-            task(t, (c.name,), v)
-            for c in checks
-            if c.own_worker
-            for t in spec.targets
-            for v in c.variants(spec, t)
+            task(t, (c.name,), v) for c in checks if c.own_worker for t in local for v in c.variants(spec, t)
         ]
         ref_checks = tuple(c.name for c in checks if c.needs_reference_target and not c.own_worker)
-        if ref_checks and spec.reference not in spec.targets:
+        if ref_checks and spec.reference not in spec.targets and spec.reference.machine is None:
             tasks.append(task(spec.reference, ref_checks))
         return tasks
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +98,11 @@ def _thread_count(value: str, text: str) -> int:
     return int(value)
 
 
+def valid_machine(name: str) -> bool:
+    """A machine name in a target: a host name's letters, digits, '-', '_' or '.' (no '/', '+')."""
+    return bool(name) and name.isascii() and all(c.isalnum() or c in "-_." for c in name)
+
+
 def _valid_name(name: str) -> bool:
     """An adapter name PEFT accepts: letters, digits, '-', '_' or '.', not starting with a digit."""
     return name.replace("-", "_").replace(".", "_").isidentifier()
@@ -109,6 +114,9 @@ class Target:
 
     Parsed from strings like `cpu/float32`, `cuda:1/float16+tf32`, `cpu/float32+threads=1`,
     `cuda:0/float32+deterministic`, `cuda:0/float32+matmul=high`.
+
+    A target captured on another machine (imported from a snapshot) names it first:
+    `gpu-box/cuda:0/float32+tf32`; such a target is never run here, only compared.
     """
 
     device: str
@@ -117,12 +125,20 @@ class Target:
     deterministic: bool = False
     threads: int | None = None
     matmul_precision: str | None = None
+    machine: str | None = None  # set only for a capture imported from a snapshot
 
     @staticmethod
     def parse(text: str) -> Target:
         """Parse a target string `DEVICE/DTYPE[+FLAG…]`; raises SpecError with the accepted forms."""
         raw = text.strip()
         head, *flags = raw.split("+")
+        machine = None
+        if head.count("/") == 2:  # MACHINE/DEVICE/DTYPE: a capture imported from a snapshot
+            machine, head = head.split("/", 1)
+            if not valid_machine(machine):
+                raise SpecError(
+                    f"target {text!r}: machine {machine!r} must be letters, digits, '-', '_' or '.'"
+                )
         device, sep, dtype = head.partition("/")
         if not sep:
             raise SpecError(
@@ -156,7 +172,7 @@ class Target:
                     f"target {text!r}: unknown flag {flag!r}; flags are tf32, deterministic, threads=N, "
                     f"matmul={'|'.join(MATMUL_PRECISIONS)}"
                 )
-        return Target(device=device, dtype=dtype_name, **kwargs)
+        return Target(device=device, dtype=dtype_name, machine=machine, **kwargs)
 
     @property
     def flags(self) -> list[str]:
@@ -173,18 +189,25 @@ class Target:
         return flags
 
     def __str__(self) -> str:
-        return "+".join([f"{self.device}/{self.dtype}", *self.flags])
+        where = f"{self.machine}/{self.device}" if self.machine else self.device
+        return "+".join([f"{where}/{self.dtype}", *self.flags])
 
     @property
     def label(self) -> str:
-        """Human label like `cuda:1·bf16·tf32`."""
+        """Human label like `cuda:1·bf16·tf32`, or `gpu-box/cuda:1·bf16·tf32` for an imported capture."""
         short = ["det" if f == "deterministic" else f for f in self.flags]
-        return "·".join([self.device, DTYPE_SHORT[self.dtype], *short])
+        label = "·".join([self.device, DTYPE_SHORT[self.dtype], *short])
+        return f"{self.machine}/{label}" if self.machine else label
 
     @property
     def slug(self) -> str:
         """File-system safe name for this target's capture folder."""
         return str(self).replace("/", "_").replace(":", "").replace("+", "_").replace("=", "")
+
+    @property
+    def local(self) -> Target:
+        """The same target without its machine (how it was written where it was captured)."""
+        return replace(self, machine=None)
 
     @property
     def device_type(self) -> str:

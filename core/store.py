@@ -282,6 +282,12 @@ class RunRecord:
                 envs[str(doc.get("target", path.parent.name))] = env
         return envs
 
+    def imported(self) -> list[dict[str, Any]]:
+        """Where the captures of a run made from snapshots came from (`core.snapshot`); empty otherwise."""
+        from core.snapshot import read_imported
+
+        return read_imported(self.run_dir)
+
     def notes(self) -> list[str]:
         """What the workers noted while capturing (e.g. how a reference was made), each once."""
         notes: dict[str, None] = {}

@@ -212,7 +212,7 @@ def _comparator(spec, target, checks) -> Callable:
 
 def run_compare(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> None:
     """Turn the run's captures into the metrics table (`metrics.parquet`) and the checks' own tables."""
-    from core.capture import Capture, capture_folder_name
+    from core.capture import Capture
     from core.checks import get_checks
     from core.checks.base import add_note
     from core.spec import ProbeSpec, Target
@@ -231,9 +231,9 @@ def run_compare(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
             by_check[check.name] = shared_captures
             continue
         by_check[check.name] = [
-            Capture.load(captures_dir / capture_folder_name(t.slug, check.name, v))
+            Capture.load(folder)
             for t in spec.targets
-            for v in check.variants(spec, t)
+            for folder in _own_folders(captures_dir, spec, check, t)
         ]
     total = sum(c.compare_steps(by_check[c.name]) for c in checks) + 1
     progress = Progress(emit, should_cancel, total=total, target=None)
@@ -251,10 +251,30 @@ def run_compare(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
         for row in rows:
             if row.get("reference") == fallback["reference"]:
                 add_note(row, reference_fallback_note(fallback))
+    if len(shared_captures) > 1:  # every target against every other (core.pairwise)
+        from core.pairwise import pairwise_table
+
+        tables["pairwise"] = pairwise_table(spec, shared, shared_captures)
     progress("write metrics")
     for name, table in tables.items():
         store.write_table(run_dir.name, name, table)
     store.write_metrics(run_dir.name, metrics_table(rows))
+
+
+def _own_folders(captures_dir: Path, spec, check, target) -> list[Path]:
+    """The capture folders of an own-worker check on `target`: one per variant it runs here, or, for a
+    target imported from a snapshot, those its machine ran (its variants may depend on its GPUs)."""
+    from core.capture import capture_folder_name
+
+    if target.machine is None:
+        return [
+            captures_dir / capture_folder_name(target.slug, check.name, v)
+            for v in check.variants(spec, target)
+        ]
+    prefix = capture_folder_name(target.slug, check.name)
+    found = [p for p in captures_dir.iterdir() if p.name == prefix or p.name.startswith(prefix + "-")]
+    order = [capture_folder_name(target.slug, check.name, v) for v in check.variants(spec, target.local)]
+    return sorted(found, key=lambda p: (order.index(p.name) if p.name in order else len(order), p.name))
 
 
 def metrics_table(rows: list[dict[str, Any]]):

@@ -238,3 +238,37 @@ def start_run(spec: ProbeSpec, page: str) -> None:
         set_view(name, None)
     set_view("run", job.run_id)
     st.switch_page(f"views/{page}.py", query_params={"run": job.run_id})
+
+
+def start_comparison(paths: Sequence[Path], uploads: Sequence[tuple[str, bytes]] = ()) -> None:
+    """Compare snapshot files (paths here, and uploaded files, kept under `<home>/snapshots/`) as a
+    new run (`core.snapshot`) and open its Overview.
+
+    A file that is damaged, of another base or not a snapshot, or an upload that cannot be kept, is
+    shown as an error where the caller drew its widgets; nothing stored is touched.
+    """
+    from core.snapshot import comparison, read_snapshot
+
+    try:
+        paths = [*paths, *(save_upload(name, data) for name, data in uploads)]
+        spec, install = comparison([read_snapshot(p) for p in paths])
+        job = engine().submit(spec, install=install)
+    except (SpecError, StoreError, OSError) as e:
+        st.error(literal(e), icon=":material/error:")
+        return
+    for name in VIEW_KEYS:
+        set_view(name, None)
+    set_view("run", job.run_id)
+    st.switch_page("views/overview.py", query_params={"run": job.run_id})
+
+
+def save_upload(name: str, data: bytes) -> Path:
+    """Keep an uploaded snapshot under `<home>/snapshots/` (a fresh name: uploads never overwrite)."""
+    import secrets
+
+    from core.store import atomic_write_bytes
+
+    safe = "".join(c if c.isascii() and (c.isalnum() or c in "-_.") else "_" for c in Path(name).name)
+    path = home() / "snapshots" / f"{secrets.token_hex(3)}-{safe.lstrip('.') or 'snapshot'}"
+    atomic_write_bytes(path, data)
+    return path

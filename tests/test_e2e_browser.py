@@ -706,3 +706,52 @@ def test_large_model_drift_from_sketches(server: Server, capsys: pytest.CaptureF
             f"{run_s:.1f} s; run folder {folder_bytes / 1e6:.1f} MB = {100 * folder_bytes / model_bytes:.2f} % "
             f"of the checkpoint"
         )
+
+
+# --- snapshots of two machines compared: the Overview of the imported comparison ----------------
+
+
+def test_an_imported_comparison_shows_its_machines_and_environment_diff(
+    server: Server, demo_workspace, tmp_path
+) -> None:
+    """Two snapshots (made in this process: cheap) compared into the server's home; the Overview
+    shows the target × target matrix, where the captures came from, and the environment diff."""
+    from core import cli
+    from core.snapshot import machine_name
+    from core.store import Store
+
+    base = ["--base", demo_workspace["models"]["tiny-llama"], "--check", "weights", "outputs"]
+    base += ["--adapter", f"{demo_workspace['adapters']['lora']['path']}=lora", "--in-process"]
+    files = []
+    for name, target in (("a", "cpu/float32"), ("b", "cpu/float32+threads=1")):
+        out = tmp_path / f"{name}.wdsnap"
+        home = tmp_path / f"home-{name}"
+        assert cli.main(["snapshot", *base, "--target", target, "-o", str(out), "--home", str(home)]) == 0
+        files.append(str(out))
+    store = Store(server.home)
+    before = {r.run_id for r in store.list_runs()}
+    assert cli.main(["compare", *files, "--home", str(server.home), "--in-process"]) == 0
+    (run_id,) = {r.run_id for r in store.list_runs()} - before
+    machine = machine_name()
+    with _browser(server) as browser:
+        page = browser.new_context(viewport=VIEWPORT).new_page()
+        page.goto(f"{server.url}/overview?run={run_id}")
+        page.locator(".st-key-overview-pairwise").locator(CHART).wait_for(
+            state="visible", timeout=STEP_TIMEOUT_S * 1000
+        )
+        _wait_idle(page)
+        _no_exception(page, "Overview of an imported comparison")
+        text = _main_text(page)
+        assert "Every target against every other" in text and "Imported from snapshots" in text
+        assert "setting(s) differ between targets" in text
+        labels = " ".join(_svg_texts(page, ".st-key-overview-pairwise"))
+        assert f"{machine}/cpu/float32+threads=1" in labels, labels
+        page.get_by_role("heading", name="Every target against every other").evaluate(
+            "e => e.scrollIntoView({block: 'start'})"
+        )
+        _shot(page, "40-imported-pairwise.png")
+        page.get_by_role("heading", name="Imported from snapshots").evaluate(
+            "e => e.scrollIntoView({block: 'start'})"
+        )
+        page.wait_for_timeout(300)
+        _shot(page, "41-imported-environment.png")

@@ -5,8 +5,10 @@ from __future__ import annotations
 import streamlit as st
 
 from core import report
+from core.pairwise import pair_matrix
 from dashboard.figures import environment_table, highlight_differences, verdict_counts_figure
-from dashboard.state import metrics_table, result_pages, view_query
+from dashboard.figures_pairwise import pairwise_figure, snapshot_sources
+from dashboard.state import metrics_table, result_pages, run_table, view_query
 from dashboard.text import inert, literal, trusted
 from dashboard.ui import METRIC_COLUMN_CONFIG, csv_download, downloads, finished_run
 
@@ -41,6 +43,19 @@ fig = verdict_counts_figure(by)
 st.plotly_chart(inert(fig), key="overview.verdicts")
 downloads(fig, by, f"{record.run_id}-verdicts", key="overview.verdicts")
 
+pairs = run_table(record, "pairwise")
+if not pairs.empty:
+    st.subheader("Every target against every other")
+    matrix = pair_matrix(pairs)
+    st.caption(
+        "Each cell: the worst verdict over the tensors and outputs both targets hold, and the largest max |Δ|. "
+        "Weights are compared by content hash (≡ bitwise equal), so snapshots of machines that never meet "
+        "compare without moving a tensor; ≠ marks tensors whose hashes differ where the values were not kept."
+    )
+    fig = pairwise_figure(matrix)
+    st.plotly_chart(fig, key="overview.pairwise")
+    downloads(fig, pairs, f"{record.run_id}-pairwise", key="overview.pairwise")
+
 st.subheader("Furthest from their reference")
 worst = report.worst_rows(table, 20)
 worst = worst.assign(adapter=worst["adapter"].fillna("base model")) if len(worst) else worst
@@ -65,12 +80,17 @@ if notes:
     for note in notes:
         st.markdown(f"- {literal(note)}")
 
+imported = record.imported()
+if imported:
+    st.subheader("Imported from snapshots")
+    st.dataframe(snapshot_sources(imported), hide_index=True, key="overview.imported")
 st.subheader("Environment per target")
 envs = record.environments()
 env = environment_table(envs)
 n_diff = int(env["differs"].sum()) if len(env) else 0
 st.caption(
-    f"{n_diff:d} setting(s) differ between targets (highlighted). The reference cpu/float64 is listed too."
+    f"{n_diff:d} setting(s) differ between targets (highlighted). The reference "
+    f"{literal(record.spec.reference if record.spec else 'cpu/float64')} is listed too."
     if n_diff
     else "Every target ran with the same environment."
 )

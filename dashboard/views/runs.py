@@ -3,17 +3,41 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pandas as pd
 import streamlit as st
 
 from core.store import StoreError
 from dashboard.figures import environment_table, highlight_differences
-from dashboard.state import set_view, store
+from dashboard.state import set_view, start_comparison, store
 from dashboard.text import literal
 from dashboard.ui import csv_download
 
 st.title("Runs")
+
+with st.expander("Compare snapshots from other machines", icon=":material/upload_file:"):
+    st.caption(
+        "A snapshot (`python -m core snapshot … -o FILE`) holds one machine's captures. Comparing snapshots "
+        "makes a run whose targets are named by machine, e.g. gpu-box/cuda:0·fp32: it opens on every page "
+        "like any run, with the environments side by side and every pair of targets compared."
+    )
+    uploads = st.file_uploader(
+        "Snapshot files", type=["wdsnap", "zip"], accept_multiple_files=True, key="runs.snapshots"
+    )
+    typed = st.text_area(
+        "…or paths on this machine, one per line",
+        key="runs.snapshot_paths",
+        placeholder="/data/gpu-box.wdsnap",
+    )
+    if st.button("Compare snapshots", icon=":material/compare_arrows:", key="runs.compare"):
+        paths = [Path(line.strip()).expanduser() for line in typed.splitlines() if line.strip()]
+        files = [(upload.name, upload.getvalue()) for upload in uploads or []]
+        if paths or files:
+            start_comparison(paths, files)
+        else:
+            st.warning("Choose snapshot files or type their paths first.")
+
 records = store().list_runs()
 if not records:
     st.info(

@@ -1,0 +1,85 @@
+"""The target × target matrix of a run's pairwise rows (`core.pairwise`): a pure DataFrame → Plotly builder."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+
+from core.pairwise import DIFFERS, PAIR_SEVERITY
+from dashboard.figures import UNKNOWN_COLOR, VERDICT_COLORS, VERDICT_SYMBOLS, _fmt, empty_figure
+from dashboard.text import plot_text
+
+# `differs` (hashes differ, tensors not kept) is neither a pass nor a measured failure: grey-violet.
+PAIR_COLORS = {**VERDICT_COLORS, DIFFERS: "#9c7ccf"}
+PAIR_SYMBOLS = {**VERDICT_SYMBOLS, DIFFERS: "≠"}
+
+
+def pairwise_figure(matrix: pd.DataFrame) -> go.Figure:
+    """One cell per pair of targets: coloured by the worst verdict over the pair's rows, with its
+    symbol and the largest max |Δ| as text (`core.pairwise.pair_matrix`); the diagonal is empty."""
+    if matrix.empty:
+        return empty_figure("fewer than two targets: nothing to pair")
+    targets = list(dict.fromkeys([*matrix["target"], *matrix["other"]]))
+    n = len(targets)
+    index = {t: i for i, t in enumerate(targets)}
+    z = np.full((n, n), np.nan)
+    text = [["" for _ in targets] for _ in targets]
+    hover = [["" for _ in targets] for _ in targets]
+    for row in matrix.itertuples(index=False):
+        i, j = index[row.target], index[row.other]
+        z[i, j] = PAIR_SEVERITY.get(row.verdict, max(PAIR_SEVERITY.values()))
+        text[i][j] = f"{PAIR_SYMBOLS.get(row.verdict, '?')} {_fmt(row.max_abs)}"
+        hover[i][j] = (
+            f"{plot_text(row.target)} vs {plot_text(row.other)}<br>worst: {plot_text(row.verdict)}"
+            f"<br>max |Δ| {_fmt(row.max_abs)} over {int(row.rows)} rows"
+        )
+    top = max(PAIR_SEVERITY.values())
+    # a discrete scale: each severity gets its verdict's colour
+    scale = []
+    for verdict, level in sorted(PAIR_SEVERITY.items(), key=lambda kv: kv[1]):
+        color = PAIR_COLORS.get(verdict, UNKNOWN_COLOR)
+        scale += [[level / (top + 1), color], [(level + 1) / (top + 1), color]]
+    labels = [plot_text(t) for t in targets]
+    fig = go.Figure(
+        go.Heatmap(
+            z=z,
+            x=labels,
+            y=labels,
+            zmin=-0.5,
+            zmax=top + 0.5,
+            colorscale=scale,
+            showscale=False,
+            text=text,
+            texttemplate="%{text}",
+            hovertext=hover,
+            hovertemplate="%{hovertext}<extra></extra>",
+            xgap=2,
+            ygap=2,
+        )
+    )
+    fig.update_layout(
+        height=max(260, 120 + 60 * n),
+        xaxis={"type": "category", "side": "top"},
+        yaxis={"type": "category", "autorange": "reversed"},
+        margin={"l": 10, "r": 10, "t": 60, "b": 10},
+    )
+    return fig
+
+
+def snapshot_sources(imported: list[dict]) -> pd.DataFrame:
+    """One row per snapshot a run was made from (`RunRecord.imported`): file, machine, label, targets."""
+    return pd.DataFrame(
+        [
+            {
+                "snapshot": i.get("snapshot"),
+                "machine": i.get("machine"),
+                "targets named": i.get("label"),
+                "made": pd.Timestamp(i["created"], unit="s").strftime("%Y-%m-%d %H:%M:%S UTC")
+                if isinstance(i.get("created"), int | float)
+                else None,
+                "targets": ", ".join(map(str, i.get("targets") or [])),
+            }
+            for i in imported
+        ]
+    )
