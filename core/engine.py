@@ -46,6 +46,9 @@ class Outcome:
 class Runner(ABC):
     """Runs one task; reports events through `on_event` and stops when `cancel` is set."""
 
+    # Whether this runner can place a target on a named machine (`node=NAME`, core.ray_runner).
+    places_nodes = False
+
     @abstractmethod
     def run(
         self, task: Task, on_event: Callable[[dict], None], cancel: threading.Event, log_path: Path
@@ -365,6 +368,12 @@ class Engine:
         # and a comparison of snapshots alone loads nothing, so it needs no model files here.
         local = [t for t in (*spec.targets, spec.reference) if t.machine is None]
         check_targets_exist(local, self.devices)
+        placed = next((t for t in local if t.node is not None), None)
+        if placed is not None and not self.runner.places_nodes:
+            raise SpecError(
+                f"target {placed} names node {placed.node}: only the Ray runner places targets on nodes "
+                "(--runner ray); the local runner runs every target on this machine"
+            )
         if any(t.machine is None for t in spec.targets):
             validate_inputs(spec)
 
@@ -572,7 +581,10 @@ class Engine:
     def _run_captures(self, job: Job, compare: Task) -> list[tuple[Task, Outcome]]:
         by_device: dict[str, list[Task]] = {}
         for task in self._capture_tasks(job):
-            by_device.setdefault(Target.parse(task.target).device, []).append(task)
+            target = Target.parse(task.target)
+            # cuda:0 of two Ray nodes are two devices: neither waits for the other
+            where = target.device if target.node is None else f"{target.node}/{target.device}"
+            by_device.setdefault(where, []).append(task)
         outcomes: list[tuple[Task, Outcome]] = []
 
         def device_queue(device: str, tasks: list[Task]) -> None:

@@ -113,7 +113,8 @@ class Target:
     """Where and how a model is materialised: device, dtype and process-global numerics flags.
 
     Parsed from strings like `cpu/float32`, `cuda:1/float16+tf32`, `cpu/float32+threads=1`,
-    `cuda:0/float32+deterministic`, `cuda:0/float32+matmul=high`.
+    `cuda:0/float32+deterministic`, `cuda:0/float32+matmul=high`, and with the Ray runner
+    `cuda:0/float32+node=gpu-a6000` (that node's cuda:0).
 
     A target captured on another machine (imported from a snapshot) names it first:
     `gpu-box/cuda:0/float32+tf32`; such a target is never run here, only compared.
@@ -126,6 +127,9 @@ class Target:
     threads: int | None = None
     matmul_precision: str | None = None
     machine: str | None = None  # set only for a capture imported from a snapshot
+    # `node=NAME`: the Ray node this target runs on (core.ray_runner), so that cuda:0 of two machines
+    # are two targets; the local runner refuses it
+    node: str | None = None
 
     @staticmethod
     def parse(text: str) -> Target:
@@ -162,6 +166,13 @@ class Target:
                 kwargs["threads"] = _thread_count(value, text)
             elif key == "matmul" and value in MATMUL_PRECISIONS:
                 kwargs["matmul_precision"] = value
+            elif key == "node" and valid_machine(value):
+                kwargs["node"] = value
+            elif key == "node":
+                raise SpecError(
+                    f"target {text!r}: flag node={value} is not a node name; expected node=NAME, NAME being "
+                    "letters, digits, '-', '_' or '.' (a Ray node's name, host name or IP address)"
+                )
             elif key == "matmul":
                 raise SpecError(
                     f"target {text!r}: flag matmul={value} is not a float32 matmul precision; expected "
@@ -170,7 +181,7 @@ class Target:
             else:
                 raise SpecError(
                     f"target {text!r}: unknown flag {flag!r}; flags are tf32, deterministic, threads=N, "
-                    f"matmul={'|'.join(MATMUL_PRECISIONS)}"
+                    f"matmul={'|'.join(MATMUL_PRECISIONS)}, node=NAME"
                 )
         return Target(device=device, dtype=dtype_name, machine=machine, **kwargs)
 
@@ -186,6 +197,8 @@ class Target:
             flags.append(f"threads={self.threads}")
         if self.matmul_precision is not None:
             flags.append(f"matmul={self.matmul_precision}")
+        if self.node is not None:
+            flags.append(f"node={self.node}")
         return flags
 
     def __str__(self) -> str:

@@ -1,0 +1,172 @@
+"""The Ray runner on a local Ray started here (CPU only, 2 CPUs): the demo gives the same metrics
+table as the process runner, a killed Ray worker fails its job with a reason, and cancel works.
+
+Skipped where Ray is not installed (it is optional: requirements-ray.txt). One Ray for the module:
+starting it takes seconds, and every test here shares it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from core.ray_runner import pack_tree, restore_process_env, unpack_tree
+from core.spec import AdapterRef, ModelRef, ProbeSpec, SpecError, Target
+
+
+def test_restore_process_env_gives_back_what_the_worker_started_with():
+    # Ray set both for its task; the node's worker had CUDA_VISIBLE_DEVICES=0,1 and no thread count
+    env = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "1", "PATH": "/bin"}
+    ray_set = restore_process_env(env, {"CUDA_VISIBLE_DEVICES": "0,1", "PATH": "/bin"})
+    assert env == {"CUDA_VISIBLE_DEVICES": "0,1", "PATH": "/bin"}
+    assert ray_set == {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "1"}
+    unknown = {"OMP_NUM_THREADS": "1"}
+    restore_process_env(unknown, None)  # where the start environment cannot be read: left alone
+    assert unknown == {"OMP_NUM_THREADS": "1"}
+
+
+def test_archive_round_trip_and_unsafe_paths(tmp_path):
+    src = tmp_path / "src"
+    (src / "captures" / "cpu_float32").mkdir(parents=True)
+    (src / "captures" / "cpu_float32" / "capture.json").write_text("{}")
+    (src / "logs").mkdir()
+    (src / "logs" / "cpu_float32.log").write_text("log")
+    pack_tree(src, tmp_path / "a.zip")
+    dest = tmp_path / "run"
+    assert sorted(unpack_tree(tmp_path / "a.zip", dest)) == [
+        "captures/cpu_float32/capture.json",
+        "logs/cpu_float32.log",
+    ]
+    assert (dest / "logs" / "cpu_float32.log").read_text() == "log"
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "bad.zip", "w") as z:
+        z.writestr("../outside", "x")
+    with pytest.raises(ValueError, match="unsafe path"):
+        unpack_tree(tmp_path / "bad.zip", dest)
+    assert not (tmp_path / "outside").exists()
+
+
+def test_node_flag_parses_and_the_local_runner_refuses_it(tmp_path, demo_workspace):
+    from core.engine import Engine, InProcessRunner
+    from core.targets import Device
+
+    t = Target.parse("cuda:0/float32+tf32+node=gpu-a6000")
+    assert t.node == "gpu-a6000" and str(t) == "cuda:0/float32+tf32+node=gpu-a6000"
+    assert t.slug != Target.parse("cuda:0/float32+tf32+node=gpu-4090").slug  # two capture folders
+    with pytest.raises(SpecError, match="node=NAME"):
+        Target.parse("cpu/float32+node=a/b")
+    engine = Engine(tmp_path, runner=InProcessRunner(), devices=[Device("cpu", "cpu", "x")])
+    spec = ProbeSpec(
+        base=ModelRef(demo_workspace["models"]["tiny-llama"]),
+        adapters=(),
+        targets=(Target.parse("cpu/float32+node=elsewhere"),),
+        checks=("weights",),
+    )
+    with pytest.raises(SpecError, match="only the Ray runner places targets on nodes"):
+        engine.submit(spec)
+
+
+# --- on a real local Ray -----------------------------------------------------------------------------
+
+ray = pytest.importorskip("ray", reason="Ray is optional: pip install -r requirements-ray.txt")
+
+
+@pytest.fixture(scope="module")
+def ray_engine(tmp_path_factory):
+    """A local Ray (2 CPUs, no GPU, no dashboard) and an engine with the Ray runner, for the module."""
+    from core.engine import Engine
+    from core.ray_runner import RayRunner
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    runner = RayRunner(grace_s=5)
+    try:
+        yield Engine(tmp_path_factory.mktemp("ray-home"), runner=runner)
+    finally:
+        runner.kill_all()
+        ray.shutdown()
+
+
+def _spec(demo, targets, checks=("weights", "deltas", "outputs"), adapters=("lora", "ia3")):
+    return ProbeSpec(
+        base=ModelRef(demo["models"]["tiny-llama"]),
+        adapters=tuple(AdapterRef(demo["adapters"][a]["path"], a) for a in adapters),
+        targets=tuple(map(Target.parse, targets)),
+        checks=checks,
+    )
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.e2e
+def test_demo_gives_the_process_runners_metrics_table(ray_engine, demo_workspace, tmp_path):
+    import pandas as pd
+
+    from core.engine import Engine, ProcessRunner
+
+    spec = _spec(demo_workspace, ["cpu/float32"])
+    local = Engine(tmp_path, runner=ProcessRunner())
+    # both at once: their worker processes' imports overlap on the 2 cores
+    ray_job, local_job = ray_engine.submit(spec), local.submit(spec)
+    assert ray_job.wait(120) and local_job.wait(120)
+    assert ray_job.state == "succeeded", ray_job.error
+    assert local_job.state == "succeeded", local_job.error
+    # the same progress events streamed back: stage by stage, step k of n
+    stages = [(e["task"], e["stage"], e["step"], e["of"]) for e in ray_job.events]
+    assert stages == [(e["task"], e["stage"], e["step"], e["of"]) for e in local_job.events] or sorted(
+        stages
+    ) == sorted((e["task"], e["stage"], e["step"], e["of"]) for e in local_job.events)
+    by_ray = ray_engine.store.open(ray_job.run_id).metrics()
+    by_process = local.store.open(local_job.run_id).metrics()
+    keys = ["check", "target", "reference", "adapter", "tensor"]
+    by_ray = by_ray.sort_values(keys, kind="stable").reset_index(drop=True)
+    by_process = by_process.sort_values(keys, kind="stable").reset_index(drop=True)
+    assert len(by_ray) == len(by_process) > 0
+    pd.testing.assert_frame_equal(by_ray, by_process)  # row by row, every column, exactly
+    # where Ray ran it, kept in the capture
+    capture = ray_engine.store.open(ray_job.run_id).run_dir / "captures" / "cpu_float32" / "capture.json"
+    import json
+
+    assert json.loads(capture.read_text())["meta"]["ray"]["pid"] > 0
+
+
+@pytest.mark.e2e
+def test_killed_ray_worker_fails_the_job_with_a_reason(ray_engine, demo_workspace):
+    runner = ray_engine.runner
+    job = ray_engine.submit(_spec(demo_workspace, ["cpu/float32"], checks=("weights",)))
+    worker = _wait_for(lambda: runner.workers.get("cpu/float32"), 60, "the Ray worker to start")
+    os.kill(worker["pid"], signal.SIGKILL)
+    assert job.wait(60)
+    assert job.state == "failed"
+    assert f"the Ray worker (pid {worker['pid']}" in job.error and "died while running the task" in job.error
+    assert job.error.startswith("cpu/float32: ")
+    assert ray_engine.store.open(job.run_id).status == "failed"
+
+
+@pytest.mark.e2e
+def test_cancel_stops_the_ray_task(ray_engine, demo_workspace):
+    import psutil
+
+    job = ray_engine.submit(_spec(demo_workspace, ["cpu/float32"], checks=("weights",)))
+    _wait_for(lambda: job.events, 60, "the first progress event")
+    worker = ray_engine.runner.workers.get("cpu/float32")
+    job.cancel()
+    asked = time.monotonic()
+    assert job.wait(30)
+    assert time.monotonic() - asked < ray_engine.runner.grace_s  # it stopped when asked, not killed
+    assert job.state == "cancelled"
+    assert ray_engine.store.open(job.run_id).status == "cancelled"
+    if worker is not None:  # a fresh worker per task: it goes away with its task
+        _wait_for(lambda: not psutil.pid_exists(worker["pid"]), 20, "the Ray worker to exit")
+    assert not any((job.run_dir / "captures").glob("*/capture.json"))  # nothing half-made was kept
