@@ -131,6 +131,7 @@ def build_parser() -> ArgumentParser:
         metavar="PATH=NAME",
         help="the adapters here, by the snapshot's names (default: the paths the snapshot recorded)",
     )
+    add_runner_options(compare)
     compare.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
     compare.add_argument("--home")
     compare.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -150,6 +151,23 @@ def build_parser() -> ArgumentParser:
     return p
 
 
+def add_runner_options(p: ArgumentParser) -> None:
+    """Where the tasks run: local worker processes (default) or Ray tasks (core.ray_runner)."""
+    p.add_argument(
+        "--runner",
+        choices=("process", "ray"),
+        default="process",
+        help="process: a worker process per target on this machine (default); ray: a Ray task per "
+        "target, on this or other machines (pip install -r requirements-ray.txt)",
+    )
+    p.add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        help="the Ray cluster for --runner ray: auto, HOST:PORT or ray://HOST:10001 (default: a local Ray "
+        "started for this run)",
+    )
+
+
 def add_run_options(run: ArgumentParser) -> None:
     """The options of `run`, shared with `snapshot` (the same inputs, the same checks)."""
     run.add_argument("--base", help="base model folder or hub id")
@@ -160,7 +178,8 @@ def add_run_options(run: ArgumentParser) -> None:
         nargs="+",
         default=[],
         metavar="SPEC",
-        help="DEVICE/DTYPE[+tf32|+deterministic|+threads=N|+matmul=P], e.g. cpu/bfloat16",
+        help="DEVICE/DTYPE[+tf32|+deterministic|+threads=N|+matmul=P|+node=NAME], e.g. cpu/bfloat16 "
+        "(node=NAME: that Ray node's device, with --runner ray)",
     )
     run.add_argument("--check", action="extend", nargs="+", default=[], metavar="NAME")
     run.add_argument(
@@ -206,6 +225,7 @@ def add_run_options(run: ArgumentParser) -> None:
     run.add_argument(
         "--trust-remote-code", action="store_true", help="allow the model's own code (off by default)"
     )
+    add_runner_options(run)
     run.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
     run.add_argument("--home")
     run.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -456,9 +476,10 @@ def execute(args, plan=None, after=None) -> int:
     worker is starting, so its checks overlap the worker's imports. `after(record)` runs once the
     run succeeded and returns what to add to the report.
     """
-    from core.engine import Engine, InProcessRunner, ProcessRunner
+    from core.engine import Engine, InProcessRunner
+    from core.ray_runner import make_runner
 
-    runner = InProcessRunner() if args.in_process else ProcessRunner()
+    runner = InProcessRunner() if args.in_process else make_runner(args.runner, args.ray_address)
     runner.warm()  # the first worker imports its libraries while this process checks the inputs
     try:
         return _run_and_report(args, Engine, runner, plan, after)

@@ -66,6 +66,10 @@ class Runner(ABC):
         """Kill every worker this runner started that is still alive (the process is going away)."""
         return None
 
+    def devices(self) -> list | None:
+        """The devices targets may name where this runner runs them; None: this machine's."""
+        return None
+
     def warm(self, count: int = 1) -> None:
         """Have `count` workers ready for whatever task comes next (a runner with workers starts them
         now, so that their imports overlap what the caller does before its first task)."""
@@ -294,6 +298,8 @@ class Job:
     cancel_reason: str = "cancelled by the user"
     # why run.json could not be written (disk full, read-only home); the job's own state stays right
     store_error: str | None = None
+    # what runs its tasks: the engine's runner, or the one its submitter chose (the dashboard's Ray choice)
+    runner: Runner | None = field(default=None, repr=False)
 
     def cancel(self, reason: str | None = None) -> None:
         """Ask every worker of this job to stop at its next stage boundary (`reason` is stored)."""
@@ -341,13 +347,17 @@ class Engine:
         self.runner = runner or ProcessRunner()
         self.spares = spares
         self.runner.warm(spares)
+        if devices is None:
+            devices = self.runner.devices()  # a runner of other machines knows theirs (core.ray_runner)
         self.devices = devices if devices is not None else discover_devices()
         self._device_locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
         self._jobs: dict[str, Job] = {}
 
-    def validate(self, spec: ProbeSpec) -> None:
-        """Refuse what cannot run: unknown checks or strategy, targets on devices that do not exist, bad inputs."""
+    def validate(self, spec: ProbeSpec, runner: Runner | None = None) -> None:
+        """Refuse what cannot run: unknown checks or strategy, targets on devices that do not exist, bad inputs.
+
+        `runner`: the runner the spec would run with, when not the engine's (its devices count then)."""
         from core.checks import get_checks
         from core.loading import STRATEGIES
         from core.targets import check_targets_exist
@@ -367,9 +377,11 @@ class Engine:
         # Targets imported from snapshots (`Target.machine`) ran elsewhere: only local ones must exist here,
         # and a comparison of snapshots alone loads nothing, so it needs no model files here.
         local = [t for t in (*spec.targets, spec.reference) if t.machine is None]
-        check_targets_exist(local, self.devices)
+        runner = runner or self.runner
+        devices = runner.devices() if runner is not self.runner else None
+        check_targets_exist(local, devices if devices is not None else self.devices)
         placed = next((t for t in local if t.node is not None), None)
-        if placed is not None and not self.runner.places_nodes:
+        if placed is not None and not runner.places_nodes:
             raise SpecError(
                 f"target {placed} names node {placed.node}: only the Ray runner places targets on nodes "
                 "(--runner ray); the local runner runs every target on this machine"
@@ -377,13 +389,17 @@ class Engine:
         if any(t.machine is None for t in spec.targets):
             validate_inputs(spec)
 
-    def submit(self, spec: ProbeSpec, install: Callable[[Path], None] | None = None) -> Job:
+    def submit(
+        self, spec: ProbeSpec, install: Callable[[Path], None] | None = None, runner: Runner | None = None
+    ) -> Job:
         """Validate, store and start a run; returns its Job at once.
+
+        `runner` runs this job's tasks instead of the engine's own (e.g. a Ray runner the user chose).
 
         `install` puts captures made elsewhere (snapshots) into the new run folder before the job
         starts; if it fails, the run is stored as failed with the reason and the error is raised.
         """
-        self.validate(spec)
+        self.validate(spec, runner)
         if install is None and any(t.machine for t in spec.targets):
             named = next(t for t in spec.targets if t.machine)
             raise SpecError(
@@ -407,7 +423,7 @@ class Engine:
                     )
                 self.store.release(record.run_id)
                 raise
-        job = Job(run_id=record.run_id, run_dir=record.run_dir, spec=spec)
+        job = Job(run_id=record.run_id, run_dir=record.run_dir, spec=spec, runner=runner or self.runner)
         for task in self._capture_tasks(job):
             job.tasks[task.label] = TaskProgress(name=task.label)
         job.tasks["compare"] = TaskProgress(name="compare")
@@ -464,7 +480,9 @@ class Engine:
         deadline = time.monotonic() + timeout
         for job in active:
             job.wait(max(0.0, deadline - time.monotonic()))
-        self.runner.kill_all()
+        runners = [self.runner] + [j.runner for j in self._jobs.values() if j.runner is not None]
+        for runner in {id(r): r for r in runners}.values():  # each once: a job may bring its own
+            runner.kill_all()
 
     def _persist(self, job: Job) -> None:
         """Write the job's state to run.json; a failed write is kept on the job, never raised (the
@@ -505,7 +523,7 @@ class Engine:
 
         with job.lock:
             progress.state, progress.started = "running", time.time()
-        outcome = self.runner.run(task, on_event, job.cancel_event, self._log_path(job, task))
+        outcome = job.runner.run(task, on_event, job.cancel_event, self._log_path(job, task))
         with job.lock:
             progress.finished = time.time()
             progress.state = "succeeded" if outcome.ok else "cancelled" if outcome.cancelled else "failed"
@@ -550,11 +568,11 @@ class Engine:
                     job.run_dir, str(stand_in), str(job.spec.reference), reference_failed[0].error or ""
                 )
             if failed:
-                self.runner.discard(compare)
+                job.runner.discard(compare)
                 self._finish(job, "failed", failed[0].error)
                 return
             if job.cancel_event.is_set() or any(o.cancelled for o in outcomes):
-                self.runner.discard(compare)
+                job.runner.discard(compare)
                 self._finish(job, "cancelled", job.cancel_reason)
                 return
             outcome = self._run_task(job, compare)
@@ -604,14 +622,14 @@ class Engine:
 
                     def prepare(following=following) -> None:
                         if following is not None and not job.cancel_event.is_set():
-                            self.runner.prepare(following, self._log_path(job, following))
+                            job.runner.prepare(following, self._log_path(job, following))
 
                     outcome = self._run_task(job, task, on_start=prepare)
                 outcomes.append((task, outcome))
                 if not outcome.ok and not outcome.cancelled and not self._reference_only(job, task):
                     job.cancel_event.set()  # one failed target fails the job: stop the others early
                 if following is not None and job.cancel_event.is_set():
-                    self.runner.discard(following)
+                    job.runner.discard(following)
 
         threads = [
             threading.Thread(target=device_queue, args=(d, ts), daemon=True, name=f"{job.run_id}-{d}")

@@ -40,7 +40,7 @@ from core.workspace import (
     recent_adapters,
     recent_bases,
 )
-from dashboard.state import engine, result_page, start_run, store
+from dashboard.state import engine, ray_runner, result_page, start_run, store
 from dashboard.text import literal
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -156,7 +156,7 @@ def _demo_paths(manifest: dict | None) -> dict[str, str]:
 
 def run_form(manifest: dict | None) -> None:
     """Draw the form in the sidebar; on Run, submit the spec to the engine and select the new run."""
-    devices = engine().devices
+    runner, devices, runner_ok = _runner_choice()
     demo_paths = _demo_paths(manifest)
     records = store().list_runs()  # read once: both "recent" lists come from it
     bases = list(demo_paths) + [b for b in recent_bases(records) if b not in demo_paths]
@@ -304,7 +304,7 @@ def run_form(manifest: dict | None) -> None:
             _show(messages)
 
     if st.button("Run", type="primary", icon=":material/play_arrow:", key="form.run", width="stretch"):
-        if errors:
+        if errors or not runner_ok:
             st.error("Fix the fields marked above first.")
             return
         spec = ProbeSpec(
@@ -319,7 +319,38 @@ def run_form(manifest: dict | None) -> None:
             keep_tensors=bool(keep_tensors),
             reference=Target.parse(reference),
         )
-        start_run(spec, result_page(spec.checks))
+        start_run(spec, result_page(spec.checks), runner)
+
+
+RUNNER_LABELS = {"process": "Worker processes here", "ray": "Ray (this or other machines)"}
+
+
+def _runner_choice() -> tuple:
+    """Where the run's tasks go (None: the engine's worker processes), the devices targets may name
+    there, and whether that choice can run: worker processes on this machine (default), or Ray tasks
+    on a Ray cluster (core.ray_runner; a local Ray when no address is given)."""
+    with st.expander("Runner"):
+        choice = st.radio(
+            "Run the tasks on",
+            list(RUNNER_LABELS),
+            key="form.runner",
+            format_func=RUNNER_LABELS.get,
+            help="Ray sends each target's capture to a fresh Ray worker process, pinned to a GPU "
+            "(cuda:N) or to a node (+node=NAME in the target), and brings the capture back here.",
+        )
+        if choice != "ray":
+            return None, engine().devices, True
+        address = st.text_input(
+            "Ray address",
+            key="form.ray_address",
+            placeholder="empty: a local Ray; auto, HOST:PORT or ray://HOST:10001",
+        )
+        try:
+            runner = ray_runner(address.strip())
+            return runner, runner.devices(), True
+        except SpecError as e:  # not installed, or the cluster cannot be reached: nothing runs
+            st.error(literal(e), icon=":material/error:")
+            return None, engine().devices, False
 
 
 def _target_builder(devices: list[Device]) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from core.engine import Engine, InProcessRunner, ProcessRunner
+from core.engine import Engine, InProcessRunner, ProcessRunner, Runner
 from core.spec import ProbeSpec, SpecError, weightdrift_home
 from core.store import RunRecord, Store, StoreError, table_problem
 from dashboard.text import literal
@@ -41,6 +41,18 @@ def _engine(home_dir: str, runner: str) -> Engine:
     # cancelled and marked so, and no worker outlives it.
     atexit.register(made.shutdown, "cancelled: the dashboard server stopped")
     return made
+
+
+@st.cache_resource(show_spinner=False)
+def ray_runner(address: str) -> Runner:
+    """The server's one Ray runner for `address` ('' starts a local Ray), shared by every session:
+    a job the run form sends to Ray runs its tasks there (core.ray_runner); Ray is imported only now."""
+    from core.ray_runner import RayRunner, import_ray
+
+    import_ray()  # RayUnavailable (how to install it) before anything is cached
+    runner = RayRunner(address=address or None)
+    atexit.register(runner.kill_all)  # no Ray task of this server outlives it
+    return runner
 
 
 def engine() -> Engine:
@@ -224,13 +236,14 @@ def result_page(checks: Sequence[str]) -> str:
     return pages[0][0] if pages else "overview"
 
 
-def start_run(spec: ProbeSpec, page: str) -> None:
+def start_run(spec: ProbeSpec, page: str, runner: Runner | None = None) -> None:
     """Submit `spec` and open `views/<page>.py` on the new run (its progress, then its result).
 
+    `runner`: what runs its tasks, when not the engine's worker processes (the form's Ray choice).
     A spec the engine refuses is shown as an error where the caller drew its widgets.
     """
     try:
-        job = engine().submit(spec)
+        job = engine().submit(spec, runner=runner)
     except (SpecError, StoreError) as e:  # a refused spec; a home that is full or read-only
         st.error(literal(e), icon=":material/error:")
         return
