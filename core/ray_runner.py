@@ -154,8 +154,41 @@ def _annotate_captures(run_dir: Path, info: dict[str, Any]) -> None:
         doc_path.write_text(json.dumps(doc, indent=2, sort_keys=True, default=str))
 
 
-def remote_task(fields: dict[str, Any], log_name: str, ship: bool) -> Iterator[dict[str, Any]]:
+class Gates:
+    """A Ray actor that holds prepared tasks at their start line: a task submitted ahead of its turn
+    (`RayRunner.prepare`) imports its libraries, then waits here until the runner says go (its turn
+    came) or not (the job ended first). One per runner; it holds no CPU."""
+
+    def __init__(self):
+        import asyncio
+
+        self._asyncio = asyncio
+        self._events: dict[str, Any] = {}
+        self._go: dict[str, bool] = {}
+
+    def _event(self, key: str):
+        return self._events.setdefault(key, self._asyncio.Event())
+
+    async def wait(self, key: str) -> bool:
+        """Block until `open(key, …)`; whether the task is to run."""
+        await self._event(key).wait()
+        self._events.pop(key, None)
+        return self._go.pop(key, False)
+
+    async def open(self, key: str, go: bool) -> None:
+        """Let the task waiting under `key` run (`go`) or end without running."""
+        self._go[key] = go
+        self._event(key).set()
+
+
+def remote_task(
+    fields: dict[str, Any], log_name: str, ship: bool, gates: Any = None, gate_key: str = ""
+) -> Iterator[dict[str, Any]]:
     """The body of a Ray task: run one `Task` and yield its events, then (`ship`) its folder.
+
+    With `gates` (a prepared task) it first imports what every task needs and waits at its gate, so
+    that those seconds overlap the task before it on the same device; told not to run, it ends with a
+    `discarded` event.
 
     Yields, in order: a `worker` event (pid, node, Ray's GPU ids), the task's `progress` events,
     `chunk` events carrying the zip archive of what the task wrote (capture folders, merged models,
@@ -163,7 +196,14 @@ def remote_task(fields: dict[str, Any], log_name: str, ship: bool) -> Iterator[d
     so that events leave while it works; an interrupt from `ray.cancel` stops it at its next stage.
     """
     ray = import_ray()
-    ray_set = restore_process_env(os.environ, initial_environ())
+    ray_set = restore_process_env(os.environ, initial_environ())  # before torch reads them
+    from core.worker import _sample_process
+
+    # the memory timeline's first stages, as a local worker takes them (this process has Ray imported)
+    _sample_process("process start")
+    import torch  # noqa: F401
+
+    _sample_process("import torch")
     ctx = ray.get_runtime_context()
     info = {
         "node_id": ctx.get_node_id(),
@@ -173,6 +213,13 @@ def remote_task(fields: dict[str, Any], log_name: str, ship: bool) -> Iterator[d
         "ray_env": ray_set,
     }
     yield {"type": "worker", **info}
+    if gates is not None:
+        from core.worker import preimport
+
+        preimport()
+        if not ray.get(gates.wait.remote(gate_key)):
+            yield {"type": "discarded"}
+            return
     task = Task(**fields)
     if ship:
         # the task writes into a folder of its own on this node, named like the run's
@@ -280,6 +327,8 @@ class RayRunner(Runner):
         self._lock = threading.Lock()
         self._local: ProcessRunner | None = None  # the compare task when the driver is no node
         self._remote = None  # the Ray remote function, made once Ray is up
+        self._gates = None  # the Gates actor, made at the first prepare
+        self._prepared: dict[str, Any] = {}  # task key → its generator, waiting at its gate
 
     # -- Ray itself
 
@@ -364,17 +413,16 @@ class RayRunner(Runner):
             return self._local.run(task, on_event, cancel, log_path)
         ray = self.ray()
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        ship = task.kind != "compare"  # the compare task runs beside the run folder and writes there
-        try:
-            options = self._options(task)
-            if self._remote is None:
-                # max_calls=1: a fresh worker process per task (numerics flags are process-global);
-                # max_retries=0: a crashed worker is the task's result, not something to run again
-                self._remote = ray.remote(num_returns="streaming", max_calls=1, max_retries=0)(remote_task)
-            gen = self._remote.options(**options).remote(asdict(task), log_path.name, ship)
-        except SpecError as e:
-            return Outcome(ok=False, error=str(e))
-        key = f"{task.run_dir}:{task.label}"
+        key = _key(task)
+        with self._lock:
+            gen = self._prepared.pop(key, None)
+        if gen is not None:
+            ray.get(self._gates.open.remote(key, True))  # its turn: it has its libraries imported
+        else:
+            try:
+                gen = self._submit(ray, task, log_path)
+            except SpecError as e:
+                return Outcome(ok=False, error=str(e))
         with self._lock:
             self._generators[key] = gen
         archive = log_path.parent / f".{task.label.replace('/', '_')}.{secrets.token_hex(4)}.zip.tmp"
@@ -386,6 +434,50 @@ class RayRunner(Runner):
                 self.workers.pop(task.label, None)
             with contextlib.suppress(OSError):
                 archive.unlink()
+
+    def _submit(self, ray, task: Task, log_path: Path, gated: bool = False):
+        """Start `task` as a Ray task (`gated`: to wait at its gate once its libraries are imported)."""
+        options = self._options(task)
+        if self._remote is None:
+            # max_calls=1: a fresh worker process per task (numerics flags are process-global);
+            # max_retries=0: a crashed worker is the task's result, not something to run again
+            self._remote = ray.remote(num_returns="streaming", max_calls=1, max_retries=0)(remote_task)
+        ship = task.kind != "compare"  # the compare task runs beside the run folder and writes there
+        gates = None
+        if gated:
+            if self._gates is None:
+                self._gates = ray.remote(num_cpus=0, max_concurrency=1000)(Gates).remote()
+            gates = self._gates
+        return self._remote.options(**options).remote(asdict(task), log_path.name, ship, gates, _key(task))
+
+    def prepare(self, task: Task, log_path: Path) -> None:
+        """Start `task`'s Ray task now: it imports torch, transformers, PEFT and the kernel, then waits
+        for `run`, so that those seconds overlap the task before it (as the process runner's workers)."""
+        if task.kind == "compare" and self._driver_node_id() is None:
+            if self._local is None:
+                self._local = ProcessRunner(grace_s=self.grace_s)
+            self._local.prepare(task, log_path)
+            return
+        ray = self.ray()
+        key = _key(task)
+        with self._lock:
+            if key in self._prepared:
+                return
+        try:
+            gen = self._submit(ray, task, log_path, gated=True)
+        except SpecError:
+            return  # `run` submits it again and reports why
+        with self._lock:
+            self._prepared[key] = gen
+
+    def discard(self, task: Task) -> None:
+        """Tell a prepared task that its turn will not come: it ends without running."""
+        if self._local is not None:
+            self._local.discard(task)
+        with self._lock:
+            gen = self._prepared.pop(_key(task), None)
+        if gen is not None:
+            self._gates.open.remote(_key(task), False)
 
     def _follow(self, ray, task, gen, on_event, cancel, log_path, archive) -> Outcome:
         """Read the task's events as they come, cancel it when asked, unpack what it sends back."""
@@ -463,7 +555,8 @@ class RayRunner(Runner):
     def kill_all(self) -> None:
         """Kill the worker of every task still running (the process is going away)."""
         with self._lock:
-            gens = list(self._generators.values())
+            gens = list(self._generators.values()) + list(self._prepared.values())
+            self._prepared.clear()
         if gens:
             ray = import_ray()
             for gen in gens:
@@ -471,6 +564,11 @@ class RayRunner(Runner):
                     ray.cancel(gen, force=True)
         if self._local is not None:
             self._local.kill_all()
+
+
+def _key(task: Task) -> str:
+    """A task's key among the runner's tasks (and at its gate): its run and label."""
+    return f"{Path(task.run_dir).name}:{task.label}"
 
 
 def _where(worker: dict[str, Any]) -> str:

@@ -170,3 +170,32 @@ def test_cancel_stops_the_ray_task(ray_engine, demo_workspace):
     if worker is not None:  # a fresh worker per task: it goes away with its task
         _wait_for(lambda: not psutil.pid_exists(worker["pid"]), 20, "the Ray worker to exit")
     assert not any((job.run_dir / "captures").glob("*/capture.json"))  # nothing half-made was kept
+
+
+@pytest.mark.e2e
+def test_the_forms_ray_choice_sends_the_run_to_ray(ray_engine, demo_workspace, monkeypatch):
+    from pathlib import Path
+
+    from apptest import make_app, no_exceptions
+
+    from core.ray_runner import RayRunner
+    from dashboard import state
+
+    home = Path(demo_workspace["models"]["tiny-llama"]).parents[2]  # the demo is there already
+    at = make_app(home, monkeypatch)
+    at.run()
+    no_exceptions(at)
+    at.sidebar.radio(key="form.runner").set_value("ray").run()
+    no_exceptions(at)
+    assert not at.sidebar.error
+    assert at.sidebar.selectbox(key="form.new.device").options == ["cpu"]  # the local Ray's devices
+    at.sidebar.multiselect(key="form.adapters").set_value([demo_workspace["adapters"]["lora"]["path"]])
+    at.sidebar.multiselect(key="form.targets").set_value(["cpu/float32"])
+    at.sidebar.multiselect(key="form.checks").set_value(["weights"])
+    at.sidebar.button(key="form.run").click().run()
+    job = state.engine().jobs()[0]
+    try:
+        assert isinstance(job.runner, RayRunner)  # the app's engine, the form's runner
+    finally:
+        job.cancel()
+        assert job.wait(30)
