@@ -70,6 +70,20 @@ def test_node_flag_parses_and_the_local_runner_refuses_it(tmp_path, demo_workspa
         engine.submit(spec)
 
 
+def test_runner_options_refused_without_ray(monkeypatch, capsys, tmp_path):
+    import sys
+
+    from core.cli import main
+    from core.ray_runner import RayUnavailable, make_runner
+
+    argv = ["run", "--demo", "--home", str(tmp_path), "--target", "cpu/float32", "--ray-address", "auto"]
+    assert main(argv) == 2
+    assert "--ray-address needs --runner ray" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
+    with pytest.raises(RayUnavailable, match="pip install -r requirements-ray.txt"):
+        make_runner("ray")
+
+
 # --- on a real local Ray -----------------------------------------------------------------------------
 
 ray = pytest.importorskip("ray", reason="Ray is optional: pip install -r requirements-ray.txt")
@@ -199,3 +213,4 @@ def test_the_forms_ray_choice_sends_the_run_to_ray(ray_engine, demo_workspace, m
     finally:
         job.cancel()
         assert job.wait(30)
+        state.engine().store.delete(job.run_id)  # the demo's home is the session's: leave it as found
