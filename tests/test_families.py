@@ -1,6 +1,7 @@
-"""Model families beyond text decoders: a ViT image classifier, Whisper (speech seq2seq), Mixtral
-(mixture of experts) and BART (text seq2seq), each a tiny random model built here with a LoRA made
-by PEFT, run through the engine (in process) on `cpu/float32 cpu/bfloat16` with the default checks.
+"""Every supported model family and PEFT method, on tiny random models built here (tests/tiny_models.py)
+with an adapter made by PEFT, run through the engine (in process) on `cpu/float32 cpu/bfloat16` with the
+default checks and the merge check; README's "Supported models and methods" table is this module's
+parameter lists (a test below keeps them equal).
 
 Each family's probe (pixel values; audio features with decoder ids; token ids) is what its model
 takes, and the outputs rows compare its logits against the cpu/float64 reference. Mixtral's
@@ -12,12 +13,14 @@ from __future__ import annotations
 
 import json
 import shutil
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
+from tiny_models import ARCHITECTURES, save_with_lora
 
+from core import report
 from core.engine import Engine, InProcessRunner
 from core.loading import (
     EAGER_EXPERTS_NOTE,
@@ -33,145 +36,83 @@ from core.spec import DEFAULT_CHECKS, AdapterRef, ModelRef, ProbeInputs, ProbeSp
 from core.store import RunRecord
 from core.validate import InputError
 
+# The families with assertions of their own below (probe shapes, logits, attention blocks).
 FAMILIES = ("vit", "whisper", "mixtral", "bart")
 TARGETS = ("cpu/float32", "cpu/bfloat16")
-# Families whose checkpoint keys transformers renames on load (ViT: `encoder.layer.*.attention.attention.query`
-# is loaded as `layers.*.attention.q_proj`): matched through transformers' own conversion (core.conversion),
-# so they run every default check like the others.
-RENAMED_KEYS: set[str] = set()
-
-
-def _models() -> dict[str, tuple[object, object]]:
-    """Family → (random model, its LoRA config), all tiny."""
-    from peft import LoraConfig
-    from transformers import (
-        BartConfig,
-        BartForConditionalGeneration,
-        MixtralConfig,
-        MixtralForCausalLM,
-        ViTConfig,
-        ViTForImageClassification,
-        WhisperConfig,
-        WhisperForConditionalGeneration,
-    )
-
-    lora = {"r": 4, "lora_alpha": 8, "init_lora_weights": False}
-    return {
-        "vit": (
-            ViTForImageClassification(
-                ViTConfig(
-                    image_size=16,
-                    patch_size=4,
-                    num_channels=3,
-                    hidden_size=32,
-                    intermediate_size=48,
-                    num_hidden_layers=2,
-                    num_attention_heads=4,
-                    num_labels=5,
-                )
-            ),
-            LoraConfig(target_modules=["q_proj", "v_proj"], **lora),
-        ),
-        "whisper": (
-            WhisperForConditionalGeneration(
-                WhisperConfig(
-                    vocab_size=64,
-                    num_mel_bins=8,
-                    d_model=32,
-                    encoder_layers=2,
-                    decoder_layers=2,
-                    encoder_attention_heads=4,
-                    decoder_attention_heads=4,
-                    encoder_ffn_dim=48,
-                    decoder_ffn_dim=48,
-                    max_source_positions=12,
-                    max_target_positions=32,
-                    pad_token_id=0,
-                    bos_token_id=1,
-                    eos_token_id=2,
-                    decoder_start_token_id=1,
-                )
-            ),
-            LoraConfig(target_modules=["q_proj", "v_proj"], **lora),
-        ),
-        "mixtral": (
-            MixtralForCausalLM(
-                MixtralConfig(
-                    vocab_size=64,
-                    hidden_size=32,
-                    intermediate_size=48,
-                    num_hidden_layers=2,
-                    num_attention_heads=4,
-                    num_key_value_heads=2,
-                    num_local_experts=4,
-                    num_experts_per_tok=2,
-                )
-            ),
-            LoraConfig(task_type="CAUSAL_LM", target_modules=["q_proj", "v_proj"], **lora),
-        ),
-        "bart": (
-            BartForConditionalGeneration(
-                BartConfig(
-                    vocab_size=64,
-                    d_model=32,
-                    encoder_layers=2,
-                    decoder_layers=2,
-                    encoder_attention_heads=4,
-                    decoder_attention_heads=4,
-                    encoder_ffn_dim=48,
-                    decoder_ffn_dim=48,
-                    max_position_embeddings=32,
-                )
-            ),
-            LoraConfig(task_type="SEQ_2_SEQ_LM", target_modules=["q_proj", "v_proj"], **lora),
-        ),
-    }
+CHECKS = (*DEFAULT_CHECKS, "merge")
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
-    """Family → (model folder, LoRA folder), made here, seeded."""
-    import transformers
-    from peft import get_peft_model
-
-    transformers.utils.logging.set_verbosity_error()
+    """Architecture → (model folder, LoRA folder), made here, seeded."""
     root = tmp_path_factory.mktemp("families")
-    out = {}
-    for seed, (family, (model, config)) in enumerate(_models().items()):
-        torch.manual_seed(seed)
-        model.save_pretrained(root / family)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            peft_model = get_peft_model(model, config)
-        peft_model.save_pretrained(root / f"{family}-lora")
-        out[family] = (root / family, root / f"{family}-lora")
-    return out
+    return {name: save_with_lora(name, root, seed) for seed, name in enumerate(ARCHITECTURES)}
+
+
+def _submit(engine: Engine, spec: ProbeSpec) -> RunRecord:
+    job = engine.submit(spec)
+    assert job.wait(300) and job.state == "succeeded", (spec.base.path, job.error)
+    return engine.store.open(job.run_id)
 
 
 @pytest.fixture(scope="module")
 def runs(workspace: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunRecord]:
-    """Family → its run with the default checks on cpu/float32 and cpu/bfloat16."""
+    """Architecture → its run: the default checks and merge together, on cpu/float32 and cpu/bfloat16
+    (one run each, to keep this module's time down: the checks do not share state)."""
     engine = Engine(tmp_path_factory.mktemp("families-home"), runner=InProcessRunner())
     out = {}
-    for family, (model, adapter) in workspace.items():
+    for name, (model, adapter) in workspace.items():
         spec = ProbeSpec(
             base=ModelRef(path=str(model)),
             adapters=(AdapterRef(path=str(adapter), name="lora"),),
             targets=tuple(Target.parse(t) for t in TARGETS),
-            # the weights and deltas checks read ViT's base weights by their loaded names, which its file
-            # does not hold under those names: the outputs check alone until that part lands
-            checks=("outputs",) if family in RENAMED_KEYS else DEFAULT_CHECKS,
+            checks=CHECKS,
             probe=ProbeInputs(batch=2, seq_len=6),
         )
-        with pytest.MonkeyPatch.context() as patch:
-            if family in RENAMED_KEYS:
-                # The up-front adapter-for-this-base check reads the file's (legacy) keys, which
-                # transformers renames on load; matching them is the key-conversion part of issue 16.
-                patch.setattr("core.validate.validate_adapter", lambda *args: None)
-            job = engine.submit(spec)
-            assert job.wait(300) and job.state == "succeeded", (family, job.error)
-        out[family] = engine.store.open(job.run_id)
+        out[name] = _submit(engine, spec)
     return out
+
+
+def _lora_modules(adapter: Path) -> set[str]:
+    """The modules a LoRA adapter file adapts, by the names the loaded model has (PEFT saves those)."""
+    with safe_open(adapter / "adapter_model.safetensors", "pt") as f:
+        keys = list(f.keys())
+    return {k.removeprefix("base_model.model.").split(".lora_A.")[0] for k in keys if ".lora_A." in k}
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_every_architecture_runs_every_check_and_nothing_is_broken(
+    workspace: dict, runs: dict, name: str
+) -> None:
+    """The issue's table, row by row: the run succeeds and would exit 0 or 1 (drift, never an error); each
+    check produced its rows on both targets; on cpu/float32 every row is identical or within tolerance
+    (no false `broken`: renamed or fused checkpoint keys, saved heads and all)."""
+    table = runs[name].metrics()
+    assert report.exit_code(table) in (0, 1)
+    assert "broken" not in set(table.verdict), table[table.verdict == "broken"][["check", "tensor"]].values
+    float32 = table[table.target == "cpu/float32"]
+    assert set(float32.verdict) <= {"identical", "within tolerance"}, float32[
+        ~float32.verdict.isin(["identical", "within tolerance"])
+    ][["check", "tensor", "verdict"]].values
+    lora = table[table.adapter == "lora"]
+    modules = _lora_modules(workspace[name][1])
+    assert modules
+    for target in TARGETS:
+        rows = lora[lora.target == target]
+        base = table[(table.target == target) & table.adapter.isna()]
+        by_check = rows.groupby("check").size().to_dict()
+        assert set(by_check) == set(CHECKS), (target, by_check)
+        # the base alone: its weights against the file and its outputs against the reference
+        assert {"weights", "outputs"} <= set(base.check), target
+        # every adapted module: one ΔW row, its lora_A and lora_B, and a merged row per merge path
+        deltas = rows[(rows.check == "deltas") & (rows.role == "delta")]
+        assert set(deltas.tensor) == modules and len(deltas) == len(modules), target
+        assert len(rows[rows.role.isin(["lora_A", "lora_B"])]) == 2 * len(modules), target
+        merged = rows[(rows.check == "merge") & (rows.role == "merged")]
+        assert set(merged.tensor) == {
+            f"merged:{stage}:{m}" for m in modules for stage in ("merge_adapter", "safe_merge")
+        }
+        assert len(rows[rows.check == "outputs"]) == 1 and rows[rows.check == "outputs"].max_abs.notna().all()
 
 
 # What each family's probe holds: its forward's arguments and their shapes (batch 2, 6 tokens).
@@ -218,7 +159,7 @@ def test_outputs_rows_compare_each_target_against_float64(runs: dict, family: st
     assert set(float32["verdict"]) <= {"identical", "within tolerance"}
 
 
-@pytest.mark.parametrize("family", sorted(set(FAMILIES) - RENAMED_KEYS))
+@pytest.mark.parametrize("family", FAMILIES)
 def test_weight_rows_were_captured(runs: dict, family: str) -> None:
     table = runs[family].metrics()
     weights = table[(table["check"] == "weights") & (table["adapter"] == "lora")]
