@@ -217,8 +217,15 @@ class MergeCheck(Check):
 
         try:
             merged = model.merge_and_unload(adapter_names=[adapter])
-        except ValueError as e:
+        except Exception as e:
+            # PEFT refusing (ValueError) or failing inside itself is this stage's finding, not the run's
+            # failure: PEFT 0.21's merge_and_unload for IA3, LoHa, LoKr, VeRA, BOFT and OFT raises
+            # AttributeError on a SEQ_CLS RoBERTa, whose saved classifier head has no `.weight`; the
+            # earlier stages' rows stand.
             meta["merge_and_unload_error"] = merging.error_text(e)
+            out.notes.append(
+                f"merge: {adapter}: merge_and_unload() failed ({meta['merge_and_unload_error']})"
+            )
             return
         output("merge_and_unload", merged)
         self._saved_modules_stage(out, loaded, merged)
