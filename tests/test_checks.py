@@ -137,6 +137,20 @@ def test_outputs_rows_health(target, verdict, fragment):
     assert fragment in rows[0]["explanation"]
 
 
+def test_identical_rows_within_tolerance_are_not_broken():
+    """A bfloat16 classifier whose logits rows the reference tells apart by 1e-8 only: its rows round to
+    the same values, within tolerance, and a collapse is not claimed."""
+    ref = torch.tensor([[0.0723, 0.0503, 0.0537]], dtype=torch.float64).repeat(2, 1)
+    ref[1] += 1e-8
+    capture = _capture("logits", ref.to(torch.bfloat16), target="cpu/bfloat16")
+    spec = ProbeSpec(base=ModelRef("/m"), adapters=(), targets=(Target.parse("cpu/bfloat16"),))
+    rows = CHECKS["outputs"].rows(
+        spec, capture, Reference("cpu/float64", {TensorKey("outputs", BASE, "logits").encode(): ref}, {})
+    )
+    assert [(r["verdict"], r["health_identical_rows"]) for r in rows] == [("within tolerance", True)]
+    assert "_rows_collapsed" not in rows[0]
+
+
 def test_weights_row_names_the_changed_element():
     torch.manual_seed(1)
     ref = torch.randn(6, 5)

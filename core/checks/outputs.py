@@ -75,6 +75,14 @@ class OutputsCheck(Check):
         target = Target.parse(capture.target)
         flags = target.flags
         for row in rows:
+            # Identical rows are a collapse only where they also miss the reference beyond tolerance: rows
+            # the reference tells apart by less than that (a classifier's logits 1e-8 apart) may well
+            # round to the same values in bfloat16, which is within tolerance, not broken.
+            if row.pop(_ROWS_COLLAPSED, False) and row["verdict"] == "drift":
+                row["verdict"] = "broken"
+                row["explanation"] = (
+                    f"all output rows are identical while the reference's are not · {row['explanation']}"
+                )
             if row["verdict"] in ("identical", "within tolerance"):
                 continue
             how = f"forward pass in {target.dtype}" + (f" with {', '.join(flags)}" if flags else "")
@@ -90,10 +98,13 @@ class OutputsCheck(Check):
             "health_identical_rows": h.identical_rows,
         }
         if ref is not None and h.identical_rows and not h.all_zero and not metrics.health(ref).identical_rows:
-            cols["verdict"] = "broken"
-            cols["explanation"] = "all output rows are identical while the reference's are not"
+            cols[_ROWS_COLLAPSED] = True  # judged in `rows`, against the row's tolerance verdict
         cols.update(nonfinite_output(h))
         return cols
+
+
+# A row's private mark from `extra_columns` for `rows`: its rows are identical, the reference's are not.
+_ROWS_COLLAPSED = "_rows_collapsed"
 
 
 def nonfinite_output(h: metrics.Health) -> dict[str, Any]:
