@@ -251,3 +251,75 @@ def save_with_lora(name: str, root: Path, seed: int, lora=None) -> tuple[Path, P
         peft_model = get_peft_model(model, lora if lora is not None else arch.lora())
     peft_model.save_pretrained(root / f"{name}-lora")
     return root / name, root / f"{name}-lora"
+
+
+@dataclass(frozen=True)
+class Method:
+    """A PEFT method as the tests make it: its README label and its config on given modules."""
+
+    label: str
+    config_class: str
+    kwargs: dict = field(default_factory=dict)
+    prompt_learning: bool = False  # virtual tokens: no ΔW, nothing to merge
+
+    def config(self, targets: tuple[str, ...], feedforward: str, task_type: str | None):
+        """The PEFT config on `targets` (IA3 adds the `feedforward` module, which it scales on the input).
+
+        Every weight-based method is made with its init off, so that ΔW is not zero."""
+        import peft
+
+        kwargs = {"task_type": task_type, **self.kwargs}
+        if not self.prompt_learning:
+            kwargs["target_modules"] = list(targets)
+        if self.config_class == "IA3Config":
+            kwargs["target_modules"] = [*targets, feedforward]
+            kwargs["feedforward_modules"] = [feedforward]
+        return getattr(peft, self.config_class)(**kwargs)
+
+
+METHODS: dict[str, Method] = {
+    "lora": Method("LoRA", "LoraConfig", {"r": 4, "lora_alpha": 8, "init_lora_weights": False}),
+    "dora": Method(
+        "DoRA", "LoraConfig", {"r": 4, "lora_alpha": 8, "use_dora": True, "init_lora_weights": False}
+    ),
+    "ia3": Method("IA3", "IA3Config", {"init_ia3_weights": False}),
+    "loha": Method("LoHa", "LoHaConfig", {"r": 2, "alpha": 4, "init_weights": False}),
+    "lokr": Method("LoKr", "LoKrConfig", {"r": 2, "alpha": 4, "init_weights": False}),
+    "vera": Method("VeRA", "VeraConfig", {"r": 4, "init_weights": False}),
+    "adalora": Method(
+        "AdaLoRA",
+        "AdaLoraConfig",
+        {"init_r": 4, "lora_alpha": 8, "total_step": 10, "init_lora_weights": False},
+    ),
+    "boft": Method("BOFT", "BOFTConfig", {"boft_block_size": 4, "init_weights": False}),
+    "oft": Method("OFT", "OFTConfig", {"oft_block_size": 4, "init_weights": False}),
+    "soft": Method("prompt tuning", "PromptTuningConfig", {"num_virtual_tokens": 3}, prompt_learning=True),
+    "pfx": Method("prefix tuning", "PrefixTuningConfig", {"num_virtual_tokens": 3}, prompt_learning=True),
+    "ptuning": Method(
+        "P-tuning",
+        "PromptEncoderConfig",
+        {"num_virtual_tokens": 3, "encoder_hidden_size": 16},
+        prompt_learning=True,
+    ),
+}
+
+
+def save_method(name: str, method: str, model_folder: Path, root: Path, seed: int, **config) -> Path:
+    """PEFT's `method` adapter on the saved model `name`, every trained tensor random (seeded, small), saved
+    to root/name-method. `config`: Method.config's arguments. Returns the adapter folder."""
+    import transformers
+    from peft import get_peft_model
+
+    quiet()
+    torch.manual_seed(seed)
+    model = getattr(transformers, ARCHITECTURES[name].model_class).from_pretrained(model_folder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft_model = get_peft_model(model, METHODS[method].config(**config))
+    generator = torch.Generator().manual_seed(100 + seed)
+    with torch.no_grad():  # random at a scale where ΔW is a small part of W, as a trained adapter's
+        for p in peft_model.parameters():
+            if p.requires_grad:
+                p.copy_(0.05 * torch.randn(p.shape, generator=generator))
+    peft_model.save_pretrained(root / f"{name}-{method}")
+    return root / f"{name}-{method}"
