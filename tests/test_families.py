@@ -225,6 +225,53 @@ def test_every_method_runs_every_check_on_a_decoder_and_an_encoder(
             }, target
 
 
+README = Path(__file__).resolve().parent.parent / "README.md"
+GENERATED = (
+    "<!-- generated from tests/test_families.py (ARCHITECTURES, METHODS): edit those, then paste what "
+    "test_readme_lists_what_this_module_runs prints -->",
+    "<!-- end of generated tables -->",
+)
+
+
+def supported_tables() -> str:
+    """README's tables of the families and methods this module runs, rendered from its parameter lists."""
+    lines = [
+        "| model | transformers class | adapter `task_type` | LoRA target modules |",
+        "|---|---|---|---|",
+    ]
+    for arch in ARCHITECTURES.values():
+        targets = (
+            f"`{', '.join(arch.lora_targets)}`" if arch.lora_targets else "PEFT's default for the model type"
+        )
+        lines.append(f"| {arch.label} | `{arch.model_class}` | {arch.task_type or '—'} | {targets} |")
+    bases = " | ".join(f"on {ARCHITECTURES[b].label}" for b in METHOD_BASES)
+    lines += [
+        "",
+        f"| method | PEFT config | ΔW and merge | {bases} |",
+        "|---|---|---|" + "---|" * len(METHOD_BASES),
+    ]
+    for name, method in METHODS.items():
+        covered = (
+            "does not apply (virtual tokens): a finding" if method.prompt_learning else "against float64"
+        )
+        cells = []
+        for base in METHOD_BASES:
+            failure = PEFT_MERGE_FAILURES.get((base, name))
+            cells.append("✓ (PEFT's `merge_and_unload` fails: a finding)" if failure else "✓")
+        lines.append(f"| {method.label} | `{method.config_class}` | {covered} | {' | '.join(cells)} |")
+    return "\n".join([GENERATED[0], *lines, GENERATED[1]])
+
+
+def test_readme_lists_what_this_module_runs() -> None:
+    """README's supported families and methods are this module's parameter lists, neither more nor less."""
+    text = README.read_text()
+    start, end = text.find(GENERATED[0]), text.find(GENERATED[1])
+    assert 0 <= start < end, f"README lacks the generated tables; add:\n{supported_tables()}"
+    assert text[start : end + len(GENERATED[1])] == supported_tables(), (
+        f"README's tables differ from this module's lists; replace them with:\n{supported_tables()}"
+    )
+
+
 # What each family's probe holds: its forward's arguments and their shapes (batch 2, 6 tokens).
 PROBES = {
     "vit": {"pixel_values": (2, 3, 16, 16)},

@@ -280,7 +280,9 @@ class Method:
 METHODS: dict[str, Method] = {
     "lora": Method("LoRA", "LoraConfig", {"r": 4, "lora_alpha": 8, "init_lora_weights": False}),
     "dora": Method(
-        "DoRA", "LoraConfig", {"r": 4, "lora_alpha": 8, "use_dora": True, "init_lora_weights": False}
+        "DoRA (`use_dora=True`)",
+        "LoraConfig",
+        {"r": 4, "lora_alpha": 8, "use_dora": True, "init_lora_weights": False},
     ),
     "ia3": Method("IA3", "IA3Config", {"init_ia3_weights": False}),
     "loha": Method("LoHa", "LoHaConfig", {"r": 2, "alpha": 4, "init_weights": False}),
