@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from tiny_models import ARCHITECTURES
 
 from core.capture import BASE, Capture, TensorKey
 from core.checks import CHECKS, get_checks
@@ -68,21 +69,12 @@ def test_bert_encoder_all_checks(tmp_path, demo_workspace):
 @pytest.fixture(scope="module")
 def tiny_t5(tmp_path_factory):
     from peft import LoraConfig, get_peft_model
-    from transformers import T5Config, T5ForConditionalGeneration
 
     folder = tmp_path_factory.mktemp("t5")
     torch.manual_seed(3)
-    config = T5Config(
-        vocab_size=128,
-        d_model=32,
-        d_kv=8,
-        d_ff=64,
-        num_layers=2,
-        num_decoder_layers=2,
-        num_heads=4,
-        decoder_start_token_id=0,
+    model = ARCHITECTURES["t5"].build(
+        vocab_size=128, d_model=32, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4
     )
-    model = T5ForConditionalGeneration(config)
     model.save_pretrained(folder / "base")
     peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q", "v"], init_lora_weights=False))
     peft_model.save_pretrained(folder / "lora")
@@ -328,21 +320,12 @@ def test_weights_buffers_unused_keys_and_integer_tensors(tmp_path):
 
 def test_old_bert_checkpoint_with_position_ids_and_an_unused_head(tmp_path):
     from safetensors.torch import load_file, save_file
-    from transformers import BertConfig, BertModel
 
     from core import report
 
     torch.manual_seed(4)
-    config = BertConfig(
-        vocab_size=64,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=16,
-    )
     folder = tmp_path / "old-bert"
-    BertModel(config).save_pretrained(folder)
+    ARCHITECTURES["bert"].build().save_pretrained(folder)
     weights = folder / "model.safetensors"
     tensors = load_file(str(weights))
     assert "embeddings.position_ids" not in tensors  # transformers no longer saves it

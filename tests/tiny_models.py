@@ -32,12 +32,16 @@ class Architecture:
     task_type: str | None = "CAUSAL_LM"
     kind: str = "decoder"  # decoder, encoder, seq2seq, vision, speech or moe
 
-    def build(self, **overrides) -> torch.nn.Module:
-        """The model with random weights (seed the global RNG first), float32, in eval mode."""
+    def build(self, model_class: str | None = None, **overrides) -> torch.nn.Module:
+        """The model with random weights (seed the global RNG first), float32, in eval mode.
+
+        `overrides`: config fields other than the row's (a test's own sizes); `model_class`: another
+        transformers class of the family (a bare `RobertaModel` for an encoder without a head)."""
         import transformers
 
         config = getattr(transformers, self.config_class)(**{**self.config, **overrides})
-        return getattr(transformers, self.model_class)(config).to(torch.float32).eval()
+        cls = getattr(transformers, model_class or self.model_class)
+        return cls(config).to(torch.float32).eval()
 
     def lora(self, **overrides):
         """The LoRA config for this model: B random (init_lora_weights=False) so that ΔW is not zero."""
@@ -54,6 +58,8 @@ _DECODER = {"vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 1, "num_at
 _LLAMA_LIKE = {**_DECODER, "intermediate_size": 32, "num_key_value_heads": 1, "max_position_embeddings": 32}
 
 ARCHITECTURES: dict[str, Architecture] = {
+    # the demo's family (core.demo builds its own, larger one)
+    "llama": Architecture("Llama", "LlamaForCausalLM", "LlamaConfig", dict(_LLAMA_LIKE)),
     "gpt2": Architecture(
         "GPT-2",
         "GPT2LMHeadModel",
@@ -107,6 +113,15 @@ ARCHITECTURES: dict[str, Architecture] = {
         "RobertaConfig",
         {**_DECODER, "intermediate_size": 32, "max_position_embeddings": 40, "num_labels": 3},
         task_type="SEQ_CLS",
+        kind="encoder",
+    ),
+    # a bare encoder: no head, so the outputs check compares its last hidden state
+    "bert": Architecture(
+        "BERT (bare encoder)",
+        "BertModel",
+        "BertConfig",
+        {**_DECODER, "intermediate_size": 32, "max_position_embeddings": 16},
+        task_type=None,
         kind="encoder",
     ),
     # no PEFT default for DistilBERT either: its attention's query and value
