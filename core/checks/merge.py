@@ -344,7 +344,12 @@ class MergeCheck(Check):
         names = [a.name for a in chosen]
         label = _subset_label(names)
         meta["subset"] = names
-        model = load_base(ctx.spec.base, ctx.target, task_type=adapters_task_type(ctx.spec.adapters))
+        model = load_base(
+            ctx.spec.base,
+            ctx.target,
+            task_type=adapters_task_type(ctx.spec.adapters),
+            adapters=ctx.spec.adapters,
+        )
         for a in chosen:
             model = attach_adapter(model, a, ctx.target)
         layers = {m: lay for m, (lay, _) in formulas.adapted_modules(model).items()}
