@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -428,9 +429,9 @@ def test_a_head_the_checkpoint_lacks_is_noted(workspace: dict) -> None:
     )
     assert type(model).__name__ == "BartForSequenceClassification"
     assert load_notes(model) == [
-        "BartForSequenceClassification has tensors the checkpoint lacks, initialised at random on each load: "
-        "classification_head.dense.bias, classification_head.dense.weight, classification_head.out_proj.bias "
-        "and 1 more"
+        "BartForSequenceClassification has tensors the checkpoint lacks, initialised at random from a fixed "
+        "seed (the same values on every target): classification_head.dense.bias, "
+        "classification_head.dense.weight, classification_head.out_proj.bias and 1 more"
     ]
     assert load_notes(load_base(ModelRef(path=str(workspace["bart"][0])), Target.parse("cpu/float32"))) == []
 
@@ -489,3 +490,67 @@ def test_a_reference_that_cannot_run_is_replaced_by_the_next_best_target(
     weights = table[table["check"] == "weights"]
     assert set(weights["target"]) == {"cpu/bfloat16", "cpu/float32"}
     assert not weights["note"].fillna("").str.contains("did not run").any()
+
+
+def test_a_random_head_is_the_same_on_every_target(workspace: dict) -> None:
+    """The head a checkpoint lacks is drawn from a fixed seed in float32: float64 holds it exactly, bfloat16
+    rounded, and a second load the same values (transformers alone draws new ones on every load)."""
+    model = ModelRef(path=str(workspace["bart"][0]))
+    name = "classification_head.dense.weight"
+    heads = {
+        t: load_base(model, Target.parse(t), task_type="SEQ_CLS").state_dict()[name]
+        for t in ("cpu/float32", "cpu/float64", "cpu/bfloat16")
+    }
+    again = load_base(model, Target.parse("cpu/float32"), task_type="SEQ_CLS").state_dict()[name]
+    assert torch.equal(heads["cpu/float32"], again) and heads["cpu/float32"].std() > 0
+    assert torch.equal(heads["cpu/float64"], heads["cpu/float32"].double())
+    assert torch.equal(heads["cpu/bfloat16"], heads["cpu/float32"].to(torch.bfloat16))
+
+
+CLS_LABELS = 5
+
+
+def test_a_classifier_adapter_on_a_base_without_its_head(workspace: dict, tmp_path: Path) -> None:
+    """A SEQ_CLS LoRA trained with 5 labels on a RoBERTa saved as a masked LM (no classifier head, and a
+    config saying 2 labels): the head is sized from the adapter's saved copy, which every check compares,
+    and the base's own random head is neither broken nor a drift on cpu/float32."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import RobertaForSequenceClassification
+
+    base = workspace["roberta"][0]
+    torch.manual_seed(7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = RobertaForSequenceClassification.from_pretrained(base, num_labels=CLS_LABELS)
+        get_peft_model(model, LoraConfig(task_type="SEQ_CLS", r=4, init_lora_weights=False)).save_pretrained(
+            tmp_path / "cls"
+        )
+    run = _submit(
+        Engine(tmp_path / "home", runner=InProcessRunner()),
+        ProbeSpec(
+            base=ModelRef(path=str(base)),
+            adapters=(AdapterRef(path=str(tmp_path / "cls"), name="cls"),),
+            targets=tuple(Target.parse(t) for t in TARGETS),
+            checks=CHECKS,
+            probe=ProbeInputs(batch=2, seq_len=6),
+        ),
+    )
+    table = run.metrics()
+    assert "broken" not in set(table.verdict)
+    assert set(table[table.target == "cpu/float32"].verdict) <= {"identical", "within tolerance"}
+    outputs = table[table.check == "outputs"]
+    assert len(outputs) == 4 and set(outputs["shape"]) == {f"2x{CLS_LABELS}"}
+    assert f"-: num_labels {CLS_LABELS}, from the classifier head the adapters save (modules_to_save); " in (
+        "\n".join(run.notes())
+    )
+    # the base's head: nothing in the checkpoint to compare it with, and the adapter replaces it
+    head = table[
+        (table.check == "weights") & table.adapter.isna() & table.tensor.str.startswith("classifier.")
+    ]
+    assert len(head) == 2 * 4 and set(head.verdict) == {"within tolerance"}
+    assert set(head.explanation) == {"not compared: the checkpoint has no such tensor"}
+    assert all(n.endswith("cls replace it with their saved copy (modules_to_save)") for n in head.note)
+    # the adapter's copy: compared with its file in weights, deltas and merge_and_unload's model
+    saved = table[(table.adapter == "cls") & (table.role == "modules_to_save")]
+    assert sorted(saved.check.unique()) == ["deltas", "merge", "weights"]
+    assert set(saved[saved.target == "cpu/float32"].verdict) == {"identical"}
