@@ -43,7 +43,13 @@ def test_bert_encoder_all_checks(tmp_path, demo_workspace):
     assert set(weights[weights.role == "lora_A"].module) == {"query", "value"}
     assert weights[weights.role == "lora_A"].layer.notna().all()
     outputs = table[table.check == "outputs"]
-    assert set(outputs.module) == {"last_hidden_state"}
+    # a bare encoder: its last hidden state and its pooled output, per model
+    assert sorted(outputs.module) == [
+        "last_hidden_state",
+        "last_hidden_state",
+        "pooler_output",
+        "pooler_output",
+    ]
     assert (outputs.verdict == "within tolerance").all()
     deltas = table[table.check == "deltas"]
     assert len(deltas) == 4 and (deltas.verdict == "within tolerance").all()

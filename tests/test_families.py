@@ -75,6 +75,10 @@ def runs(workspace: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
     return out
 
 
+# What the outputs check compares, where not the logits: a bare encoder's last hidden state and pooled output.
+OUTPUTS = {"bert": {"last_hidden_state", "pooler_output"}}
+
+
 def _lora_modules(adapter: Path) -> set[str]:
     """The modules a LoRA adapter file adapts, by the names the loaded model has (PEFT saves those)."""
     with safe_open(adapter / "adapter_model.safetensors", "pt") as f:
@@ -114,7 +118,11 @@ def test_every_architecture_runs_every_check_and_nothing_is_broken(
         assert set(merged.tensor) == {
             f"merged:{stage}:{m}" for m in modules for stage in ("merge_adapter", "safe_merge")
         }
-        assert len(rows[rows.check == "outputs"]) == 1 and rows[rows.check == "outputs"].max_abs.notna().all()
+        outputs = rows[rows.check == "outputs"]
+        assert set(outputs.module) == OUTPUTS.get(name, {"logits"}) and len(outputs) == len(
+            set(outputs.module)
+        )
+        assert outputs.max_abs.notna().all()
 
 
 # Each PEFT method on a decoder and an encoder: base → (the modules it adapts, the feedforward module IA3
