@@ -487,6 +487,15 @@ def is_pissa(adapter_config: dict) -> bool:
     return isinstance(init, str) and init.lower().startswith("pissa")
 
 
+def float32_only_init(adapter_config: dict) -> str | None:
+    """ "PiSSA" or "OLoRA" for a LoRA whose init PEFT runs on the base weight in float32 at most (an SVD,
+    a QR: it refuses a float64 base), else None."""
+    init = adapter_config.get("init_lora_weights")
+    if is_pissa(adapter_config):
+        return "PiSSA"
+    return "OLoRA" if isinstance(init, str) and init.lower() == "olora" else None
+
+
 def attach_adapter(model, adapter: AdapterRef, target: Target):
     """`PeftModel.from_pretrained` onto a bare base, or `load_adapter` onto a PeftModel."""
     from peft import PeftModel
@@ -542,20 +551,21 @@ def load_isolated(
         notes.extend(load_notes(model))
         stage(f"load adapter {adapter.name}")
         peft_model = attach_adapter(model, adapter, target)
+        init = float32_only_init(read_adapter_config(adapter)) if upcast else None
         if upcast and float64_offload_dtype(base) is not None:
             # too large for float64 whole: it stays float32 and runs its forward in float64 block by block
             setattr(model, FLOAT64_FORWARD, True)
-            notes.append("PiSSA cannot be initialised in float64; loaded in float32, forward in float64")
+            notes.append(f"{init} cannot be initialised in float64; loaded in float32, forward in float64")
         elif upcast:
             peft_model = peft_model.to(torch.float64)
-            notes.append("PiSSA cannot be initialised in float64; loaded in float32 and upcast to float64")
+            notes.append(f"{init} cannot be initialised in float64; loaded in float32 and upcast to float64")
         yield Loaded(adapter=adapter, model=peft_model, notes=notes)
         model = None
         del peft_model
 
 
 def _pissa_upcast(adapter: AdapterRef, target: Target) -> bool:
-    return target.dtype == "float64" and is_pissa(read_adapter_config(adapter))
+    return target.dtype == "float64" and float32_only_init(read_adapter_config(adapter)) is not None
 
 
 def isolated_stages(adapters: tuple[AdapterRef, ...], target: Target) -> int:

@@ -299,6 +299,21 @@ METHODS: dict[str, Method] = {
         "LoraConfig",
         {"r": 4, "lora_alpha": 8, "use_dora": True, "init_lora_weights": False},
     ),
+    "rslora": Method(
+        "rsLoRA (`use_rslora=True`)",
+        "LoraConfig",
+        {"r": 4, "lora_alpha": 8, "use_rslora": True, "init_lora_weights": False},
+    ),
+    "pissa": Method(
+        'PiSSA (`init_lora_weights="pissa"`)',
+        "LoraConfig",
+        {"r": 4, "lora_alpha": 4, "init_lora_weights": "pissa"},
+    ),
+    "olora": Method(
+        'OLoRA (`init_lora_weights="olora"`)',
+        "LoraConfig",
+        {"r": 4, "lora_alpha": 4, "init_lora_weights": "olora"},
+    ),
     "ia3": Method("IA3", "IA3Config", {"init_ia3_weights": False}),
     "loha": Method("LoHa", "LoHaConfig", {"r": 2, "alpha": 4, "init_weights": False}),
     "lokr": Method("LoKr", "LoKrConfig", {"r": 2, "alpha": 4, "init_weights": False}),

@@ -117,6 +117,8 @@ def _not_for_subset(adapter: AdapterRef) -> str:
     kind = formulas.adapter_type(config)
     if kind != "lora":
         return kind
+    if formulas.base_rewriting_init(config) == "olora":  # its merge starts from its own residual of W
+        return "olora (init_lora_weights='olora' rewrites the base weight on load)"
     saved = formulas.saved_module_names(config)
     if saved:
         return (
