@@ -391,7 +391,9 @@ class MergeCheck(Check):
     ) -> Reference:
         return self._reference(spec, keys, reference_capture, only_keys=False)
 
-    def reference_for(self, spec: ProbeSpec, key: TensorKey, reference_capture: Capture | None) -> Reference:
+    def reference_for(
+        self, spec: ProbeSpec, key: TensorKey, reference_capture: Capture | None, scratch: bool = False
+    ) -> Reference:
         # The drill-down: one module's adapter tensors and base weight, read lazily.
         return self._reference(spec, [key], reference_capture, only_keys=True)
 

@@ -105,7 +105,9 @@ class WeightsCheck(Check):
                     self._read(spec, checkpoint, key, reference)
         return reference
 
-    def reference_for(self, spec: ProbeSpec, key: TensorKey, reference_capture: Capture | None) -> Reference:
+    def reference_for(
+        self, spec: ProbeSpec, key: TensorKey, reference_capture: Capture | None, scratch: bool = False
+    ) -> Reference:
         # One tensor read lazily from the checkpoint (or the few a fused tensor is built from), not
         # the whole file (GBs for a real base).
         try:
@@ -113,10 +115,12 @@ class WeightsCheck(Check):
         except CheckpointError as e:
             raise LoadError(str(e)) from e
         reference = Reference(label="checkpoint", tensors={}, notes={})
-        self._read(spec, checkpoint, key, reference)
+        self._read(spec, checkpoint, key, reference, scratch)
         return reference
 
-    def _read(self, spec: ProbeSpec, checkpoint: Checkpoint, key: TensorKey, into: Reference) -> None:
+    def _read(
+        self, spec: ProbeSpec, checkpoint: Checkpoint, key: TensorKey, into: Reference, scratch: bool = False
+    ) -> None:
         """Put the checkpoint's tensor for `key` into `into`, when the checkpoint has one.
 
         A base tensor is read as transformers loads it: through the model's key conversion, under
@@ -124,11 +128,11 @@ class WeightsCheck(Check):
         """
         if key.adapter != BASE:
             if key.name in checkpoint:
-                into.tensors[key.encode()] = checkpoint.read(key.name)
+                into.tensors[key.encode()] = checkpoint.read(key.name, scratch=scratch)
             return
         conversion = for_folder(spec.base.path, checkpoint)
         if conversion.sources(key.name):
-            into.tensors[key.encode()] = conversion.read(checkpoint, key.name)
+            into.tensors[key.encode()] = conversion.read(checkpoint, key.name, scratch=scratch)
             if how := conversion.how(key.name):
                 into.notes[key.encode()] = how
 
