@@ -380,9 +380,10 @@ class RayRunner(Runner):
     def _driver_node_id(self) -> str | None:
         """This process's Ray node, or None when it is no node of the cluster (Ray Client)."""
         ray = self.ray()
-        with contextlib.suppress(Exception):
-            if ray.util.client.ray.is_connected():
-                return None
+        from ray.util.client import ray as client
+
+        if client.is_connected():
+            return None
         return ray.get_runtime_context().get_node_id()
 
     def _options(self, task: Task) -> dict[str, Any]:

@@ -96,7 +96,7 @@ def ray_engine(tmp_path_factory):
     from core.ray_runner import RayRunner
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    runner = RayRunner(grace_s=5)
+    runner = RayRunner(grace_s=10)
     try:
         yield Engine(tmp_path_factory.mktemp("ray-home"), runner=runner)
     finally:
@@ -166,6 +166,7 @@ def test_killed_ray_worker_fails_the_job_with_a_reason(ray_engine, demo_workspac
     assert f"the Ray worker (pid {worker['pid']}" in job.error and "died while running the task" in job.error
     assert job.error.startswith("cpu/float32: ")
     assert ray_engine.store.open(job.run_id).status == "failed"
+    assert runner.workers == {}  # the engine goes on: the next test's jobs run on it
 
 
 @pytest.mark.e2e
