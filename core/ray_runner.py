@@ -301,11 +301,6 @@ def remote_task(
 # --- the driver side -------------------------------------------------------------------------------
 
 
-def node_of(target: str) -> str | None:
-    """The node a target string names with its `node=NAME` flag, or None."""
-    return Target.parse(target).node
-
-
 class RayRunner(Runner):
     """Runs each task as a Ray task in a fresh Ray worker process (see the module's docstring).
 
@@ -320,8 +315,8 @@ class RayRunner(Runner):
         self.address = address
         self.grace_s = grace_s
         self.init_kwargs = init_kwargs or {}
-        # label → what the task's `worker` event said (pid, node, GPUs), while it runs: for messages,
-        # and for tests that kill a worker
+        # "RUN_ID:LABEL" → what the task's `worker` event said (pid, node, GPUs) while it runs: for
+        # messages, and for tests that kill a worker
         self.workers: dict[str, dict[str, Any]] = {}
         self._generators: dict[str, Any] = {}
         self._lock = threading.Lock()
@@ -432,7 +427,7 @@ class RayRunner(Runner):
         finally:
             with self._lock:
                 self._generators.pop(key, None)
-                self.workers.pop(task.label, None)
+                self.workers.pop(key, None)
             with contextlib.suppress(OSError):
                 archive.unlink()
 
@@ -508,7 +503,7 @@ class RayRunner(Runner):
                 if kind == "worker":
                     worker = event
                     with self._lock:
-                        self.workers[task.label] = event
+                        self.workers[_key(task)] = event
                 elif kind == "chunk":
                     sink.write(event["data"])
                 elif kind in ("done", "error", "cancelled"):

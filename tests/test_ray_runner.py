@@ -159,7 +159,8 @@ def test_demo_gives_the_process_runners_metrics_table(ray_engine, demo_workspace
 def test_killed_ray_worker_fails_the_job_with_a_reason(ray_engine, demo_workspace):
     runner = ray_engine.runner
     job = ray_engine.submit(_spec(demo_workspace, ["cpu/float32"], checks=("weights",)))
-    worker = _wait_for(lambda: runner.workers.get("cpu/float32"), 60, "the Ray worker to start")
+    key = f"{job.run_id}:cpu/float32"
+    worker = _wait_for(lambda: runner.workers.get(key), 60, "the Ray worker to start")
     os.kill(worker["pid"], signal.SIGKILL)
     assert job.wait(60)
     assert job.state == "failed"
@@ -175,7 +176,7 @@ def test_cancel_stops_the_ray_task(ray_engine, demo_workspace):
 
     job = ray_engine.submit(_spec(demo_workspace, ["cpu/float32"], checks=("weights",)))
     _wait_for(lambda: job.events, 60, "the first progress event")
-    worker = ray_engine.runner.workers.get("cpu/float32")
+    worker = ray_engine.runner.workers.get(f"{job.run_id}:cpu/float32")
     job.cancel()
     asked = time.monotonic()
     assert job.wait(30)
