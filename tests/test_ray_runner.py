@@ -1,8 +1,8 @@
 """The Ray runner on a local Ray started here (CPU only, 2 CPUs): the demo gives the same metrics
 table as the process runner, a killed Ray worker fails its job with a reason, and cancel works.
 
-Skipped where Ray is not installed (it is optional: requirements-ray.txt). One Ray for the module:
-starting it takes seconds, and every test here shares it.
+The tests on a real Ray are skipped where Ray is not installed (it is optional: requirements-ray.txt);
+the others run without it. One Ray for the module: starting it takes seconds, and its tests share it.
 """
 
 from __future__ import annotations
@@ -86,12 +86,15 @@ def test_runner_options_refused_without_ray(monkeypatch, capsys, tmp_path):
 
 # --- on a real local Ray -----------------------------------------------------------------------------
 
-ray = pytest.importorskip("ray", reason="Ray is optional: pip install -r requirements-ray.txt")
-
 
 @pytest.fixture(scope="module")
 def ray_engine(tmp_path_factory):
-    """A local Ray (2 CPUs, no GPU, no dashboard) and an engine with the Ray runner, for the module."""
+    """A local Ray (2 CPUs, no GPU, no dashboard) and an engine with the Ray runner, for the module;
+    every test that uses it is skipped where Ray is not installed (the tests above still run)."""
+    ray = pytest.importorskip(
+        "ray", reason="Ray is optional: pip install -r requirements-ray.txt", exc_type=ImportError
+    )
+
     from core.engine import Engine
     from core.ray_runner import RayRunner
 
@@ -216,3 +219,27 @@ def test_the_forms_ray_choice_sends_the_run_to_ray(ray_engine, demo_workspace, m
         job.cancel()
         assert job.wait(30)
         state.engine().store.delete(job.run_id)  # the demo's home is the session's: leave it as found
+
+
+def test_node_names_resolve_on_the_cluster(ray_engine, demo_workspace):
+    import socket
+
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from core.worker import Task
+
+    runner = ray_engine.runner
+    here = ray.get_runtime_context().get_node_id()
+    assert runner.resolve_node(socket.gethostname().split(".")[0]) == here
+    task = Task(kind="capture", run_dir="/x/run", spec={}, target="cpu/float32+node=" + socket.gethostname())
+    strategy = runner._options(task)["scheduling_strategy"]
+    assert isinstance(strategy, NodeAffinitySchedulingStrategy) and strategy.node_id == here
+    assert "num_gpus" not in runner._options(task)
+    gpu = Task(kind="capture", run_dir="/x/run", spec={}, target="cuda:1/float32")
+    assert runner._options(gpu)["num_gpus"] == 1  # Ray counts the GPU; the task uses the node's cuda:1
+    # a node the cluster does not have: the job fails at once, naming the nodes it has
+    job = ray_engine.submit(_spec(demo_workspace, ["cpu/float32+node=nowhere"], checks=("weights",)))
+    assert job.wait(30)
+    assert job.state == "failed"
+    assert "no live Ray node is called 'nowhere'; the cluster's nodes: " in job.error
