@@ -221,7 +221,8 @@ def run_form(manifest: dict | None) -> None:
         placeholder="DEVICE/DTYPE[+FLAG…]",
         help=(
             "Where to load: only devices this machine has. Flags: +tf32 (CUDA), +deterministic, "
-            "+threads=N, +matmul=high. cpu/float64 is the reference and always runs."
+            "+threads=N, +matmul=high; with the Ray runner +node=NAME (that node's device). cpu/float64 "
+            "is the reference and always runs."
         ),
     )
     _target_builder(devices)
