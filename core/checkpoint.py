@@ -150,6 +150,7 @@ class Checkpoint:
         self.folder = folder
         self._tensors = tensors
         self._pickled = pickled  # .bin checkpoints only: memory-mapped tensors by name
+        self._scratch: torch.Tensor | None = None  # `read(scratch=True)`'s buffer, once touched
 
     @classmethod
     def open(cls, folder: str | Path, prefix: str = "") -> Checkpoint:
@@ -234,12 +235,22 @@ class Checkpoint:
         """The bytes of every tensor (what the checkpoint weighs without headers)."""
         return sum(t.nbytes for t in self._tensors.values())
 
-    def read(self, name: str) -> torch.Tensor:
-        """The whole tensor `name`, as stored (dtype and values untouched), in a fresh CPU tensor."""
+    def read(self, name: str, scratch: bool = False) -> torch.Tensor:
+        """The whole tensor `name`, as stored (dtype and values untouched), in a fresh CPU tensor.
+
+        `scratch`: in one buffer this checkpoint keeps (as large as its largest tensor) instead, which
+        the next scratch read overwrites: for a reference used once and dropped (a worker reads every
+        tensor of a model once), it costs no fresh memory and no page faults per tensor.
+        """
         info = self.info(name)
         if self._pickled:
             return self._pickled[name].clone()
-        out = torch.empty(info.shape, dtype=info.dtype)
+        if scratch and info.nbytes:
+            if self._scratch is None:
+                self._scratch = torch.empty(max(t.nbytes for t in self._tensors.values()), dtype=torch.uint8)
+            out = self._scratch[: info.nbytes].view(info.dtype).view(info.shape)
+        else:
+            out = torch.empty(info.shape, dtype=info.dtype)
         if info.nbytes:
             _read_into(info.file, info.start, out)
         return out

@@ -135,8 +135,10 @@ class KeyConversion:
         shown = ", ".join(keys) if len(keys) <= 4 else f"{', '.join(keys[:3])}, … {keys[-1]}"
         return f"built on load from the checkpoint's {len(keys)} tensors {shown} (transformers: {ops})"
 
-    def read(self, checkpoint: Checkpoint, name: str) -> torch.Tensor:
+    def read(self, checkpoint: Checkpoint, name: str, scratch: bool = False) -> torch.Tensor:
         """The loaded tensor `name` as transformers builds it from `checkpoint`, in the file's dtype.
+
+        `scratch`: a tensor read as it is stored comes in `checkpoint`'s scratch buffer (`Checkpoint.read`).
 
         A renamed tensor is the file tensor itself; a converted one runs the converter's own operations
         (stack, concatenate, chunk, …) on its file tensors, read one by one as it asks for them. Those
@@ -147,7 +149,7 @@ class KeyConversion:
         if group is None:
             raise KeyError(f"{checkpoint.folder}: no checkpoint tensor is loaded as {name!r}")
         if group.converter is None:
-            return checkpoint.read(group.members[0][0])
+            return checkpoint.read(group.members[0][0], scratch=scratch)
         converter = deepcopy(
             group.converter
         )  # a transform collects tensors as it goes: a fresh one each time

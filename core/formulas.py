@@ -686,6 +686,26 @@ def pissa_residual(weight: torch.Tensor, r: int) -> torch.Tensor:
     return w - u[:, :r] @ torch.diag(s[:r]) @ vh[:r]
 
 
+def olora_residual(weight: torch.Tensor, r: int, scaling: float) -> torch.Tensor:
+    """``W − scaling·Q_r R_r`` from the QR decomposition ``W = QR`` (float64): OLoRA's residual base weight.
+
+    PEFT (``init_lora_weights="olora"``) computes the same in float32. A sign flip of a column of Q
+    comes with the same flip of that row of R, so the product does not depend on it.
+    """
+    w = weight.detach().to(device="cpu", dtype=torch.float64)
+    q, rr = torch.linalg.qr(w)
+    return w - scaling * (q[:, :r] @ rr[:r])
+
+
+def base_rewriting_init(adapter_config: Mapping[str, Any]) -> str | None:
+    """``pissa`` or ``olora`` for a LoRA whose init rewrites the base weight on load, else None."""
+    init = adapter_config.get("init_lora_weights")
+    if not isinstance(init, str):
+        return None
+    init = init.lower()
+    return "pissa" if init.startswith("pissa") else "olora" if init == "olora" else None
+
+
 def merged_weights(
     adapter_config: Mapping[str, Any],
     adapter_tensors: Mapping[str, torch.Tensor],
@@ -695,7 +715,8 @@ def merged_weights(
     """Per adapted module, the merged weight ``W + ΔW`` in float64 (keys as :func:`reference_deltas`).
 
     For PiSSA, ``W`` is the residual :func:`pissa_residual` of the given base weight (what PEFT puts
-    in the base layer when it loads a PiSSA adapter), so the result is what ``merge_and_unload`` gives.
+    in the base layer when it loads a PiSSA adapter), for OLoRA :func:`olora_residual`, so the result
+    is what ``merge_and_unload`` gives.
     ``deltas``: :func:`reference_deltas` of the same inputs, where the caller has already computed them.
     """
     if deltas is None:
@@ -709,6 +730,9 @@ def merged_weights(
         if kind == "pissa":
             r, _ = _lora_rank_and_scaling(adapter_config, name)
             weight = _t(pissa_residual(_t(weight, fifo), r), fifo)
+        elif kind == "lora" and base_rewriting_init(adapter_config) == "olora":
+            r, scaling = _lora_rank_and_scaling(adapter_config, name)
+            weight = _t(olora_residual(_t(weight, fifo), r, scaling), fifo)
         out[name] = weight + delta
     return out
 
@@ -729,8 +753,10 @@ def sequential_merged_weights(
     current = dict(base_weights)
     touched: set[str] = set()
     for config, tensors in adapters:
-        if adapter_type(config) == "pissa":
-            raise ValueError("PiSSA cannot be merged after another adapter: its base is a residual of W")
+        if base_rewriting_init(config):
+            raise ValueError(
+                f"{base_rewriting_init(config)} cannot be merged after another adapter: its base is a residual of W"
+            )
         merged = merged_weights(config, tensors, current)
         for name, weight in merged.items():
             current[name + ".weight"] = weight

@@ -149,17 +149,59 @@ def vocab_size(config) -> int:
     return int(getattr(config, "vocab_size", None) or config.get_text_config().vocab_size)
 
 
+def saved_head_labels(config, cls: type, adapters: Collection[AdapterRef]) -> int | None:
+    """The label count of the classifier head the adapters save whole (``modules_to_save``), where it
+    differs from the config's `num_labels`; None where it does not, or the saved heads do not say.
+
+    A base checkpoint without a head (an encoder saved bare) gets a fresh head of the config's
+    `num_labels` (2 by default), which the saved head of a classifier trained with 5 labels does not
+    fit. The count is read from the saved tensors' shapes where they differ from the fresh head's (built
+    on the meta device, no memory) in a dimension of size `num_labels`.
+    """
+    from core.checkpoint import Checkpoint, CheckpointError
+    from core.formulas import saved_module_names, split_saved_module_key
+
+    labels = getattr(config, "num_labels", None)
+    saved = {a: saved_module_names(read_adapter_config(a)) for a in adapters}
+    if labels is None or not any(saved.values()):
+        return None
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            shapes = {n: tuple(t.shape) for n, t in cls(config).state_dict().items()}
+    except Exception:  # a class that cannot be built bare (remote code): the load goes on as configured
+        return None
+    found = set()
+    for adapter, names in saved.items():
+        if not names:
+            continue
+        try:
+            checkpoint = Checkpoint.open(adapter.path, prefix="adapter_model")
+        except CheckpointError:  # the adapter's own load says what is wrong with it
+            continue
+        for key in checkpoint.names():
+            split = split_saved_module_key(key, names)
+            fresh = shapes.get(f"{split[0]}.{split[1]}") if split else None
+            stored = tuple(checkpoint.info(key).shape)
+            if fresh is None or len(fresh) != len(stored):
+                continue
+            found |= {s for f, s in zip(fresh, stored, strict=True) if f != s and f == labels}
+    return found.pop() if len(found) == 1 else None
+
+
 def load_base(
     model: ModelRef,
     target: Target,
     dtype: torch.dtype | None = None,
     device_map: str | None = None,
     task_type: str | None = None,
+    adapters: Collection[AdapterRef] = (),
 ):
     """Load the base model in the target's dtype directly onto the target's device, in eval mode.
 
     `device_map` replaces the target's device (e.g. "auto": accelerate spreads it over every GPU).
-    `task_type` is the adapters' PEFT task head (`adapters_task_type`), which picks the class.
+    `task_type` is the adapters' PEFT task head (`adapters_task_type`), which picks the class;
+    `adapters`, where given, size a head the checkpoint lacks as their saved copies of it are sized.
     Anything about how it was loaded that a reader of its rows must know is in `load_notes(model)`.
     """
     config = load_config(model)
@@ -169,6 +211,14 @@ def load_base(
     if dtype == torch.float64 and device_map is None:
         stored = float64_offload_dtype(model)
     extra, notes = {}, []
+    labels = saved_head_labels(config, cls, adapters) if adapters else None
+    if labels is not None:
+        # The head the adapters replace must have their head's shape, or PEFT cannot load their copy.
+        extra["num_labels"] = labels
+        notes.append(
+            f"num_labels {labels}, from the classifier head the adapters save (modules_to_save); "
+            f"the checkpoint's config says {config.num_labels}"
+        )
     if dtype == torch.float64 and _has_experts_implementation(cls):
         # Mixture-of-experts layers default to a grouped matmul that has no float64 kernel; the
         # per-expert loop computes the same sums with float64 matmuls.
@@ -189,18 +239,46 @@ def load_base(
         raise LoadError(f"{model.path}: the model did not load{how} ({_first_line(e)})") from e
     missing = sorted(info.get("missing_keys") or ())
     if missing:
-        # a task head the checkpoint lacks (an encoder saved bare, loaded for SEQ_CLS): random values,
-        # drawn anew on every load, so the bare base's outputs differ between targets by more than numerics
+        # A task head the checkpoint lacks (an encoder saved bare, loaded for SEQ_CLS) is random; drawn
+        # anew on each load, the bare base's outputs would differ between targets by more than numerics.
+        _seeded_fill(m, missing, config)
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         notes.append(
-            f"{cls.__name__} has tensors the checkpoint lacks, initialised at random on each load: "
-            f"{', '.join(missing[:3])}{more}"
+            f"{cls.__name__} has tensors the checkpoint lacks, initialised at random from a fixed seed "
+            f"(the same values on every target): {', '.join(missing[:3])}{more}"
         )
     m.eval()
     if stored is not None:
         setattr(m, FLOAT64_FORWARD, True)
     setattr(m, LOAD_NOTES, notes)
+    setattr(m, NOT_IN_CHECKPOINT, missing)
     return m
+
+
+def _seeded_fill(model: torch.nn.Module, names: list[str], config) -> None:
+    """Replace the random values transformers gave tensors the checkpoint lacks with ones from a fixed
+    seed per name: normal(0, `initializer_range`) drawn in float32, then cast, so every target (and the
+    float64 reference) holds the same head up to its dtype's rounding. A tensor initialised to one
+    constant (a zero bias, a LayerNorm's ones) is the same on every load already and is kept."""
+    import zlib
+
+    std = float(getattr(config, "initializer_range", None) or 0.02)
+    state = model.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for name in names:
+            t = state.get(name)
+            if t is None or t.is_meta or not t.is_floating_point() or t.numel() == 0:
+                continue
+            flat = t.detach().reshape(-1)
+            if bool((flat == flat[0]).all()):
+                continue
+            generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            values = torch.randn(tuple(t.shape), generator=generator, dtype=torch.float32) * std
+            t.copy_(values.to(device=t.device, dtype=t.dtype))
+
+
+# Set by `load_base` on the model: the loaded names of the tensors its checkpoint lacks.
+NOT_IN_CHECKPOINT = "weightdrift_not_in_checkpoint"
 
 
 # Set by `load_base` on the model: its notes (`load_notes`).
@@ -434,6 +512,15 @@ def is_pissa(adapter_config: dict) -> bool:
     return isinstance(init, str) and init.lower().startswith("pissa")
 
 
+def float32_only_init(adapter_config: dict) -> str | None:
+    """ "PiSSA" or "OLoRA" for a LoRA whose init PEFT runs on the base weight in float32 at most (an SVD,
+    a QR: it refuses a float64 base), else None."""
+    init = adapter_config.get("init_lora_weights")
+    if is_pissa(adapter_config):
+        return "PiSSA"
+    return "OLoRA" if isinstance(init, str) and init.lower() == "olora" else None
+
+
 def attach_adapter(model, adapter: AdapterRef, target: Target):
     """`PeftModel.from_pretrained` onto a bare base, or `load_adapter` onto a PeftModel."""
     from peft import PeftModel
@@ -475,7 +562,7 @@ def load_isolated(
     """
     stage("load base")
     task_type = adapters_task_type(adapters)
-    model = load_base(base, target, task_type=task_type)
+    model = load_base(base, target, task_type=task_type, adapters=adapters)
     yield Loaded(adapter=None, model=model, notes=load_notes(model))
     for i, adapter in enumerate(adapters):
         notes: list[str] = []
@@ -483,24 +570,27 @@ def load_isolated(
         if i > 0 or upcast:
             stage(f"load base for {adapter.name}")
             del model
-            model = load_base(base, target, dtype=torch.float32 if upcast else None, task_type=task_type)
+            model = load_base(
+                base, target, dtype=torch.float32 if upcast else None, task_type=task_type, adapters=adapters
+            )
         notes.extend(load_notes(model))
         stage(f"load adapter {adapter.name}")
         peft_model = attach_adapter(model, adapter, target)
+        init = float32_only_init(read_adapter_config(adapter)) if upcast else None
         if upcast and float64_offload_dtype(base) is not None:
             # too large for float64 whole: it stays float32 and runs its forward in float64 block by block
             setattr(model, FLOAT64_FORWARD, True)
-            notes.append("PiSSA cannot be initialised in float64; loaded in float32, forward in float64")
+            notes.append(f"{init} cannot be initialised in float64; loaded in float32, forward in float64")
         elif upcast:
             peft_model = peft_model.to(torch.float64)
-            notes.append("PiSSA cannot be initialised in float64; loaded in float32 and upcast to float64")
+            notes.append(f"{init} cannot be initialised in float64; loaded in float32 and upcast to float64")
         yield Loaded(adapter=adapter, model=peft_model, notes=notes)
         model = None
         del peft_model
 
 
 def _pissa_upcast(adapter: AdapterRef, target: Target) -> bool:
-    return target.dtype == "float64" and is_pissa(read_adapter_config(adapter))
+    return target.dtype == "float64" and float32_only_init(read_adapter_config(adapter)) is not None
 
 
 def isolated_stages(adapters: tuple[AdapterRef, ...], target: Target) -> int:
@@ -597,7 +687,7 @@ def load_from_pretrained_loop(
     from peft import PeftModel
 
     stage("load base")
-    model = load_base(base, target, task_type=adapters_task_type(adapters))
+    model = load_base(base, target, task_type=adapters_task_type(adapters), adapters=adapters)
     yield Loaded(adapter=None, model=model, notes=load_notes(model))
     for adapter in adapters:
         stage(f"load adapter {adapter.name}")
@@ -621,7 +711,7 @@ def _load_adapter_strategy(low_cpu_mem_usage: bool) -> Callable[..., Iterator[Lo
         from peft import PeftModel
 
         stage("load base")
-        model = load_base(base, target, task_type=adapters_task_type(adapters))
+        model = load_base(base, target, task_type=adapters_task_type(adapters), adapters=adapters)
         yield Loaded(adapter=None, model=model, notes=load_notes(model))
         peft_model = None
         for adapter in adapters:

@@ -519,6 +519,12 @@ def outputs_figure(table: pd.DataFrame) -> go.Figure:
     if not len(table):
         return empty_figure("no output rows")
     adapters = [_text(a) or "base" for a in table["adapter"]] if "adapter" in table else ["base"] * len(table)
+    if "module" in table:
+        # A bare encoder's second output (its pooled output) gets a group of its own beside the adapter's.
+        adapters = [
+            a if _text(m) in ("", "logits", "last_hidden_state") else f"{a} · {_text(m)}"
+            for a, m in zip(adapters, table["module"], strict=True)
+        ]
     data = table.assign(_adapter=adapters, _value=_numeric(table["max_abs"]))
     order = list(dict.fromkeys(data["_adapter"]))
     if "base" in order:  # the base model is the baseline every adapter group is read against

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_models import ARCHITECTURES, quiet
 
 from core import formulas
 from core.checks.deltas import REPLACED
@@ -81,31 +82,19 @@ def _configs() -> dict[str, tuple[str, object]]:
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Base and adapter folders by name, all made here, seeded; every trained tensor random."""
-    import transformers
     from peft import get_peft_model
-    from transformers import GPT2Config, GPT2LMHeadModel, RobertaConfig, RobertaForSequenceClassification
+    from transformers import GPT2LMHeadModel, RobertaForSequenceClassification
 
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
+    quiet()
     root = tmp_path_factory.mktemp("as-saved")
     classes = {"roberta_cls": RobertaForSequenceClassification, "gpt2": GPT2LMHeadModel}
     torch.manual_seed(0)
-    RobertaForSequenceClassification(
-        RobertaConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=48,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            max_position_embeddings=40,
-            num_labels=3,
-        )
+    ARCHITECTURES["roberta_cls"].build(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4
     ).save_pretrained(root / "roberta_cls")
-    GPT2LMHeadModel(
-        GPT2Config(
-            vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0
-        )
-    ).save_pretrained(root / "gpt2")
+    ARCHITECTURES["gpt2"].build(n_embd=32, n_layer=2, bos_token_id=0, eos_token_id=0).save_pretrained(
+        root / "gpt2"
+    )
     folders = {"roberta_cls": root / "roberta_cls", "gpt2": root / "gpt2"}
     for seed, (name, (base, config)) in enumerate(_configs().items()):
         torch.manual_seed(seed)

@@ -8,6 +8,7 @@ import shutil
 import pandas as pd
 import pytest
 from apptest import make_app, shown
+from tiny_models import ARCHITECTURES
 
 from core.demo import build_demo
 from core.engine import Engine, InProcessRunner
@@ -137,16 +138,15 @@ def hra_home(tmp_path_factory):
     merge runs: both adapters, and the HRA alone."""
     import torch
     from peft import HRAConfig, LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from core.spec import AdapterRef, ModelRef, ProbeSpec, Target
 
     home = tmp_path_factory.mktemp("hra-app")
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4
-    )
-    LlamaForCausalLM(config).save_pretrained(home / "llama")
+    ARCHITECTURES["llama"].build(
+        hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=4
+    ).save_pretrained(home / "llama")
     for name, adapter in (
         ("lora", LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False)),
         ("hra", HRAConfig(r=2, target_modules=["q_proj"])),
@@ -221,22 +221,15 @@ def saved_head_home(tmp_path_factory):
     the adapter: modules_to_save), in a merge run."""
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import RobertaConfig, RobertaForSequenceClassification
+    from transformers import RobertaForSequenceClassification
 
     from core.spec import AdapterRef, ModelRef, ProbeSpec, Target
 
     home = tmp_path_factory.mktemp("saved-head-app")
     torch.manual_seed(0)
-    config = RobertaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        max_position_embeddings=40,
-        num_labels=3,
-    )
-    RobertaForSequenceClassification(config).save_pretrained(home / "roberta_cls")
+    ARCHITECTURES["roberta_cls"].build(
+        hidden_size=32, intermediate_size=48, num_attention_heads=4
+    ).save_pretrained(home / "roberta_cls")
     lora = LoraConfig(task_type="SEQ_CLS", r=2, target_modules=["query"], init_lora_weights=False)
     model = get_peft_model(RobertaForSequenceClassification.from_pretrained(home / "roberta_cls"), lora)
     model.save_pretrained(home / "cls_lora")

@@ -123,3 +123,24 @@ def test_adapter_prefix(tmp_path):
     save_file({"base.w": torch.ones(2)}, str(tmp_path / "model.safetensors"))
     save_file({"lora_A": torch.zeros(2)}, str(tmp_path / "adapter_model.safetensors"))
     assert Checkpoint.open(tmp_path, prefix="adapter_model").names() == ["lora_A"]
+
+
+def test_scratch_reads_share_one_buffer_and_plain_reads_do_not(tmp_path):
+    tensors = {
+        "big": torch.arange(64, dtype=torch.float32).reshape(8, 8),
+        "small": torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
+    }
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    ckpt = Checkpoint.open(tmp_path)
+    assert Checkpoint.open(tmp_path) is ckpt  # indexed once while the files are unchanged
+    a = ckpt.read("big", scratch=True)
+    assert torch.equal(a, tensors["big"])
+    b = ckpt.read("small", scratch=True)
+    assert torch.equal(b, tensors["small"]) and b.dtype == torch.bfloat16
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # the same buffer, reused
+    assert not torch.equal(a.reshape(-1)[:1], tensors["big"].reshape(-1)[:1])  # overwritten by the next
+    c, d = ckpt.read("big"), ckpt.read("big")
+    assert torch.equal(c, d) and c.untyped_storage().data_ptr() != d.untyped_storage().data_ptr()
+    # a file that changes is indexed anew
+    save_file({"big": tensors["big"] * 2}, str(tmp_path / "model.safetensors"))
+    assert torch.equal(Checkpoint.open(tmp_path).read("big"), tensors["big"] * 2)

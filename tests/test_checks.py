@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from tiny_models import ARCHITECTURES
 
 from core.capture import BASE, Capture, TensorKey
 from core.checks import CHECKS, get_checks
@@ -42,7 +43,13 @@ def test_bert_encoder_all_checks(tmp_path, demo_workspace):
     assert set(weights[weights.role == "lora_A"].module) == {"query", "value"}
     assert weights[weights.role == "lora_A"].layer.notna().all()
     outputs = table[table.check == "outputs"]
-    assert set(outputs.module) == {"last_hidden_state"}
+    # a bare encoder: its last hidden state and its pooled output, per model
+    assert sorted(outputs.module) == [
+        "last_hidden_state",
+        "last_hidden_state",
+        "pooler_output",
+        "pooler_output",
+    ]
     assert (outputs.verdict == "within tolerance").all()
     deltas = table[table.check == "deltas"]
     assert len(deltas) == 4 and (deltas.verdict == "within tolerance").all()
@@ -68,21 +75,12 @@ def test_bert_encoder_all_checks(tmp_path, demo_workspace):
 @pytest.fixture(scope="module")
 def tiny_t5(tmp_path_factory):
     from peft import LoraConfig, get_peft_model
-    from transformers import T5Config, T5ForConditionalGeneration
 
     folder = tmp_path_factory.mktemp("t5")
     torch.manual_seed(3)
-    config = T5Config(
-        vocab_size=128,
-        d_model=32,
-        d_kv=8,
-        d_ff=64,
-        num_layers=2,
-        num_decoder_layers=2,
-        num_heads=4,
-        decoder_start_token_id=0,
+    model = ARCHITECTURES["t5"].build(
+        vocab_size=128, d_model=32, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4
     )
-    model = T5ForConditionalGeneration(config)
     model.save_pretrained(folder / "base")
     peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q", "v"], init_lora_weights=False))
     peft_model.save_pretrained(folder / "lora")
@@ -135,6 +133,20 @@ def test_outputs_rows_health(target, verdict, fragment):
     assert len(rows) == 1
     assert rows[0]["verdict"] == verdict, rows[0]
     assert fragment in rows[0]["explanation"]
+
+
+def test_identical_rows_within_tolerance_are_not_broken():
+    """A bfloat16 classifier whose logits rows the reference tells apart by 1e-8 only: its rows round to
+    the same values, within tolerance, and a collapse is not claimed."""
+    ref = torch.tensor([[0.0723, 0.0503, 0.0537]], dtype=torch.float64).repeat(2, 1)
+    ref[1] += 1e-8
+    capture = _capture("logits", ref.to(torch.bfloat16), target="cpu/bfloat16")
+    spec = ProbeSpec(base=ModelRef("/m"), adapters=(), targets=(Target.parse("cpu/bfloat16"),))
+    rows = CHECKS["outputs"].rows(
+        spec, capture, Reference("cpu/float64", {TensorKey("outputs", BASE, "logits").encode(): ref}, {})
+    )
+    assert [(r["verdict"], r["health_identical_rows"]) for r in rows] == [("within tolerance", True)]
+    assert "_rows_collapsed" not in rows[0]
 
 
 def test_weights_row_names_the_changed_element():
@@ -314,21 +326,12 @@ def test_weights_buffers_unused_keys_and_integer_tensors(tmp_path):
 
 def test_old_bert_checkpoint_with_position_ids_and_an_unused_head(tmp_path):
     from safetensors.torch import load_file, save_file
-    from transformers import BertConfig, BertModel
 
     from core import report
 
     torch.manual_seed(4)
-    config = BertConfig(
-        vocab_size=64,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=16,
-    )
     folder = tmp_path / "old-bert"
-    BertModel(config).save_pretrained(folder)
+    ARCHITECTURES["bert"].build().save_pretrained(folder)
     weights = folder / "model.safetensors"
     tensors = load_file(str(weights))
     assert "embeddings.position_ids" not in tensors  # transformers no longer saves it

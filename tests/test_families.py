@@ -1,6 +1,7 @@
-"""Model families beyond text decoders: a ViT image classifier, Whisper (speech seq2seq), Mixtral
-(mixture of experts) and BART (text seq2seq), each a tiny random model built here with a LoRA made
-by PEFT, run through the engine (in process) on `cpu/float32 cpu/bfloat16` with the default checks.
+"""Every supported model family and PEFT method, on tiny random models built here (tests/tiny_models.py)
+with an adapter made by PEFT, run through the engine (in process) on `cpu/float32 cpu/bfloat16` with the
+default checks and the merge check; README's "Supported models and methods" table is this module's
+parameter lists (a test below keeps them equal).
 
 Each family's probe (pixel values; audio features with decoder ids; token ids) is what its model
 takes, and the outputs rows compare its logits against the cpu/float64 reference. Mixtral's
@@ -11,13 +12,17 @@ and the rows say so.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
+from tiny_models import ARCHITECTURES, METHODS, save_method, save_with_lora
 
+from core import report
 from core.engine import Engine, InProcessRunner
 from core.loading import (
     EAGER_EXPERTS_NOTE,
@@ -33,145 +38,254 @@ from core.spec import DEFAULT_CHECKS, AdapterRef, ModelRef, ProbeInputs, ProbeSp
 from core.store import RunRecord
 from core.validate import InputError
 
+# The families with assertions of their own below (probe shapes, logits, attention blocks).
 FAMILIES = ("vit", "whisper", "mixtral", "bart")
 TARGETS = ("cpu/float32", "cpu/bfloat16")
-# Families whose checkpoint keys transformers renames on load (ViT: `encoder.layer.*.attention.attention.query`
-# is loaded as `layers.*.attention.q_proj`): matched through transformers' own conversion (core.conversion),
-# so they run every default check like the others.
-RENAMED_KEYS: set[str] = set()
-
-
-def _models() -> dict[str, tuple[object, object]]:
-    """Family → (random model, its LoRA config), all tiny."""
-    from peft import LoraConfig
-    from transformers import (
-        BartConfig,
-        BartForConditionalGeneration,
-        MixtralConfig,
-        MixtralForCausalLM,
-        ViTConfig,
-        ViTForImageClassification,
-        WhisperConfig,
-        WhisperForConditionalGeneration,
-    )
-
-    lora = {"r": 4, "lora_alpha": 8, "init_lora_weights": False}
-    return {
-        "vit": (
-            ViTForImageClassification(
-                ViTConfig(
-                    image_size=16,
-                    patch_size=4,
-                    num_channels=3,
-                    hidden_size=32,
-                    intermediate_size=48,
-                    num_hidden_layers=2,
-                    num_attention_heads=4,
-                    num_labels=5,
-                )
-            ),
-            LoraConfig(target_modules=["q_proj", "v_proj"], **lora),
-        ),
-        "whisper": (
-            WhisperForConditionalGeneration(
-                WhisperConfig(
-                    vocab_size=64,
-                    num_mel_bins=8,
-                    d_model=32,
-                    encoder_layers=2,
-                    decoder_layers=2,
-                    encoder_attention_heads=4,
-                    decoder_attention_heads=4,
-                    encoder_ffn_dim=48,
-                    decoder_ffn_dim=48,
-                    max_source_positions=12,
-                    max_target_positions=32,
-                    pad_token_id=0,
-                    bos_token_id=1,
-                    eos_token_id=2,
-                    decoder_start_token_id=1,
-                )
-            ),
-            LoraConfig(target_modules=["q_proj", "v_proj"], **lora),
-        ),
-        "mixtral": (
-            MixtralForCausalLM(
-                MixtralConfig(
-                    vocab_size=64,
-                    hidden_size=32,
-                    intermediate_size=48,
-                    num_hidden_layers=2,
-                    num_attention_heads=4,
-                    num_key_value_heads=2,
-                    num_local_experts=4,
-                    num_experts_per_tok=2,
-                )
-            ),
-            LoraConfig(task_type="CAUSAL_LM", target_modules=["q_proj", "v_proj"], **lora),
-        ),
-        "bart": (
-            BartForConditionalGeneration(
-                BartConfig(
-                    vocab_size=64,
-                    d_model=32,
-                    encoder_layers=2,
-                    decoder_layers=2,
-                    encoder_attention_heads=4,
-                    decoder_attention_heads=4,
-                    encoder_ffn_dim=48,
-                    decoder_ffn_dim=48,
-                    max_position_embeddings=32,
-                )
-            ),
-            LoraConfig(task_type="SEQ_2_SEQ_LM", target_modules=["q_proj", "v_proj"], **lora),
-        ),
-    }
+CHECKS = (*DEFAULT_CHECKS, "merge")
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
-    """Family → (model folder, LoRA folder), made here, seeded."""
-    import transformers
-    from peft import get_peft_model
-
-    transformers.utils.logging.set_verbosity_error()
+    """Architecture → (model folder, LoRA folder), made here, seeded."""
     root = tmp_path_factory.mktemp("families")
-    out = {}
-    for seed, (family, (model, config)) in enumerate(_models().items()):
-        torch.manual_seed(seed)
-        model.save_pretrained(root / family)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            peft_model = get_peft_model(model, config)
-        peft_model.save_pretrained(root / f"{family}-lora")
-        out[family] = (root / family, root / f"{family}-lora")
-    return out
+    return {name: save_with_lora(name, root, seed) for seed, name in enumerate(ARCHITECTURES)}
+
+
+def _submit(engine: Engine, spec: ProbeSpec) -> RunRecord:
+    job = engine.submit(spec)
+    assert job.wait(300) and job.state == "succeeded", (spec.base.path, job.error)
+    return engine.store.open(job.run_id)
 
 
 @pytest.fixture(scope="module")
 def runs(workspace: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunRecord]:
-    """Family → its run with the default checks on cpu/float32 and cpu/bfloat16."""
+    """Architecture → its run: the default checks and merge together, on cpu/float32 and cpu/bfloat16
+    (one run each, to keep this module's time down: the checks do not share state)."""
     engine = Engine(tmp_path_factory.mktemp("families-home"), runner=InProcessRunner())
     out = {}
-    for family, (model, adapter) in workspace.items():
+    for name, (model, adapter) in workspace.items():
         spec = ProbeSpec(
             base=ModelRef(path=str(model)),
             adapters=(AdapterRef(path=str(adapter), name="lora"),),
             targets=tuple(Target.parse(t) for t in TARGETS),
-            # the weights and deltas checks read ViT's base weights by their loaded names, which its file
-            # does not hold under those names: the outputs check alone until that part lands
-            checks=("outputs",) if family in RENAMED_KEYS else DEFAULT_CHECKS,
+            checks=CHECKS,
             probe=ProbeInputs(batch=2, seq_len=6),
         )
-        with pytest.MonkeyPatch.context() as patch:
-            if family in RENAMED_KEYS:
-                # The up-front adapter-for-this-base check reads the file's (legacy) keys, which
-                # transformers renames on load; matching them is the key-conversion part of issue 16.
-                patch.setattr("core.validate.validate_adapter", lambda *args: None)
-            job = engine.submit(spec)
-            assert job.wait(300) and job.state == "succeeded", (family, job.error)
-        out[family] = engine.store.open(job.run_id)
+        out[name] = _submit(engine, spec)
     return out
+
+
+# What the outputs check compares, where not the logits: a bare encoder's last hidden state and pooled output.
+OUTPUTS = {"bert": {"last_hidden_state", "pooler_output"}}
+
+
+def _lora_modules(adapter: Path) -> set[str]:
+    """The modules a LoRA adapter file adapts, by the names the loaded model has (PEFT saves those)."""
+    with safe_open(adapter / "adapter_model.safetensors", "pt") as f:
+        keys = list(f.keys())
+    return {k.removeprefix("base_model.model.").split(".lora_A.")[0] for k in keys if ".lora_A." in k}
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_every_architecture_runs_every_check_and_nothing_is_broken(
+    workspace: dict, runs: dict, name: str
+) -> None:
+    """The issue's table, row by row: the run succeeds and would exit 0 or 1 (drift, never an error); each
+    check produced its rows on both targets; on cpu/float32 every row is identical or within tolerance
+    (no false `broken`: renamed or fused checkpoint keys, saved heads and all)."""
+    table = runs[name].metrics()
+    assert report.exit_code(table) in (0, 1)
+    assert "broken" not in set(table.verdict), table[table.verdict == "broken"][["check", "tensor"]].values
+    float32 = table[table.target == "cpu/float32"]
+    assert set(float32.verdict) <= {"identical", "within tolerance"}, float32[
+        ~float32.verdict.isin(["identical", "within tolerance"])
+    ][["check", "tensor", "verdict"]].values
+    lora = table[table.adapter == "lora"]
+    modules = _lora_modules(workspace[name][1])
+    assert modules
+    for target in TARGETS:
+        rows = lora[lora.target == target]
+        base = table[(table.target == target) & table.adapter.isna()]
+        by_check = rows.groupby("check").size().to_dict()
+        assert set(by_check) == set(CHECKS), (target, by_check)
+        # the base alone: its weights against the file and its outputs against the reference
+        assert {"weights", "outputs"} <= set(base.check), target
+        # every adapted module: one ΔW row, its lora_A and lora_B, and a merged row per merge path
+        deltas = rows[(rows.check == "deltas") & (rows.role == "delta")]
+        assert set(deltas.tensor) == modules and len(deltas) == len(modules), target
+        assert len(rows[rows.role.isin(["lora_A", "lora_B"])]) == 2 * len(modules), target
+        merged = rows[(rows.check == "merge") & (rows.role == "merged")]
+        assert set(merged.tensor) == {
+            f"merged:{stage}:{m}" for m in modules for stage in ("merge_adapter", "safe_merge")
+        }
+        outputs = rows[rows.check == "outputs"]
+        assert set(outputs.module) == OUTPUTS.get(name, {"logits"}) and len(outputs) == len(
+            set(outputs.module)
+        )
+        assert outputs.max_abs.notna().all()
+
+
+# Each PEFT method on a decoder and an encoder: base → (the modules it adapts, the feedforward module IA3
+# scales on its input). The encoder is a sequence classifier, the head PEFT's prompt learning needs.
+METHOD_BASES = {"opt": (("q_proj", "v_proj"), "fc2"), "roberta_cls": (("query", "value"), "output.dense")}
+# PEFT's own merge_and_unload fails here (PEFT 0.21: every tuner but LoRA's reads `.weight` of the saved
+# classifier head, which RoBERTa's has not): a finding of that stage; the earlier stages' rows stand.
+PEFT_MERGE_FAILURES = {
+    ("roberta_cls", method): "AttributeError: 'RobertaClassificationHead' object has no attribute 'weight'"
+    for method in ("ia3", "loha", "lokr", "vera", "boft", "oft")
+}
+# LoRA inits PEFT runs on the base weight in float32 at most (it refuses a float64 base).
+FLOAT32_INITS = {"pissa": "PiSSA", "olora": "OLoRA"}
+# The part of an adapter key that starts a method's own parameter (what follows the module's path).
+_METHOD_PARAMETER = re.compile(r"^(lora|ia3|hada|lokr|vera|boft|oft)_")
+
+
+@pytest.fixture(scope="module")
+def method_runs(
+    workspace: dict, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[RunRecord, dict]]:
+    """Base → (its run with one adapter per method, method → adapter folder): the default checks and merge
+    on cpu/float32 and cpu/bfloat16, every adapter loaded alone on a fresh base (isolated)."""
+    root = tmp_path_factory.mktemp("methods")
+    engine = Engine(tmp_path_factory.mktemp("methods-home"), runner=InProcessRunner())
+    out = {}
+    for name, (targets, feedforward) in METHOD_BASES.items():
+        task_type = ARCHITECTURES[name].task_type
+        folders = {
+            method: save_method(
+                name,
+                method,
+                workspace[name][0],
+                root,
+                seed,
+                targets=targets,
+                feedforward=feedforward,
+                task_type=task_type,
+            )
+            for seed, method in enumerate(METHODS)
+        }
+        spec = ProbeSpec(
+            base=ModelRef(path=str(workspace[name][0])),
+            adapters=tuple(AdapterRef(path=str(f), name=m) for m, f in folders.items()),
+            targets=tuple(Target.parse(t) for t in TARGETS),
+            checks=CHECKS,
+            probe=ProbeInputs(batch=2, seq_len=6),
+        )
+        out[name] = (_submit(engine, spec), folders)
+    return out
+
+
+def _adapted_modules(adapter: Path) -> set[str]:
+    """The modules an adapter file adapts: each key's path up to the method's own parameter name (a head
+    saved whole, modules_to_save, and VeRA's shared projections have none)."""
+    with safe_open(adapter / "adapter_model.safetensors", "pt") as f:
+        keys = list(f.keys())
+    out = set()
+    for key in keys:
+        if not key.startswith("base_model.model."):  # VeRA's shared projections, P-tuning's head
+            continue
+        parts = key.removeprefix("base_model.model.").split(".")
+        at = next((i for i, part in enumerate(parts) if _METHOD_PARAMETER.match(part)), None)
+        if at:
+            out.add(".".join(parts[:at]))
+    return out
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("base", METHOD_BASES)
+def test_every_method_runs_every_check_on_a_decoder_and_an_encoder(
+    method_runs: dict, base: str, method: str
+) -> None:
+    """Its tensors load as saved (cpu/float32: identical) and its outputs are compared on both targets; a
+    weight-based method has a ΔW row per adapted module and merged rows per merge path, a prompt-learning
+    method a `does not apply` finding from deltas and from merge instead. Nothing broken; on cpu/float32
+    nothing beyond tolerance."""
+    run, folders = method_runs[base]
+    table = run.metrics()
+    rows = table[table.adapter == method]
+    assert "broken" not in set(rows.verdict)
+    float32 = rows[rows.target == "cpu/float32"]
+    assert set(float32.verdict) <= {"identical", "within tolerance"}, float32[
+        ~float32.verdict.isin(["identical", "within tolerance"])
+    ][["check", "tensor", "verdict"]].values
+    weights = float32[float32.check == "weights"]
+    assert len(weights) and set(weights.verdict) == {"identical"}
+    modules = _adapted_modules(folders[method])
+    if method in FLOAT32_INITS:
+        note = f"{FLOAT32_INITS[method]} cannot be initialised in float64; loaded in float32 and upcast to float64"
+        assert f"{method}: {note}" in run.notes()
+    findings = {check: run.table(f"{check}_findings") for check in ("deltas", "merge")}
+    for target in TARGETS:
+        at = rows[rows.target == target]
+        assert len(at[at.check == "outputs"]) == 1 and len(at[at.check == "weights"]) == len(weights)
+        # against float64: its reference ran (PiSSA and OLoRA load in float32 there, then upcast)
+        assert set(at[at.check == "outputs"].reference) == {"cpu/float64"}, run.notes()
+        own = {check: f[(f.adapter == method) & (f.target == target)] for check, f in findings.items()}
+        if METHODS[method].prompt_learning:
+            assert not modules and at[at.check == "merge"].empty
+            for check, found in own.items():
+                assert list(found.finding) == ["does not apply"], (check, target)
+        else:
+            assert modules and own["deltas"].empty, own
+            failure = PEFT_MERGE_FAILURES.get((base, method))
+            assert list(zip(own["merge"].finding, own["merge"].detail, strict=True)) == (
+                [("merge_and_unload", failure)] if failure else []
+            )
+            if failure:
+                assert f"merge: {method}: merge_and_unload() failed ({failure})" in run.notes()
+            deltas = at[(at.check == "deltas") & (at.role == "delta")]
+            assert set(deltas.tensor) == modules and len(deltas) == len(modules), target
+            merged = at[(at.check == "merge") & (at.role == "merged")]
+            assert set(merged.tensor) == {
+                f"merged:{stage}:{m}" for m in modules for stage in ("merge_adapter", "safe_merge")
+            }, target
+
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+GENERATED = (
+    "<!-- generated from tests/test_families.py (ARCHITECTURES, METHODS): edit those, then paste what "
+    "test_readme_lists_what_this_module_runs prints -->",
+    "<!-- end of generated tables -->",
+)
+
+
+def supported_tables() -> str:
+    """README's tables of the families and methods this module runs, rendered from its parameter lists."""
+    lines = [
+        "| model | transformers class | adapter `task_type` | LoRA target modules |",
+        "|---|---|---|---|",
+    ]
+    for arch in ARCHITECTURES.values():
+        targets = (
+            f"`{', '.join(arch.lora_targets)}`" if arch.lora_targets else "PEFT's default for the model type"
+        )
+        lines.append(f"| {arch.label} | `{arch.model_class}` | {arch.task_type or '—'} | {targets} |")
+    bases = " | ".join(f"on {ARCHITECTURES[b].label}" for b in METHOD_BASES)
+    lines += [
+        "",
+        f"| method | PEFT config | ΔW and merge | {bases} |",
+        "|---|---|---|" + "---|" * len(METHOD_BASES),
+    ]
+    for name, method in METHODS.items():
+        covered = (
+            "does not apply (virtual tokens): a finding" if method.prompt_learning else "against float64"
+        )
+        cells = []
+        for base in METHOD_BASES:
+            failure = PEFT_MERGE_FAILURES.get((base, name))
+            cells.append("✓ (PEFT's `merge_and_unload` fails: a finding)" if failure else "✓")
+        lines.append(f"| {method.label} | `{method.config_class}` | {covered} | {' | '.join(cells)} |")
+    return "\n".join([GENERATED[0], *lines, GENERATED[1]])
+
+
+def test_readme_lists_what_this_module_runs() -> None:
+    """README's supported families and methods are this module's parameter lists, neither more nor less."""
+    text = README.read_text()
+    start, end = text.find(GENERATED[0]), text.find(GENERATED[1])
+    assert 0 <= start < end, f"README lacks the generated tables; add:\n{supported_tables()}"
+    assert text[start : end + len(GENERATED[1])] == supported_tables(), (
+        f"README's tables differ from this module's lists; replace them with:\n{supported_tables()}"
+    )
 
 
 # What each family's probe holds: its forward's arguments and their shapes (batch 2, 6 tokens).
@@ -218,7 +332,7 @@ def test_outputs_rows_compare_each_target_against_float64(runs: dict, family: st
     assert set(float32["verdict"]) <= {"identical", "within tolerance"}
 
 
-@pytest.mark.parametrize("family", sorted(set(FAMILIES) - RENAMED_KEYS))
+@pytest.mark.parametrize("family", FAMILIES)
 def test_weight_rows_were_captured(runs: dict, family: str) -> None:
     table = runs[family].metrics()
     weights = table[(table["check"] == "weights") & (table["adapter"] == "lora")]
@@ -330,9 +444,9 @@ def test_a_head_the_checkpoint_lacks_is_noted(workspace: dict) -> None:
     )
     assert type(model).__name__ == "BartForSequenceClassification"
     assert load_notes(model) == [
-        "BartForSequenceClassification has tensors the checkpoint lacks, initialised at random on each load: "
-        "classification_head.dense.bias, classification_head.dense.weight, classification_head.out_proj.bias "
-        "and 1 more"
+        "BartForSequenceClassification has tensors the checkpoint lacks, initialised at random from a fixed "
+        "seed (the same values on every target): classification_head.dense.bias, "
+        "classification_head.dense.weight, classification_head.out_proj.bias and 1 more"
     ]
     assert load_notes(load_base(ModelRef(path=str(workspace["bart"][0])), Target.parse("cpu/float32"))) == []
 
@@ -391,3 +505,67 @@ def test_a_reference_that_cannot_run_is_replaced_by_the_next_best_target(
     weights = table[table["check"] == "weights"]
     assert set(weights["target"]) == {"cpu/bfloat16", "cpu/float32"}
     assert not weights["note"].fillna("").str.contains("did not run").any()
+
+
+def test_a_random_head_is_the_same_on_every_target(workspace: dict) -> None:
+    """The head a checkpoint lacks is drawn from a fixed seed in float32: float64 holds it exactly, bfloat16
+    rounded, and a second load the same values (transformers alone draws new ones on every load)."""
+    model = ModelRef(path=str(workspace["bart"][0]))
+    name = "classification_head.dense.weight"
+    heads = {
+        t: load_base(model, Target.parse(t), task_type="SEQ_CLS").state_dict()[name]
+        for t in ("cpu/float32", "cpu/float64", "cpu/bfloat16")
+    }
+    again = load_base(model, Target.parse("cpu/float32"), task_type="SEQ_CLS").state_dict()[name]
+    assert torch.equal(heads["cpu/float32"], again) and heads["cpu/float32"].std() > 0
+    assert torch.equal(heads["cpu/float64"], heads["cpu/float32"].double())
+    assert torch.equal(heads["cpu/bfloat16"], heads["cpu/float32"].to(torch.bfloat16))
+
+
+CLS_LABELS = 5
+
+
+def test_a_classifier_adapter_on_a_base_without_its_head(workspace: dict, tmp_path: Path) -> None:
+    """A SEQ_CLS LoRA trained with 5 labels on a RoBERTa saved as a masked LM (no classifier head, and a
+    config saying 2 labels): the head is sized from the adapter's saved copy, which every check compares,
+    and the base's own random head is neither broken nor a drift on cpu/float32."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import RobertaForSequenceClassification
+
+    base = workspace["roberta"][0]
+    torch.manual_seed(7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = RobertaForSequenceClassification.from_pretrained(base, num_labels=CLS_LABELS)
+        get_peft_model(model, LoraConfig(task_type="SEQ_CLS", r=4, init_lora_weights=False)).save_pretrained(
+            tmp_path / "cls"
+        )
+    run = _submit(
+        Engine(tmp_path / "home", runner=InProcessRunner()),
+        ProbeSpec(
+            base=ModelRef(path=str(base)),
+            adapters=(AdapterRef(path=str(tmp_path / "cls"), name="cls"),),
+            targets=tuple(Target.parse(t) for t in TARGETS),
+            checks=CHECKS,
+            probe=ProbeInputs(batch=2, seq_len=6),
+        ),
+    )
+    table = run.metrics()
+    assert "broken" not in set(table.verdict)
+    assert set(table[table.target == "cpu/float32"].verdict) <= {"identical", "within tolerance"}
+    outputs = table[table.check == "outputs"]
+    assert len(outputs) == 4 and set(outputs["shape"]) == {f"2x{CLS_LABELS}"}
+    assert f"-: num_labels {CLS_LABELS}, from the classifier head the adapters save (modules_to_save); " in (
+        "\n".join(run.notes())
+    )
+    # the base's head: nothing in the checkpoint to compare it with, and the adapter replaces it
+    head = table[
+        (table.check == "weights") & table.adapter.isna() & table.tensor.str.startswith("classifier.")
+    ]
+    assert len(head) == 2 * 4 and set(head.verdict) == {"within tolerance"}
+    assert set(head.explanation) == {"not compared: the checkpoint has no such tensor"}
+    assert all(n.endswith("cls replace it with their saved copy (modules_to_save)") for n in head.note)
+    # the adapter's copy: compared with its file in weights, deltas and merge_and_unload's model
+    saved = table[(table.adapter == "cls") & (table.role == "modules_to_save")]
+    assert sorted(saved.check.unique()) == ["deltas", "merge", "weights"]
+    assert set(saved[saved.target == "cpu/float32"].verdict) == {"identical"}

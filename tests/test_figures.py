@@ -237,6 +237,18 @@ def test_outputs_figure_groups_by_adapter_with_base():
     assert f"{5e-3:.6g}" in bars[1].hovertext[0]
 
 
+def test_outputs_figure_gives_a_bare_encoders_pooled_output_its_own_group():
+    rows = [
+        _row("cpu/float32", None, "last_hidden_state", "output", 3e-7, check="outputs"),
+        _row("cpu/float32", None, "pooler_output", "output", 2e-7, check="outputs"),
+        _row("cpu/float32", None, "last_hidden_state", "output", 4e-7, check="outputs", adapter="lora"),
+        _row("cpu/float32", None, "pooler_output", "output", 1e-7, check="outputs", adapter="lora"),
+    ]
+    bars = [tr for tr in F.outputs_figure(_table(rows)).data if tr.type == "bar" and tr.x != (None,)]
+    assert list(bars[0].x) == ["base", "base · pooler_output", "lora", "lora · pooler_output"]
+    assert list(bars[0].y) == [3e-7, 2e-7, 4e-7, 1e-7]
+
+
 # --------------------------------------------------------------------------------------------- pooling
 def test_block_max_pool_large_matrix_keeps_the_max_in_the_right_block():
     rng = np.random.default_rng(0)

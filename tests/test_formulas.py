@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_models import ARCHITECTURES
 
 from core import formulas
 from core.formulas import (
@@ -367,14 +368,10 @@ def _boft(**kwargs):
 @pytest.fixture(scope="module")
 def gpt2(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, torch.Tensor]]:
     """A tiny random GPT-2 (Conv1D layers store weights as (in, out): fan_in_fan_out)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     _quiet_transformers()
     torch.manual_seed(3)
     folder = tmp_path_factory.mktemp("gpt2")
-    GPT2LMHeadModel(
-        GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2)
-    ).save_pretrained(folder)
+    ARCHITECTURES["gpt2"].build(n_embd=32, n_layer=2).save_pretrained(folder)
     return str(folder), {k: v.double() for k, v in load_file(folder / "model.safetensors").items()}
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from tiny_models import ARCHITECTURES
 
 from core import cli, conversion
 from core.capture import BASE, Capture, TensorKey
@@ -39,20 +40,9 @@ def all_identical(out: dict, n: int) -> bool:
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_gpt_neox_embed_out_is_compared_as_the_loaded_lm_head(capsys, tmp_path, tied):
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
-
     torch.manual_seed(0)
-    config = GPTNeoXConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        max_position_embeddings=32,
-        tie_word_embeddings=tied,
-    )
     folder = tmp_path / "neox"
-    GPTNeoXForCausalLM(config).save_pretrained(folder)
+    ARCHITECTURES["gpt_neox"].build(num_hidden_layers=2, tie_word_embeddings=tied).save_pretrained(folder)
     in_file = Checkpoint.open(folder).names()
     assert ("embed_out.weight" in in_file) is not tied  # tied: stored once, as embed_in
 
@@ -73,22 +63,16 @@ def test_gpt_neox_embed_out_is_compared_as_the_loaded_lm_head(capsys, tmp_path, 
 
 @pytest.fixture(scope="module")
 def tiny_mixtral(tmp_path_factory):
-    from transformers import MixtralConfig, MixtralForCausalLM
-
     torch.manual_seed(1)
-    config = MixtralConfig(
-        vocab_size=64,
+    folder = tmp_path_factory.mktemp("mixtral")
+    model = ARCHITECTURES["mixtral"].build(
         hidden_size=16,
         intermediate_size=8,
-        num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,
         num_local_experts=3,
-        num_experts_per_tok=2,
         max_position_embeddings=32,
     )
-    folder = tmp_path_factory.mktemp("mixtral")
-    model = MixtralForCausalLM(config)
     model.save_pretrained(folder)
     return folder, {n: t.detach().clone() for n, t in model.state_dict().items()}
 
@@ -150,19 +134,10 @@ def test_mixtral_reference_rebuilt_without_a_loaded_model(tiny_mixtral):
 
 def test_bert_legacy_layernorm_gamma_beta_are_identical(capsys, tmp_path):
     from safetensors.torch import load_file, save_file
-    from transformers import BertConfig, BertModel
 
     torch.manual_seed(2)
-    config = BertConfig(
-        vocab_size=64,
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=16,
-    )
     folder = tmp_path / "old-bert"
-    BertModel(config).save_pretrained(folder)
+    ARCHITECTURES["bert"].build(num_hidden_layers=2).save_pretrained(folder)
     weights = folder / "model.safetensors"
     tensors = load_file(str(weights))
     # the names TensorFlow-era BERT checkpoints carry
@@ -187,21 +162,13 @@ def test_bert_legacy_layernorm_gamma_beta_are_identical(capsys, tmp_path):
 @pytest.fixture(scope="module")
 def tiny_vit(tmp_path_factory):
     from peft import LoraConfig, get_peft_model
-    from transformers import ViTConfig, ViTForImageClassification
+    from transformers import ViTForImageClassification
 
     torch.manual_seed(3)
-    config = ViTConfig(
-        image_size=8,
-        patch_size=4,
-        num_channels=3,
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=32,
-        num_labels=3,
-    )
     root = tmp_path_factory.mktemp("vit")
-    ViTForImageClassification(config).save_pretrained(root / "base")
+    ARCHITECTURES["vit"].build(
+        image_size=8, hidden_size=16, num_attention_heads=2, intermediate_size=32, num_labels=3
+    ).save_pretrained(root / "base")
     model = ViTForImageClassification.from_pretrained(root / "base")
     lora = get_peft_model(
         model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
@@ -244,20 +211,10 @@ def test_vit_base_weights_are_identical(tiny_vit):
 
 def test_adapters_check_reads_base_weights_under_their_loaded_names(tmp_path):
     """The adapters check compares base weights after loading adapters with the file, by loaded name."""
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
-
     from core.checks.adapters import BASE_WEIGHT
 
     torch.manual_seed(5)
-    config = GPTNeoXConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        tie_word_embeddings=False,
-    )
-    GPTNeoXForCausalLM(config).save_pretrained(tmp_path)
+    ARCHITECTURES["gpt_neox"].build().save_pretrained(tmp_path)
     spec = ProbeSpec(base=ModelRef(str(tmp_path)), adapters=(), targets=(Target.parse("cpu/float32"),))
     key = TensorKey("adapters", "lora", BASE_WEIGHT + "lm_head.weight")
     reference = CHECKS["adapters"].reference(spec, [key], None)

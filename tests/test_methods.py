@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_models import ARCHITECTURES, quiet
 
 from core import formulas
 from core.engine import Engine, InProcessRunner
@@ -29,13 +30,6 @@ ENCODER_ADAPTERS = ("loha_roberta", "lokr_roberta", "vera_roberta", "adalora_rob
 # still divides by init_r (6), the rank it was created with.
 ADALORA_PRUNED = "model.layers.0.self_attn.q_proj"
 ADALORA_KEEP = [True, False, True, True, False, True]
-
-
-def _quiet() -> None:
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
 
 
 def _configs() -> dict[str, tuple[str, object]]:
@@ -125,43 +119,23 @@ def _configs() -> dict[str, tuple[str, object]]:
 def workspace(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """{"models": {"llama", "gpt2", "roberta"} → folder, "adapters": name → folder}, all made here, seeded."""
     from peft import get_peft_model
-    from transformers import (
-        GPT2Config,
-        GPT2LMHeadModel,
-        LlamaConfig,
-        LlamaForCausalLM,
-        RobertaConfig,
-        RobertaModel,
-    )
 
-    _quiet()
+    quiet()
     root = tmp_path_factory.mktemp("methods")
     models = {"llama": root / "llama", "gpt2": root / "gpt2", "roberta": root / "roberta"}
     torch.manual_seed(0)
-    LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=48,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
+    ARCHITECTURES["llama"].build(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
     ).save_pretrained(models["llama"])
-    GPT2LMHeadModel(
-        GPT2Config(
-            vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0
-        )
-    ).save_pretrained(models["gpt2"])
-    RobertaModel(
-        RobertaConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=48,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            max_position_embeddings=40,
-        )
+    ARCHITECTURES["gpt2"].build(n_embd=32, n_layer=2, bos_token_id=0, eos_token_id=0).save_pretrained(
+        models["gpt2"]
+    )
+    ARCHITECTURES["roberta"].build(
+        "RobertaModel", hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4
     ).save_pretrained(models["roberta"])
     adapters = {}
     for seed, (name, (base, config)) in enumerate(_configs().items()):

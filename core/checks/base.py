@@ -191,8 +191,14 @@ class Check(ABC):
         """Extra tables this check stores in the run folder as `<name>.parquet` (none by default)."""
         return {}
 
-    def reference_for(self, spec: ProbeSpec, key: TensorKey, reference_capture: Capture | None) -> Reference:
-        """The reference of one tensor (the drill-down); checks with a cheaper way override this."""
+    def reference_for(
+        self, spec: ProbeSpec, key: TensorKey, reference_capture: Capture | None, scratch: bool = False
+    ) -> Reference:
+        """The reference of one tensor (the drill-down); checks with a cheaper way override this.
+
+        `scratch`: the caller drops it before asking for the next one, so it may live in a buffer the
+        next call reuses (`Checkpoint.read`).
+        """
         return self.reference(spec, [key], reference_capture)
 
     def measure(self, spec: ProbeSpec, target: Target, key: TensorKey, tensor: torch.Tensor) -> Measured:
@@ -201,7 +207,7 @@ class Check(ABC):
         The reference is read lazily (`reference_for`: one tensor of the checkpoint, or one module's
         formula), so a worker holds one tensor's reference at a time.
         """
-        reference = self.reference_for(spec, key, None)
+        reference = self.reference_for(spec, key, None, scratch=True)
         ref = reference.tensors.get(key.encode())
         note = reference.notes.get(key.encode(), "")
         dtype = str(tensor.dtype).removeprefix("torch.")

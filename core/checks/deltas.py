@@ -97,7 +97,9 @@ class DeltasCheck(Check):
     ) -> Reference:
         return self._reference(spec, keys)
 
-    def reference_for(self, spec: ProbeSpec, key: TensorKey, reference_capture: Capture | None) -> Reference:
+    def reference_for(
+        self, spec: ProbeSpec, key: TensorKey, reference_capture: Capture | None, scratch: bool = False
+    ) -> Reference:
         # One module (the worker measures ΔW module by module, the drill-down one module).
         return self._reference(spec, [key])
 

@@ -194,7 +194,11 @@ class MemoryCheck(Check):
         # device_map="auto": accelerate spreads the base over every GPU, in the target's dtype
         device_map = "auto" if variant == DEVICE_MAP_AUTO else None
         return load_base(
-            spec.base, target, device_map=device_map, task_type=adapters_task_type(spec.adapters)
+            spec.base,
+            target,
+            device_map=device_map,
+            task_type=adapters_task_type(spec.adapters),
+            adapters=spec.adapters,
         )
 
     def _attach(self, model, adapter: AdapterRef, target: Target, variant: str) -> tuple[Any, list[str]]:

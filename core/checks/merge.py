@@ -117,6 +117,8 @@ def _not_for_subset(adapter: AdapterRef) -> str:
     kind = formulas.adapter_type(config)
     if kind != "lora":
         return kind
+    if formulas.base_rewriting_init(config) == "olora":  # its merge starts from its own residual of W
+        return "olora (init_lora_weights='olora' rewrites the base weight on load)"
     saved = formulas.saved_module_names(config)
     if saved:
         return (
@@ -217,8 +219,15 @@ class MergeCheck(Check):
 
         try:
             merged = model.merge_and_unload(adapter_names=[adapter])
-        except ValueError as e:
+        except Exception as e:
+            # PEFT refusing (ValueError) or failing inside itself is this stage's finding, not the run's
+            # failure: PEFT 0.21's merge_and_unload for IA3, LoHa, LoKr, VeRA, BOFT and OFT raises
+            # AttributeError on a SEQ_CLS RoBERTa, whose saved classifier head has no `.weight`; the
+            # earlier stages' rows stand.
             meta["merge_and_unload_error"] = merging.error_text(e)
+            out.notes.append(
+                f"merge: {adapter}: merge_and_unload() failed ({meta['merge_and_unload_error']})"
+            )
             return
         output("merge_and_unload", merged)
         self._saved_modules_stage(out, loaded, merged)
@@ -337,7 +346,12 @@ class MergeCheck(Check):
         names = [a.name for a in chosen]
         label = _subset_label(names)
         meta["subset"] = names
-        model = load_base(ctx.spec.base, ctx.target, task_type=adapters_task_type(ctx.spec.adapters))
+        model = load_base(
+            ctx.spec.base,
+            ctx.target,
+            task_type=adapters_task_type(ctx.spec.adapters),
+            adapters=ctx.spec.adapters,
+        )
         for a in chosen:
             model = attach_adapter(model, a, ctx.target)
         layers = {m: lay for m, (lay, _) in formulas.adapted_modules(model).items()}
@@ -377,7 +391,9 @@ class MergeCheck(Check):
     ) -> Reference:
         return self._reference(spec, keys, reference_capture, only_keys=False)
 
-    def reference_for(self, spec: ProbeSpec, key: TensorKey, reference_capture: Capture | None) -> Reference:
+    def reference_for(
+        self, spec: ProbeSpec, key: TensorKey, reference_capture: Capture | None, scratch: bool = False
+    ) -> Reference:
         # The drill-down: one module's adapter tensors and base weight, read lazily.
         return self._reference(spec, [key], reference_capture, only_keys=True)
 

@@ -16,7 +16,15 @@ from core.spec import ProbeSpec, Target
 
 
 def forward_output(model, probe: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor]:
-    """Run the model on the probe (`loading.probe_inputs`); return ("logits", …) or ("last_hidden_state", …).
+    """Run the model on the probe (`loading.probe_inputs`); return ("logits", …) or ("last_hidden_state", …):
+    the first of `forward_outputs`."""
+    return next(iter(forward_outputs(model, probe).items()))
+
+
+def forward_outputs(model, probe: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Run the model on the probe (`loading.probe_inputs`); the outputs its users look at, by name:
+    its logits where it has a head, else its last hidden state and, where the model pools (a bare BERT's
+    `pooler_output`, what sentence classifiers built on it read), the pooled output.
 
     Float inputs (pixel values, audio features) are cast to the dtype the model computes in: its
     parameters', or float64 for a model held narrow for a float64 forward. In float64, an op with no
@@ -35,8 +43,12 @@ def forward_output(model, probe: dict[str, torch.Tensor]) -> tuple[str, torch.Te
         out = model(**kwargs)
     logits = getattr(out, "logits", None)
     if logits is not None:
-        return "logits", logits
-    return "last_hidden_state", out.last_hidden_state
+        return {"logits": logits}
+    pooled = getattr(out, "pooler_output", None)
+    return {
+        "last_hidden_state": out.last_hidden_state,
+        **({"pooler_output": pooled} if pooled is not None else {}),
+    }
 
 
 class OutputsCheck(Check):
@@ -45,9 +57,9 @@ class OutputsCheck(Check):
     needs_reference_target = True
 
     def capture(self, ctx: CaptureContext, loaded: Loaded, out: Capture) -> None:
-        kind, tensor = forward_output(loaded.model, ctx.probe)
         adapter = BASE if loaded.adapter is None else loaded.adapter.name
-        out.add(TensorKey(self.name, adapter, kind), tensor)
+        for kind, tensor in forward_outputs(loaded.model, ctx.probe).items():
+            out.add(TensorKey(self.name, adapter, kind), tensor)
 
     def reference(
         self, spec: ProbeSpec, keys: list[TensorKey], reference_capture: Capture | None
@@ -75,6 +87,14 @@ class OutputsCheck(Check):
         target = Target.parse(capture.target)
         flags = target.flags
         for row in rows:
+            # Identical rows are a collapse only where they also miss the reference beyond tolerance: rows
+            # the reference tells apart by less than that (a classifier's logits 1e-8 apart) may well
+            # round to the same values in bfloat16, which is within tolerance, not broken.
+            if row.pop(_ROWS_COLLAPSED, False) and row["verdict"] == "drift":
+                row["verdict"] = "broken"
+                row["explanation"] = (
+                    f"all output rows are identical while the reference's are not · {row['explanation']}"
+                )
             if row["verdict"] in ("identical", "within tolerance"):
                 continue
             how = f"forward pass in {target.dtype}" + (f" with {', '.join(flags)}" if flags else "")
@@ -90,10 +110,13 @@ class OutputsCheck(Check):
             "health_identical_rows": h.identical_rows,
         }
         if ref is not None and h.identical_rows and not h.all_zero and not metrics.health(ref).identical_rows:
-            cols["verdict"] = "broken"
-            cols["explanation"] = "all output rows are identical while the reference's are not"
+            cols[_ROWS_COLLAPSED] = True  # judged in `rows`, against the row's tolerance verdict
         cols.update(nonfinite_output(h))
         return cols
+
+
+# A row's private mark from `extra_columns` for `rows`: its rows are identical, the reference's are not.
+_ROWS_COLLAPSED = "_rows_collapsed"
 
 
 def nonfinite_output(h: metrics.Health) -> dict[str, Any]:

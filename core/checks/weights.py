@@ -19,7 +19,7 @@ from core.formulas import (
     split_adapter_key,
     split_saved_module_key,
 )
-from core.loading import Loaded, LoadError, read_adapter_config
+from core.loading import NOT_IN_CHECKPOINT, Loaded, LoadError, read_adapter_config
 from core.spec import ProbeSpec
 
 
@@ -82,6 +82,8 @@ class WeightsCheck(Check):
             converted={n: list(keys) for n, keys in converted.items()},  # loaded name -> its file keys
             unused=unused,  # name -> listed in the model's _keys_to_ignore_on_load_unexpected
             model_class=type(model).__name__,
+            # loaded names the checkpoint has no tensor for (a task head it lacks): random on load
+            not_in_checkpoint=list(getattr(model, NOT_IN_CHECKPOINT, [])),
         )
 
     def _checkpoint(self, spec: ProbeSpec, source: str) -> Checkpoint:
@@ -103,7 +105,9 @@ class WeightsCheck(Check):
                     self._read(spec, checkpoint, key, reference)
         return reference
 
-    def reference_for(self, spec: ProbeSpec, key: TensorKey, reference_capture: Capture | None) -> Reference:
+    def reference_for(
+        self, spec: ProbeSpec, key: TensorKey, reference_capture: Capture | None, scratch: bool = False
+    ) -> Reference:
         # One tensor read lazily from the checkpoint (or the few a fused tensor is built from), not
         # the whole file (GBs for a real base).
         try:
@@ -111,10 +115,12 @@ class WeightsCheck(Check):
         except CheckpointError as e:
             raise LoadError(str(e)) from e
         reference = Reference(label="checkpoint", tensors={}, notes={})
-        self._read(spec, checkpoint, key, reference)
+        self._read(spec, checkpoint, key, reference, scratch)
         return reference
 
-    def _read(self, spec: ProbeSpec, checkpoint: Checkpoint, key: TensorKey, into: Reference) -> None:
+    def _read(
+        self, spec: ProbeSpec, checkpoint: Checkpoint, key: TensorKey, into: Reference, scratch: bool = False
+    ) -> None:
         """Put the checkpoint's tensor for `key` into `into`, when the checkpoint has one.
 
         A base tensor is read as transformers loads it: through the model's key conversion, under
@@ -122,11 +128,11 @@ class WeightsCheck(Check):
         """
         if key.adapter != BASE:
             if key.name in checkpoint:
-                into.tensors[key.encode()] = checkpoint.read(key.name)
+                into.tensors[key.encode()] = checkpoint.read(key.name, scratch=scratch)
             return
         conversion = for_folder(spec.base.path, checkpoint)
         if conversion.sources(key.name):
-            into.tensors[key.encode()] = conversion.read(checkpoint, key.name)
+            into.tensors[key.encode()] = conversion.read(checkpoint, key.name, scratch=scratch)
             if how := conversion.how(key.name):
                 into.notes[key.encode()] = how
 
@@ -136,10 +142,13 @@ class WeightsCheck(Check):
         tied = meta.get("tied", {})
         buffers = set(meta.get("buffers", []))
         unused = meta.get("unused", {})
+        not_in_checkpoint = set(meta.get("not_in_checkpoint", []))
         for row in rows:
             saved = self._saved_module(spec, TensorKey(self.name, row["adapter"] or BASE, row["tensor"]))
             if saved is not None:
                 self._saved_module_labels(row, saved)
+            if row["adapter"] is None and row["tensor"] in not_in_checkpoint:
+                self._not_in_checkpoint(spec, row, meta.get("model_class", "the model"))
             if row["adapter"] is None:
                 partners = [k for k, v in tied.items() if v == row["tensor"]]
                 if partners:
@@ -191,6 +200,33 @@ class WeightsCheck(Check):
                     self._saved_module_labels(row, saved)
                 rows.append(row)
         return rows
+
+    @staticmethod
+    def _not_in_checkpoint(spec: ProbeSpec, row: dict[str, Any], model_class: str) -> None:
+        """A base tensor the checkpoint lacks (a task head loaded onto an encoder saved bare).
+
+        Where an adapter saves that module whole (a SEQ_CLS adapter's classifier, modules_to_save),
+        the adapter's copy replaces it and is compared with the adapter file: nothing to compare here,
+        so the row passes with a note. Where none does, the model runs with a random head: broken."""
+        module = row["tensor"].rsplit(".", 1)[0]
+        savers = []
+        for adapter in spec.adapters:
+            try:
+                names = saved_module_names(read_adapter_config(adapter))
+            except LoadError:  # moved or gone since the capture
+                continue
+            # PEFT matches a modules_to_save name to a module path or its end: here, to an ancestor's
+            if any(f".{n}." in f".{module}." for n in names):
+                savers.append(adapter.name)
+        why = f"{model_class} initialises it at random on load (from a fixed seed, the same on every target)"
+        if savers:
+            row.update(
+                verdict="within tolerance", explanation="not compared: the checkpoint has no such tensor"
+            )
+            add_note(row, f"{why}; {', '.join(savers)} replace it with their saved copy (modules_to_save)")
+        else:
+            row["explanation"] = "key mismatch: the checkpoint has no such tensor"
+            add_note(row, f"{why}, and no adapter saves it (modules_to_save)")
 
     def role_of(self, spec: ProbeSpec, key: TensorKey) -> str:
         # A tensor of a module the adapter saves whole is judged by that role's tolerance, as its row

@@ -1,0 +1,357 @@
+"""Tiny random transformers models, one per architecture, built from configs (no download), and the
+LoRA PEFT makes on each: the one place tests get an architecture's fixture model from.
+
+`ARCHITECTURES` is the supported-families table: its rows are what tests/test_families.py runs
+through every check, and what README's "Supported models and methods" section lists (a test keeps
+the two equal). Each row names the transformers model class, the config class and its (tiny)
+fields, and the LoRA target modules where PEFT has no default for that model type (None: PEFT's
+own default, as a user who names no target modules gets).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One row of the table: how to build the model and which LoRA goes on it."""
+
+    label: str  # what README calls it
+    model_class: str  # transformers class
+    config_class: str
+    config: dict = field(default_factory=dict)
+    # None: PEFT's default target modules for this model type; a list where PEFT has none
+    lora_targets: tuple[str, ...] | None = None
+    # PEFT's task_type: the head the adapter is trained with (None: PEFT has none for this head, as
+    # for a masked LM, or the base PeftModel)
+    task_type: str | None = "CAUSAL_LM"
+    kind: str = "decoder"  # decoder, encoder, seq2seq, vision, speech or moe
+
+    def build(self, model_class: str | None = None, **overrides) -> torch.nn.Module:
+        """The model with random weights (seed the global RNG first), float32, in eval mode.
+
+        `overrides`: config fields other than the row's (a test's own sizes); `model_class`: another
+        transformers class of the family (a bare `RobertaModel` for an encoder without a head)."""
+        import transformers
+
+        config = getattr(transformers, self.config_class)(**{**self.config, **overrides})
+        cls = getattr(transformers, model_class or self.model_class)
+        return cls(config).to(torch.float32).eval()
+
+    def lora(self, **overrides):
+        """The LoRA config for this model: B random (init_lora_weights=False) so that ΔW is not zero."""
+        from peft import LoraConfig
+
+        kwargs = {"r": 4, "lora_alpha": 8, "init_lora_weights": False, "task_type": self.task_type}
+        if self.lora_targets is not None:
+            kwargs["target_modules"] = list(self.lora_targets)
+        return LoraConfig(**{**kwargs, **overrides})
+
+
+# Decoder-only LMs share these sizes: hidden 16, one layer, 64 tokens.
+_DECODER = {"vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2}
+_LLAMA_LIKE = {**_DECODER, "intermediate_size": 32, "num_key_value_heads": 1, "max_position_embeddings": 32}
+
+ARCHITECTURES: dict[str, Architecture] = {
+    # the demo's family (core.demo builds its own, larger one)
+    "llama": Architecture("Llama", "LlamaForCausalLM", "LlamaConfig", dict(_LLAMA_LIKE)),
+    "gpt2": Architecture(
+        "GPT-2",
+        "GPT2LMHeadModel",
+        "GPT2Config",
+        {"vocab_size": 64, "n_positions": 32, "n_embd": 16, "n_layer": 1, "n_head": 2},
+    ),
+    "opt": Architecture(
+        "OPT",
+        "OPTForCausalLM",
+        "OPTConfig",
+        {**_DECODER, "ffn_dim": 32, "max_position_embeddings": 32, "word_embed_proj_dim": 16},
+    ),
+    "falcon": Architecture("Falcon", "FalconForCausalLM", "FalconConfig", dict(_DECODER)),
+    "mistral": Architecture("Mistral", "MistralForCausalLM", "MistralConfig", dict(_LLAMA_LIKE)),
+    "qwen2": Architecture("Qwen2", "Qwen2ForCausalLM", "Qwen2Config", dict(_LLAMA_LIKE)),
+    "gemma": Architecture("Gemma", "GemmaForCausalLM", "GemmaConfig", {**_LLAMA_LIKE, "head_dim": 8}),
+    "gemma2": Architecture("Gemma2", "Gemma2ForCausalLM", "Gemma2Config", {**_LLAMA_LIKE, "head_dim": 8}),
+    "phi": Architecture("Phi", "PhiForCausalLM", "PhiConfig", {**_LLAMA_LIKE, "num_key_value_heads": 2}),
+    # PEFT has no default target modules for Phi-3: its fused attention projection
+    "phi3": Architecture(
+        "Phi3",
+        "Phi3ForCausalLM",
+        "Phi3Config",
+        {**_LLAMA_LIKE, "pad_token_id": 0},
+        lora_targets=("qkv_proj",),
+    ),
+    "bloom": Architecture(
+        "BLOOM",
+        "BloomForCausalLM",
+        "BloomConfig",
+        {"vocab_size": 64, "hidden_size": 16, "n_layer": 1, "n_head": 2},
+    ),
+    "gpt_neox": Architecture(
+        "GPT-NeoX",
+        "GPTNeoXForCausalLM",
+        "GPTNeoXConfig",
+        {**_DECODER, "intermediate_size": 32, "max_position_embeddings": 32, "tie_word_embeddings": False},
+    ),
+    "roberta": Architecture(
+        "RoBERTa (masked LM)",
+        "RobertaForMaskedLM",
+        "RobertaConfig",
+        {**_DECODER, "intermediate_size": 32, "max_position_embeddings": 40},
+        task_type=None,
+        kind="encoder",
+    ),
+    # PEFT saves a SEQ_CLS adapter's classifier head whole (modules_to_save) beside the LoRA tensors
+    "roberta_cls": Architecture(
+        "RoBERTa (sequence classifier)",
+        "RobertaForSequenceClassification",
+        "RobertaConfig",
+        {**_DECODER, "intermediate_size": 32, "max_position_embeddings": 40, "num_labels": 3},
+        task_type="SEQ_CLS",
+        kind="encoder",
+    ),
+    # a bare encoder: no head, so the outputs check compares its last hidden state
+    "bert": Architecture(
+        "BERT (bare encoder)",
+        "BertModel",
+        "BertConfig",
+        {**_DECODER, "intermediate_size": 32, "max_position_embeddings": 16},
+        task_type=None,
+        kind="encoder",
+    ),
+    # no PEFT default for DistilBERT either: its attention's query and value
+    "distilbert": Architecture(
+        "DistilBERT",
+        "DistilBertForMaskedLM",
+        "DistilBertConfig",
+        {
+            "vocab_size": 64,
+            "dim": 16,
+            "hidden_dim": 32,
+            "n_layers": 1,
+            "n_heads": 2,
+            "max_position_embeddings": 32,
+        },
+        lora_targets=("q_lin", "v_lin"),
+        task_type=None,
+        kind="encoder",
+    ),
+    "t5": Architecture(
+        "T5",
+        "T5ForConditionalGeneration",
+        "T5Config",
+        {
+            "vocab_size": 64,
+            "d_model": 16,
+            "d_kv": 8,
+            "d_ff": 32,
+            "num_layers": 1,
+            "num_decoder_layers": 1,
+            "num_heads": 2,
+            "decoder_start_token_id": 0,
+        },
+        task_type="SEQ_2_SEQ_LM",
+        kind="seq2seq",
+    ),
+    # The four families below keep the sizes tests/test_families.py's shape assertions were written for.
+    "bart": Architecture(
+        "BART",
+        "BartForConditionalGeneration",
+        "BartConfig",
+        {
+            "vocab_size": 64,
+            "d_model": 32,
+            "encoder_layers": 2,
+            "decoder_layers": 2,
+            "encoder_attention_heads": 4,
+            "decoder_attention_heads": 4,
+            "encoder_ffn_dim": 48,
+            "decoder_ffn_dim": 48,
+            "max_position_embeddings": 32,
+        },
+        task_type="SEQ_2_SEQ_LM",
+        kind="seq2seq",
+    ),
+    "vit": Architecture(
+        "ViT (image classifier)",
+        "ViTForImageClassification",
+        "ViTConfig",
+        {
+            "image_size": 16,
+            "patch_size": 4,
+            "num_channels": 3,
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_labels": 5,
+        },
+        lora_targets=("q_proj", "v_proj"),
+        task_type=None,
+        kind="vision",
+    ),
+    "whisper": Architecture(
+        "Whisper (speech seq2seq)",
+        "WhisperForConditionalGeneration",
+        "WhisperConfig",
+        {
+            "vocab_size": 64,
+            "num_mel_bins": 8,
+            "d_model": 32,
+            "encoder_layers": 2,
+            "decoder_layers": 2,
+            "encoder_attention_heads": 4,
+            "decoder_attention_heads": 4,
+            "encoder_ffn_dim": 48,
+            "decoder_ffn_dim": 48,
+            "max_source_positions": 12,
+            "max_target_positions": 32,
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "decoder_start_token_id": 1,
+        },
+        lora_targets=("q_proj", "v_proj"),
+        task_type=None,
+        kind="speech",
+    ),
+    "mixtral": Architecture(
+        "Mixtral (mixture of experts)",
+        "MixtralForCausalLM",
+        "MixtralConfig",
+        {
+            "vocab_size": 64,
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+        },
+        # PEFT 0.21's default for Mixtral comes out empty here (it finds no target module): named
+        lora_targets=("q_proj", "v_proj"),
+        kind="moe",
+    ),
+}
+
+
+def quiet() -> None:
+    """transformers' info logging and progress bars off: they bury pytest's own output."""
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def save_with_lora(name: str, root: Path, seed: int, lora=None) -> tuple[Path, Path]:
+    """Build architecture `name` (seeded), save it to root/name and PEFT's LoRA on it to root/name-lora.
+
+    `lora`: a PEFT config instead of the row's LoRA. Returns (model folder, adapter folder).
+    """
+    from peft import get_peft_model
+
+    quiet()
+    torch.manual_seed(seed)
+    arch = ARCHITECTURES[name]
+    model = arch.build()
+    model.save_pretrained(root / name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft_model = get_peft_model(model, lora if lora is not None else arch.lora())
+    peft_model.save_pretrained(root / f"{name}-lora")
+    return root / name, root / f"{name}-lora"
+
+
+@dataclass(frozen=True)
+class Method:
+    """A PEFT method as the tests make it: its README label and its config on given modules."""
+
+    label: str
+    config_class: str
+    kwargs: dict = field(default_factory=dict)
+    prompt_learning: bool = False  # virtual tokens: no ΔW, nothing to merge
+
+    def config(self, targets: tuple[str, ...], feedforward: str, task_type: str | None):
+        """The PEFT config on `targets` (IA3 adds the `feedforward` module, which it scales on the input).
+
+        Every weight-based method is made with its init off, so that ΔW is not zero."""
+        import peft
+
+        kwargs = {"task_type": task_type, **self.kwargs}
+        if not self.prompt_learning:
+            kwargs["target_modules"] = list(targets)
+        if self.config_class == "IA3Config":
+            kwargs["target_modules"] = [*targets, feedforward]
+            kwargs["feedforward_modules"] = [feedforward]
+        return getattr(peft, self.config_class)(**kwargs)
+
+
+METHODS: dict[str, Method] = {
+    "lora": Method("LoRA", "LoraConfig", {"r": 4, "lora_alpha": 8, "init_lora_weights": False}),
+    "dora": Method(
+        "DoRA (`use_dora=True`)",
+        "LoraConfig",
+        {"r": 4, "lora_alpha": 8, "use_dora": True, "init_lora_weights": False},
+    ),
+    "rslora": Method(
+        "rsLoRA (`use_rslora=True`)",
+        "LoraConfig",
+        {"r": 4, "lora_alpha": 8, "use_rslora": True, "init_lora_weights": False},
+    ),
+    "pissa": Method(
+        'PiSSA (`init_lora_weights="pissa"`)',
+        "LoraConfig",
+        {"r": 4, "lora_alpha": 4, "init_lora_weights": "pissa"},
+    ),
+    "olora": Method(
+        'OLoRA (`init_lora_weights="olora"`)',
+        "LoraConfig",
+        {"r": 4, "lora_alpha": 4, "init_lora_weights": "olora"},
+    ),
+    "ia3": Method("IA3", "IA3Config", {"init_ia3_weights": False}),
+    "loha": Method("LoHa", "LoHaConfig", {"r": 2, "alpha": 4, "init_weights": False}),
+    "lokr": Method("LoKr", "LoKrConfig", {"r": 2, "alpha": 4, "init_weights": False}),
+    "vera": Method("VeRA", "VeraConfig", {"r": 4, "init_weights": False}),
+    "adalora": Method(
+        "AdaLoRA",
+        "AdaLoraConfig",
+        {"init_r": 4, "lora_alpha": 8, "total_step": 10, "init_lora_weights": False},
+    ),
+    "boft": Method("BOFT", "BOFTConfig", {"boft_block_size": 4, "init_weights": False}),
+    "oft": Method("OFT", "OFTConfig", {"oft_block_size": 4, "init_weights": False}),
+    "soft": Method("prompt tuning", "PromptTuningConfig", {"num_virtual_tokens": 3}, prompt_learning=True),
+    "pfx": Method("prefix tuning", "PrefixTuningConfig", {"num_virtual_tokens": 3}, prompt_learning=True),
+    "ptuning": Method(
+        "P-tuning",
+        "PromptEncoderConfig",
+        {"num_virtual_tokens": 3, "encoder_hidden_size": 16},
+        prompt_learning=True,
+    ),
+}
+
+
+def save_method(name: str, method: str, model_folder: Path, root: Path, seed: int, **config) -> Path:
+    """PEFT's `method` adapter on the saved model `name`, every trained tensor random (seeded, small), saved
+    to root/name-method. `config`: Method.config's arguments. Returns the adapter folder."""
+    import transformers
+    from peft import get_peft_model
+
+    quiet()
+    torch.manual_seed(seed)
+    model = getattr(transformers, ARCHITECTURES[name].model_class).from_pretrained(model_folder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft_model = get_peft_model(model, METHODS[method].config(**config))
+    generator = torch.Generator().manual_seed(100 + seed)
+    with torch.no_grad():  # random at a scale where ΔW is a small part of W, as a trained adapter's
+        for p in peft_model.parameters():
+            if p.requires_grad:
+                p.copy_(0.05 * torch.randn(p.shape, generator=generator))
+    peft_model.save_pretrained(root / f"{name}-{method}")
+    return root / f"{name}-{method}"
