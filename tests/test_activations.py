@@ -259,6 +259,12 @@ def test_demo_scenario_names_the_first_divergence(bf16_run):
     target = Capture.load(bf16_run.run_dir / "captures" / "cpu_bfloat16")
     assert not any(k.split("::")[2].startswith("input:") for k in target.tensors)
     assert target.results  # compared in the worker as produced
+    reference = Capture.load(bf16_run.run_dir / "captures" / "cpu_float64")
+    # an input that is an output recorded already is kept once: q_proj's is input_layernorm's output
+    aliases = reference.meta["activations"]["input_alias"]["-"]
+    assert aliases["model.layers.0.self_attn.q_proj"] == "model.layers.0.input_layernorm"
+    assert "activations::-::input:model.layers.0.self_attn.q_proj" not in reference.tensors
+    assert "activations::-::input:model.layers.0.self_attn.o_proj" in reference.tensors
 
 
 def test_cli_json_names_the_first_divergence(demo_workspace, capsys, tmp_path):

@@ -22,6 +22,8 @@ Rows carry `order` (execution order of the outputs, per adapter), `drift` (accum
 from __future__ import annotations
 
 import contextlib
+import json
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,12 +135,23 @@ class _ReferenceFile:
         self._stack = contextlib.ExitStack()
         self._file = None
         self._keys: set[str] = set()
+        self.aliases: dict[str, dict[str, str]] = {}  # adapter -> leaf call -> the output its input is
         path = None if folder is None else folder / "tensors.safetensors"
         if path is not None and path.is_file():
             from safetensors import safe_open
 
             self._file = self._stack.enter_context(safe_open(str(path), framework="pt"))
             self._keys = set(self._file.keys())
+            try:
+                meta = json.loads((folder / "capture.json").read_text()).get("meta", {})
+            except (OSError, ValueError):
+                meta = {}
+            self.aliases = meta.get(NAME, {}).get("input_alias", {})
+
+    def input_of(self, adapter: str, name: str) -> torch.Tensor | None:
+        """The reference's input to leaf call `name`: kept apart, or the output it is an alias of."""
+        alias = self.aliases.get(adapter, {}).get(name)
+        return self.get(TensorKey(NAME, adapter, alias if alias is not None else INPUT + name))
 
     @property
     def present(self) -> bool:
@@ -249,13 +262,25 @@ class ActivationsCheck(Check):
         def name_of(module: torch.nn.Module, path: str) -> str:
             return call_name(path, calls.get(id(module), 0))
 
+        # The reference keeps a leaf's input once: where it is an output recorded already, unchanged
+        # (q/k/v_proj take input_layernorm's output, lm_head the final norm's), the input is that
+        # output's name (`input_alias`), not a second copy. Tensor id -> (weakref, version, name).
+        produced: dict[int, tuple[weakref.ref, int, str]] = {}
+        aliases: dict[str, str] = out.meta[NAME].setdefault("input_alias", {}).setdefault(adapter, {})
+
         def on_input(path: str):
             def hook(module, args, kwargs):
                 if id(module) not in leaves or not is_reference:
                     return
                 x = first_tensor(list(args) + list(kwargs.values()))
-                if x is not None:
-                    out.keep(TensorKey(NAME, adapter, INPUT + name_of(module, path)), x)
+                if x is None:
+                    return
+                name = name_of(module, path)
+                seen = produced.get(id(x))
+                if seen is not None and seen[0]() is x and seen[1] == x._version:
+                    aliases[name] = seen[2]
+                else:
+                    out.keep(TensorKey(NAME, adapter, INPUT + name), x)
 
             return hook
 
@@ -267,6 +292,8 @@ class ActivationsCheck(Check):
                 if y is None:
                     return
                 order[name] = len(order)
+                if is_reference:
+                    produced[id(y)] = (weakref.ref(y), y._version, name)
                 if id(module) in leaves:
                     leaf_calls.append((module, name))
                 self._record(ctx, out, TensorKey(NAME, adapter, name), y, reference, compare_now, keep)
@@ -345,7 +372,7 @@ class ActivationsCheck(Check):
         dtype = getattr(torch, ctx.target.dtype)
         skipped = []
         for module, name in leaf_calls:
-            x = reference.get(TensorKey(NAME, adapter, INPUT + name))
+            x = reference.input_of(adapter, name)
             if x is None:
                 skipped.append(name)
                 continue
