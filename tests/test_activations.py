@@ -412,3 +412,15 @@ def test_activations_page(bf16_run, demo_workspace, monkeypatch):
     no_exceptions(at)
     assert at.selectbox(key="widget.tensor").value == "local:lm_head"
     assert len(at.get("plotly_chart")) == 4
+
+
+def test_a_block_as_first_divergence_names_the_worst_leaf_inside_it():
+    rows = _rows()
+    rows = rows[rows["target"] == "cpu/float32"].copy()
+    block = (rows["module_path"] == "model.layers.1") & (rows["drift"] == ACCUMULATED)
+    rows.loc[block, "verdict"] = "drift"
+    rows.loc[rows["tensor"] == "local:model.layers.1.self_attn.q_proj", "rel_l2"] = 3e-6
+    (d,) = first_divergences(rows)
+    assert d.module == "model.layers.1" and d.local is None
+    assert d.worst_inside == ("model.layers.1.self_attn.q_proj", 3e-6)
+    assert "the largest local drift inside it: model.layers.1.self_attn.q_proj, 3e-06" in d.sentence()

@@ -179,6 +179,9 @@ class Divergence:
     accumulated: float  # the accumulated row's metric there
     local: float | None  # the local row's, None where the module is not a leaf
     metric: str
+    # for a module that is not a leaf (a block, an attention): the leaf inside it, before it, that adds
+    # the most error by itself, and that local value
+    worst_inside: tuple[str, float] | None = None
 
     @property
     def share(self) -> float | None:
@@ -191,7 +194,13 @@ class Divergence:
         """`cpu/bfloat16 parts from the reference at layers.0.self_attn.q_proj (local 2.1e-06, 80% of
         the accumulated error there)`."""
         who = self.target + (f" with {self.adapter}" if self.adapter else "")
-        if self.local is None:
+        if self.local is None and self.worst_inside is not None:
+            inside, value = self.worst_inside
+            how = (
+                f"accumulated {self.metric} {self.accumulated:.2g}; the largest local drift inside it: "
+                f"{inside}, {value:.2g}"
+            )
+        elif self.local is None:
             how = f"accumulated {self.metric} {self.accumulated:.2g}; not a leaf, no local re-run"
         elif self.share is None:
             how = f"local {self.metric} {self.local:.2g}"
@@ -217,6 +226,17 @@ def first_divergences(table: pd.DataFrame, metric: str = "rel_l2") -> list[Diver
         local = local[local["call"] == first["call"]]
         local_value = float(local[metric].iloc[0]) if len(local) and pd.notna(local[metric].iloc[0]) else None
         value = float(first[metric]) if pd.notna(first[metric]) else float("nan")
+        worst_inside = None
+        if local_value is None:
+            inside = group[
+                (group["drift"] == LOCAL_DRIFT)
+                & group["module_path"].str.startswith(first["module_path"] + ".")
+                & (group["order"] <= first["order"])
+            ]
+            values = pd.to_numeric(inside[metric], errors="coerce")
+            if values.notna().any():
+                worst = inside.loc[values.idxmax()]
+                worst_inside = (call_name(worst["module_path"], int(worst["call"])), float(values.max()))
         found.append(
             Divergence(
                 target=str(target),
@@ -227,6 +247,7 @@ def first_divergences(table: pd.DataFrame, metric: str = "rel_l2") -> list[Diver
                 accumulated=value,
                 local=local_value,
                 metric=metric,
+                worst_inside=worst_inside,
             )
         )
     return found
