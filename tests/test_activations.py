@@ -427,3 +427,36 @@ def test_a_block_as_first_divergence_names_the_worst_leaf_inside_it():
     assert d.module == "model.layers.1" and d.local is None
     assert d.worst_inside == ("model.layers.1.self_attn.q_proj", 3e-6)
     assert "the largest local drift inside it: model.layers.1.self_attn.q_proj, 3e-06" in d.sentence()
+
+
+def test_a_run_without_the_check_offers_to_run_it_on_its_selection(demo_workspace, monkeypatch):
+    from apptest import make_app, no_exceptions, texts
+
+    from core.store import Store
+
+    home = _home(demo_workspace)
+    engine = Engine(home, runner=InProcessRunner())
+    spec = ProbeSpec(
+        base=ModelRef(demo_workspace["models"]["tiny-llama"]),
+        adapters=(),
+        targets=(Target.parse("cpu/float32"),),
+        checks=("weights",),
+    )
+    job = engine.submit(spec)
+    assert job.wait(120) and job.state == "succeeded", job.error
+    at = make_app(home, monkeypatch, run=job.run_id)
+    at.switch_page("views/activations.py").run()
+    no_exceptions(at)
+    assert "did not run the `activations` check" in texts(at)
+    before = {r.run_id for r in Store(home).list_runs()}
+    at.button(key="activations.rerun").click().run()
+    no_exceptions(at)
+    (new,) = [r for r in Store(home).list_runs() if r.run_id not in before]
+    assert new.spec.checks == ("activations",) and new.spec.targets == spec.targets
+    # the job runs in this process: let it end before the next test
+    import time
+
+    deadline = time.monotonic() + 120
+    while Store(home).open(new.run_id).status in ("queued", "running") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert Store(home).open(new.run_id).status == "succeeded"

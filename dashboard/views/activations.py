@@ -6,6 +6,8 @@ first divergence named and marked; click a cell for that module output's |Δ| ma
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pandas as pd
 import streamlit as st
 
@@ -13,7 +15,7 @@ from core import report
 from core.checks.activations import ACCUMULATED, LOCAL_DRIFT, NAME, first_divergences
 from dashboard.figures import METRIC_LABELS, METRICS, VERDICT_SYMBOLS
 from dashboard.figures_activations import activations_heatmap, depth_line_chart
-from dashboard.state import bound_select, metrics_table, set_view, view
+from dashboard.state import bound_select, metrics_table, set_view, start_run, view
 from dashboard.text import inert, literal
 from dashboard.ui import downloads, element_diff_view, finished_run, scenario_buttons, verdict_box
 
@@ -28,7 +30,15 @@ record = finished_run(NAME)
 table = metrics_table(record)
 rows = table[table["check"] == NAME] if len(table) else table
 if rows.empty:
-    st.info(f"This run did not run the `{NAME}` check. Run it on the demo in one click:")
+    st.info(f"This run did not run the `{NAME}` check.")
+    # the same base, adapters, targets, probe and tolerances, with this check alone
+    if record.spec is not None and st.button(
+        f"Run {NAME} on this run's selection",
+        key="activations.rerun",
+        icon=":material/play_arrow:",
+        type="primary",
+    ):
+        start_run(replace(record.spec, checks=(NAME,)), "activations")
     scenario_buttons("activations", expanded=True)
     st.stop()
 
