@@ -30,10 +30,10 @@ record = finished_run(NAME)
 table = metrics_table(record)
 rows = table[table["check"] == NAME] if len(table) else table
 if rows.empty:
-    st.info(f"This run did not run the `{NAME}` check.")
+    st.info("This run did not run the `activations` check.")
     # the same base, adapters, targets, probe and tolerances, with this check alone
     if record.spec is not None and st.button(
-        f"Run {NAME} on this run's selection",
+        "Run activations on this run's selection",
         key="activations.rerun",
         icon=":material/play_arrow:",
         type="primary",
@@ -63,7 +63,7 @@ for target in dict.fromkeys(shown["target"]):
     if target not in parted:
         st.success(literal(f"{target} stays within tolerance of the reference at every module."))
 st.caption(
-    f"{shown['module_path'].nunique()} module outputs on the probe against "
+    f"{literal(shown['module_path'].nunique())} module outputs on the probe against "
     f"**{literal(', '.join(dict.fromkeys(shown['reference'])))}** · colour: log₁₀ {literal(METRIC_LABELS[metric])}"
     " · red ring: first divergence · symbols: "
     + literal(" ".join(f"{VERDICT_SYMBOLS[v]} {v}" for v in report.VERDICT_ORDER))
