@@ -554,6 +554,7 @@ def _run_and_report(args, engine_class, runner, plan=None, after=None) -> int:
                     "verdicts_by_check_target": report.records(by),
                     "worst": report.records(worst),
                     "notes": record.notes(),
+                    **_first_divergence(table),
                     **extra,
                 },
                 indent=2,
@@ -592,6 +593,8 @@ def print_summary(run_id: str, run_dir: Path, duration: float | None, table, top
     from core import report
 
     print(f"\nrun {run_id} succeeded in {duration:.1f} s — {run_dir}")
+    for sentence in _first_divergence(table).get("first_divergence", {}).values():
+        print(sentence)
     counts = report.verdict_counts(table)
     print("rows: " + " · ".join(f"{n} {v}" for v, n in counts.items()))
     by = report.verdicts_by_check_target(table)
@@ -619,6 +622,22 @@ def print_summary(run_id: str, run_dir: Path, duration: float | None, table, top
             print(f"      {r['explanation']}")
             if r.get("note"):
                 print(f"      why: {r['note']}")
+
+
+def _first_divergence(table) -> dict[str, Any]:
+    """{"first_divergence": {target (· adapter): sentence}} for a run with activations rows, else {}."""
+    from core.checks.activations import NAME, first_divergences
+
+    if not len(table) or NAME not in set(table["check"]):
+        return {}
+    found = {}
+    for d in first_divergences(table):
+        found[d.target + (f" · {d.adapter}" if d.adapter else "")] = d.sentence()
+    targets = dict.fromkeys(table.loc[table["check"] == NAME, "target"])
+    for target in targets:  # a target that never parts says so too
+        if not any(k == target or k.startswith(target + " · ") for k in found):
+            found[target] = f"{target} stays within tolerance of the reference at every module"
+    return {"first_divergence": found}
 
 
 def cmd_runs(args) -> int:

@@ -631,15 +631,37 @@ class Engine:
                 if following is not None and job.cancel_event.is_set():
                     job.runner.discard(following)
 
+        # A check whose targets read the reference's capture (activations) has the reference captured
+        # before any other task starts; the others then run in parallel as usual.
+        first = self._reference_first(job, by_device)
+        if first is not None:
+            device_queue(*first)
         threads = [
             threading.Thread(target=device_queue, args=(d, ts), daemon=True, name=f"{job.run_id}-{d}")
             for d, ts in by_device.items()
+            if ts
         ]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         return outcomes
+
+    @staticmethod
+    def _reference_first(job: Job, by_device: dict[str, list[Task]]) -> tuple[str, list[Task]] | None:
+        """(device, [the reference's shared-loop task]) taken out of `by_device` when a check of the run
+        needs the reference's capture while its targets capture; None otherwise."""
+        from core.checks import get_checks
+
+        if not any(c.reference_first for c in get_checks(job.spec.checks)):
+            return None
+        reference = str(job.spec.reference)
+        for device, tasks in by_device.items():
+            for task in tasks:
+                if task.target == reference and task.variant is None:
+                    tasks.remove(task)
+                    return device, [task]
+        return None
 
     def _finish(self, job: Job, state: str, error: str | None) -> None:
         with job.lock:

@@ -202,3 +202,18 @@ register(
         ),
     )
 )
+
+
+# --- issue 18: where the outputs part -------------------------------------------------------------
+
+register(
+    Scenario(
+        name="bf16-activations",
+        title="where bfloat16 parts from float64",
+        page="activations",
+        description="tiny-llama on cpu/bfloat16 and cpu/float32, every module's output against cpu/float64: "
+        "accumulated and local drift per module, and the first module where bfloat16 parts from the "
+        "reference (float32 stays within tolerance throughout).",
+        build=lambda m, d: demo_spec(m, [], ["cpu/float32", "cpu/bfloat16"], ["activations"]),
+    )
+)

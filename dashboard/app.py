@@ -33,6 +33,12 @@ PAGES = [
     ),
     st.Page(VIEWS / "drift.py", title="Drift", icon=":material/grid_on:", url_path="drift"),
     st.Page(VIEWS / "outputs.py", title="Outputs", icon=":material/output:", url_path="outputs"),
+    st.Page(
+        VIEWS / "activations.py",
+        title="Activations",
+        icon=":material/stacked_line_chart:",
+        url_path="activations",
+    ),
     st.Page(VIEWS / "merge.py", title="Merge residuals", icon=":material/merge:", url_path="merge"),
     st.Page(VIEWS / "memory.py", title="Memory placement", icon=":material/memory:", url_path="memory"),
     st.Page(

@@ -23,7 +23,7 @@ from core.store import RunRecord, Store, StoreError, table_problem
 from dashboard.text import literal
 
 # Query parameters that make up a view; anything else in the URL is left alone.
-VIEW_KEYS = ("run", "check", "adapter", "target", "metric", "stage", "tensor")
+VIEW_KEYS = ("run", "check", "adapter", "target", "metric", "stage", "tensor", "drift")
 RUNNER_ENV = "WEIGHTDRIFT_RUNNER"  # "in-process" for tests only: the server itself runs the work
 
 
@@ -220,6 +220,7 @@ RESULT_PAGES: dict[str, tuple[str, str, str]] = {
     "merge": ("merge", "Merge residuals", ":material/merge:"),
     "adapters": ("adapters", "Adapter consistency", ":material/layers:"),
     "memory": ("memory", "Memory placement", ":material/memory:"),
+    "activations": ("activations", "Activations", ":material/stacked_line_chart:"),
 }
 
 

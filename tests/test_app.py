@@ -27,6 +27,7 @@ PAGES = (
     "views/merge.py",
     "views/memory.py",
     "views/adapters.py",
+    "views/activations.py",
     "views/runs.py",
 )
 

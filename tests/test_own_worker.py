@@ -136,4 +136,4 @@ def test_every_scenario_builds_a_valid_spec_on_a_cpu_machine(name, tmp_path, dem
     devices = [Device("cpu", "cpu", "cpu")]
     spec = scenario_spec(name, demo_workspace, devices)
     Engine(tmp_path, runner=InProcessRunner(), devices=devices).validate(spec)
-    assert SCENARIOS[name].page in ("merge", "memory", "adapters", "drift")
+    assert SCENARIOS[name].page in ("merge", "memory", "adapters", "drift", "activations")

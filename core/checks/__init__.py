@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from core.checks.activations import ActivationsCheck
 from core.checks.adapters import AdaptersCheck
 from core.checks.base import Check
 from core.checks.deltas import DeltasCheck
@@ -13,7 +14,15 @@ from core.spec import SpecError
 
 CHECKS: dict[str, Check] = {
     c.name: c
-    for c in (WeightsCheck(), DeltasCheck(), OutputsCheck(), MemoryCheck(), MergeCheck(), AdaptersCheck())
+    for c in (
+        WeightsCheck(),
+        DeltasCheck(),
+        OutputsCheck(),
+        MemoryCheck(),
+        MergeCheck(),
+        AdaptersCheck(),
+        ActivationsCheck(),
+    )
 }
 
 

@@ -134,6 +134,9 @@ class Check(ABC):
     # formula of it): the worker compares each tensor where it is, while it is there (`measure`),
     # and keeps its row and sketch rather than the tensor.
     compares_in_worker: ClassVar[bool] = False
+    # A check whose targets read the reference's capture while they capture (activations: the
+    # reference's module inputs, to re-run each module on them): the reference runs first.
+    reference_first: ClassVar[bool] = False
 
     @abstractmethod
     def capture(self, ctx: CaptureContext, loaded: Loaded, out: Capture) -> None:

@@ -53,7 +53,7 @@ if not pairs.empty:
         "compare without moving a tensor; ≠ marks tensors whose hashes differ where the values were not kept."
     )
     fig = pairwise_figure(matrix)
-    st.plotly_chart(fig, key="overview.pairwise")
+    st.plotly_chart(inert(fig), key="overview.pairwise")
     downloads(fig, pairs, f"{record.run_id}-pairwise", key="overview.pairwise")
 
 st.subheader("Furthest from their reference")

@@ -1,0 +1,137 @@
+"""Activations: where in the forward pass each target parts from the float64 reference.
+
+Depth × module-role heatmaps per target (accumulated or local drift), the metric over depth, the
+first divergence named and marked; click a cell for that module output's |Δ| map and histogram.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pandas as pd
+import streamlit as st
+
+from core import report
+from core.checks.activations import ACCUMULATED, LOCAL_DRIFT, NAME, first_divergences
+from dashboard.figures import METRIC_LABELS, METRICS, VERDICT_SYMBOLS
+from dashboard.figures_activations import activations_heatmap, depth_line_chart
+from dashboard.state import bound_select, metrics_table, set_view, start_run, view
+from dashboard.text import inert, literal
+from dashboard.ui import downloads, element_diff_view, finished_run, scenario_buttons, verdict_box
+
+BASE = "base model"
+DRIFTS = {
+    ACCUMULATED: "accumulated (the target's own forward)",
+    LOCAL_DRIFT: "local (each module alone, on the reference's input)",
+}
+
+st.title("Activations")
+record = finished_run(NAME)
+table = metrics_table(record)
+rows = table[table["check"] == NAME] if len(table) else table
+if rows.empty:
+    st.info("This run did not run the `activations` check.")
+    # the same base, adapters, targets, probe and tolerances, with this check alone
+    if record.spec is not None and st.button(
+        "Run activations on this run's selection",
+        key="activations.rerun",
+        icon=":material/play_arrow:",
+        type="primary",
+    ):
+        start_run(replace(record.spec, checks=(NAME,)), "activations")
+    scenario_buttons("activations", expanded=True)
+    st.stop()
+
+adapters = [a for a in dict.fromkeys(rows["adapter"].dropna())]
+choices = ([BASE] if rows["adapter"].isna().any() else []) + adapters
+c1, c2, c3 = st.columns([2, 3, 2])
+adapter = bound_select("Adapter", "adapter", choices, default=choices[0], container=c1)
+drift = bound_select(
+    "Drift", "drift", list(DRIFTS), default=ACCUMULATED, container=c2, format_func=DRIFTS.get, horizontal=True
+)
+metric = bound_select(
+    "Colour by", "metric", METRICS, default="rel_l2", container=c3, format_func=lambda m: METRIC_LABELS[m]
+)
+shown = rows[rows["adapter"].isna()] if adapter == BASE else rows[rows["adapter"] == adapter]
+
+# Lead with the finding: where each target first parts from the reference.
+divergences = first_divergences(shown)
+parted = {d.target for d in divergences}
+for d in divergences:
+    st.warning(literal(d.sentence()), icon=":material/call_split:")
+for target in dict.fromkeys(shown["target"]):
+    if target not in parted:
+        st.success(literal(f"{target} stays within tolerance of the reference at every module."))
+st.caption(
+    f"{literal(shown['module_path'].nunique())} module outputs on the probe against "
+    f"**{literal(', '.join(dict.fromkeys(shown['reference'])))}** · colour: log₁₀ {literal(METRIC_LABELS[metric])}"
+    " · red ring: first divergence · symbols: "
+    + literal(" ".join(f"{VERDICT_SYMBOLS[v]} {v}" for v in report.VERDICT_ORDER))
+    + " · blank cells: exactly 0 or no such module. Click a cell to inspect it."
+)
+
+fig = activations_heatmap(shown, metric, drift, divergences, title=f"{adapter} · {drift} drift · {metric}")
+event = st.plotly_chart(inert(fig), key="activations.heatmap", on_select="rerun", selection_mode="points")
+points = (event or {}).get("selection", {}).get("points", [])
+if points:
+    data = points[0].get("customdata")
+    signature = repr(data)
+    # The chart keeps its selection across reruns: act on a new click only.
+    if data and st.session_state.get("activations.applied") != signature:
+        st.session_state["activations.applied"] = signature
+        set_view("target", data[0])
+        set_view("tensor", data[2])
+part = shown[shown["drift"] == drift].sort_values(["target", "order"])
+downloads(fig, part, f"{record.run_id}-activations-{adapter}-{drift}-{metric}", key="activations.heatmap")
+
+line = depth_line_chart(shown, metric, drift, divergences)
+st.plotly_chart(inert(line), key="activations.depth")
+downloads(line, part, f"{record.run_id}-activations-depth-{drift}-{metric}", key="activations.depth")
+
+st.subheader("Inspect one module output")
+targets = list(dict.fromkeys(part["target"]))
+p1, p2 = st.columns([1, 3])
+first_parted = next((d.target for d in divergences), targets[0] if targets else None)
+target = bound_select("Target", "target", targets, default=first_parted, container=p1)
+mine = part[part["target"] == target]
+by_name = {r["tensor"]: r for r in mine.to_dict(orient="records")}
+mark = next((d for d in divergences if d.target == target), None)
+default_tensor = None
+if mark is not None:
+    default_tensor = next((n for n, r in by_name.items() if r["order"] == mark.order), None)
+tensor = bound_select(
+    "Module output (execution order)",
+    "tensor",
+    list(by_name),
+    default=default_tensor,
+    container=p2,
+    format_func=lambda n: (
+        f"{VERDICT_SYMBOLS.get(by_name[n]['verdict'], '?')} {int(by_name[n]['order'])}. {n}"
+        + (f" · {metric} {by_name[n][metric]:.3g}" if pd.notna(by_name[n][metric]) else "")
+    ),
+)
+if tensor is None:
+    st.stop()
+row = by_name[tensor]
+if view("tensor") != tensor:
+    set_view("tensor", tensor)
+verdict_box(
+    row["verdict"],
+    f"{tensor} on {target} vs {row['reference']} · {row['drift']} · {row['dtype']} {row['shape']}\n"
+    f"{row['explanation']}" + (f"\nWhy: {row['note']}" if row.get("note") else ""),
+)
+m = st.columns(4)
+m[0].metric("max |Δ|", f"{row['max_abs']:.4e}" if pd.notna(row["max_abs"]) else "—")
+m[1].metric("relative L2", f"{row['rel_l2']:.4e}" if pd.notna(row["rel_l2"]) else "—")
+m[2].metric("cos sim", f"{row['cos_sim']:.8f}" if pd.notna(row.get("cos_sim")) else "—")
+m[3].metric("mismatched", f"{int(row['n_mismatch'] or 0)} / {int(row['numel'])}")
+element_diff_view(
+    record,
+    NAME,
+    target,
+    row["adapter"] if isinstance(row["adapter"], str) else None,
+    tensor,
+    title=f"|Δ| element-wise · {tensor} · {target}",
+    exact=f"Every element of {tensor} on {target} equals the reference's exactly: nothing to map.",
+    key="activations",
+)
