@@ -288,6 +288,14 @@ class Checkpoint:
 _OPENED: dict[tuple, Checkpoint] = {}
 
 
+def release_scratch() -> None:
+    """Free every scratch buffer (`Checkpoint.read(scratch=True)`) of the checkpoints indexed here: a
+    worker calls it when it is done reading one model's references, so the buffer does not add to
+    what it holds afterwards."""
+    for checkpoint in _OPENED.values():
+        checkpoint._scratch = None
+
+
 def _file_signature(path: Path) -> tuple[str, int, int]:
     st = path.stat()
     return path.name, st.st_size, st.st_mtime_ns

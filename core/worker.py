@@ -111,6 +111,7 @@ def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
     worker; a task with a `variant` runs that one own-worker check's `run` instead.
     """
     from core.capture import BASE, Capture, capture_folder_name
+    from core.checkpoint import release_scratch
     from core.checks import get_checks
     from core.checks.base import CaptureContext
     from core.loading import (
@@ -163,6 +164,7 @@ def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
             progress("capture " + ("base" if loaded.adapter is None else loaded.adapter.name))
             for check in checks:
                 check.capture(ctx, loaded, capture)
+            release_scratch()  # this model's references are read: the next model's load needs the room
             # how it was loaded, and the ops its forwards computed in float32 (a float64 reference's)
             fallbacks = [n for n in float32_fallback_notes(loaded.model) if n not in loaded.notes]
             notes = loaded.notes + fallbacks
