@@ -255,9 +255,10 @@ def test_weights_drilldown_reads_only_the_one_tensor_from_the_checkpoint(run, mo
     calls = []
     real = Checkpoint.read
 
-    def spy(checkpoint, name):
+    def spy(checkpoint, name, scratch=False):
         calls.append(name)
-        return real(checkpoint, name)
+        assert not scratch  # the drill-down keeps its reference: never in a buffer the next read reuses
+        return real(checkpoint, name, scratch)
 
     monkeypatch.setattr(Checkpoint, "read", spy)
     d = element_diff(record, "weights", row["target"], None, row["tensor"])

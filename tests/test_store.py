@@ -223,7 +223,7 @@ def test_a_disk_full_run_json_fails_the_job_with_the_reason(tmp_path, monkeypatc
         )
 
     monkeypatch.setattr(Store, "update", update)
-    monkeypatch.setattr(engine, "validate", lambda spec: None)
+    monkeypatch.setattr(engine, "validate", lambda *args: None)
     job = engine.submit(SPEC)
     assert job.wait(60)
     snap = job.snapshot()
