@@ -523,6 +523,7 @@ SCENARIO_PAGES = (
         "11-memory.png",
     ),
     ("adapters", "loop-pissa-lora", "Adapter consistency", "base mutated by pissa", "12-adapters.png"),
+    ("activations", "bf16-activations", "Activations", "parts from the reference at", "13-activations.png"),
 )
 
 
