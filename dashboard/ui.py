@@ -12,7 +12,7 @@ from core.spec import SpecError
 from core.store import DAMAGED, RunRecord
 from dashboard.figures import diff_heatmap, diff_histogram, figure_html, sketch_heatmap, sketch_histogram
 from dashboard.jobs import job_panel
-from dashboard.state import engine, home, open_run, start_run, store
+from dashboard.state import engine, home, open_run, set_view, start_run, store
 from dashboard.text import inert, literal, spreadsheet_safe, trusted
 
 # How the metric columns read in every table: exponent form, so 1e-7 and 1e-3 are told apart.
@@ -96,6 +96,22 @@ def run_header(record: RunRecord) -> bool:
         )
         return False
     return True
+
+
+def clickable_heatmap(fig: go.Figure, key: str) -> None:
+    """Show a heatmap whose cells carry (target, …, tensor) as customdata; a click on a cell puts
+    that target and tensor into the view (the URL), for the drill-down below it."""
+    event = st.plotly_chart(inert(fig), key=key, on_select="rerun", selection_mode="points")
+    points = (event or {}).get("selection", {}).get("points", [])  # PlotlyState is a dict
+    if not points:
+        return
+    data = points[0].get("customdata")
+    signature = repr(data)
+    # The chart keeps its selection across reruns: act on a new click only.
+    if data and st.session_state.get(f"{key}.applied") != signature:
+        st.session_state[f"{key}.applied"] = signature
+        set_view("target", data[0])
+        set_view("tensor", data[2])
 
 
 def verdict_box(verdict: str, text: str) -> None:

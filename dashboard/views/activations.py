@@ -17,7 +17,14 @@ from dashboard.figures import METRIC_LABELS, METRICS, VERDICT_SYMBOLS
 from dashboard.figures_activations import activations_heatmap, depth_line_chart
 from dashboard.state import bound_select, metrics_table, set_view, start_run, view
 from dashboard.text import inert, literal
-from dashboard.ui import downloads, element_diff_view, finished_run, scenario_buttons, verdict_box
+from dashboard.ui import (
+    clickable_heatmap,
+    downloads,
+    element_diff_view,
+    finished_run,
+    scenario_buttons,
+    verdict_box,
+)
 
 BASE = "base model"
 DRIFTS = {
@@ -71,16 +78,7 @@ st.caption(
 )
 
 fig = activations_heatmap(shown, metric, drift, divergences, title=f"{adapter} · {drift} drift · {metric}")
-event = st.plotly_chart(inert(fig), key="activations.heatmap", on_select="rerun", selection_mode="points")
-points = (event or {}).get("selection", {}).get("points", [])
-if points:
-    data = points[0].get("customdata")
-    signature = repr(data)
-    # The chart keeps its selection across reruns: act on a new click only.
-    if data and st.session_state.get("activations.applied") != signature:
-        st.session_state["activations.applied"] = signature
-        set_view("target", data[0])
-        set_view("tensor", data[2])
+clickable_heatmap(fig, key="activations.heatmap")
 part = shown[shown["drift"] == drift].sort_values(["target", "order"])
 downloads(fig, part, f"{record.run_id}-activations-{adapter}-{drift}-{metric}", key="activations.heatmap")
 

@@ -13,8 +13,8 @@ from dashboard.figures import (
     drift_heatmap,
 )
 from dashboard.state import bound_select, metrics_table, set_view, view
-from dashboard.text import inert, literal
-from dashboard.ui import downloads, element_diff_view, finished_run, verdict_box
+from dashboard.text import literal
+from dashboard.ui import clickable_heatmap, downloads, element_diff_view, finished_run, verdict_box
 
 BASE = "base model"
 # The checks whose rows are one tensor each, drawn here; merge, memory and adapters have their pages.
@@ -80,16 +80,7 @@ st.caption(
 )
 
 fig = drift_heatmap(shown, metric, title=f"{check} · {adapter} · {METRIC_LABELS[metric]}")
-event = st.plotly_chart(inert(fig), key="drift.heatmap", on_select="rerun", selection_mode="points")
-points = (event or {}).get("selection", {}).get("points", [])  # PlotlyState is a dict
-if points:
-    data = points[0].get("customdata")
-    signature = repr(data)
-    # The chart keeps its selection across reruns: act on a new click only.
-    if data and st.session_state.get("drift.applied") != signature:
-        st.session_state["drift.applied"] = signature
-        set_view("target", data[0])
-        set_view("tensor", data[2])
+clickable_heatmap(fig, key="drift.heatmap")
 downloads(fig, shown, f"{record.run_id}-{check}-{adapter}-{metric}", key="drift.heatmap")
 
 st.subheader("Inspect one tensor")
