@@ -1,6 +1,6 @@
 """The `activations` check: a perturbed module is found as the first divergence, its numbers equal an
-independent computation (plain torch hooks + core.metrics.compare) on the demo's Llama and a tiny T5,
-the figure builders, and the Activations page under AppTest. In-process runner, tiny models."""
+independent computation (plain torch hooks + core.metrics.compare) on the demo's Llama, a tiny T5,
+ALBERT and the packaged all-MiniLM-L6-v2 with a LoRA, the figure builders, and the Activations page under AppTest. In-process runner, tiny models."""
 
 from __future__ import annotations
 
@@ -95,8 +95,16 @@ def test_witness_a_perturbed_module_is_the_first_divergence(tmp_path, demo_works
     assert f"cpu/float32 with lora parts from the reference at {PERTURBED} (local" in found.sentence()
 
 
+def _leaf(module) -> bool:
+    """A module without children, or a PEFT adapter layer (its base layer and lora_A/B are one module)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return isinstance(module, BaseTunerLayer) or next(module.children(), None) is None
+
+
 def _independent(model64, model_t, probe, dtype, names):
-    """Accumulated and local rows by hand: hooks on every named module of both models."""
+    """Accumulated and local rows by hand: hooks on every named module of both models (a PeftModel's
+    modules named as in its bare base)."""
     outs64, ins64, outs_t = {}, {}, {}
 
     def record(store, inputs=None):
@@ -112,7 +120,8 @@ def _independent(model64, model_t, probe, dtype, names):
 
     handles = []
     for model, store, inputs in ((model64, outs64, ins64), (model_t, outs_t, None)):
-        for name, module in model.named_modules():
+        for raw, module in model.named_modules():
+            name = raw.removeprefix("base_model.model.")
             if name in names:
                 module._wd_name = name
                 handles.append(module.register_forward_hook(record(store, inputs)))
@@ -122,13 +131,13 @@ def _independent(model64, model_t, probe, dtype, names):
         h.remove()
     tol = metrics.default_tolerance(dtype)
     acc, loc = {}, {}
-    modules_t = dict(model_t.named_modules())
+    modules_t = {n.removeprefix("base_model.model."): m for n, m in model_t.named_modules()}
     for key, ref in outs64.items():
         if key[0] == "calls":
             continue
         name = key[0] if key[1] == 0 else f"{key[0]}@{key[1]}"
         acc[name] = metrics.compare(outs_t[key], ref, tol)
-        if key in ins64 and next(modules_t[key[0]].children(), None) is None:
+        if key in ins64 and _leaf(modules_t[key[0]]):
             x = ins64[key]
             with torch.no_grad():
                 y = modules_t[key[0]](x.to(dtype) if x.is_floating_point() else x)
@@ -245,6 +254,41 @@ def test_albert_shared_layer_is_recorded_per_call(tmp_path):
     )
     acc, loc = _independent(model64, model_t, probe, torch.bfloat16, set(rows["module_path"]))
     _assert_equal_rows(rows, acc, loc, "cpu/bfloat16")
+
+
+def test_real_encoder_with_its_lora_equals_an_independent_computation(tmp_path, minilm):
+    """The packaged all-MiniLM-L6-v2 (a real pretrained BERT), bare and with a seeded LoRA, on float32
+    and bfloat16: the LoRA layers are leaves, re-run alone for local drift."""
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModel, BertModel
+
+    from core.loading import probe_inputs
+
+    lora = AdapterRef(str(minilm["lora"]), "lora")
+    record = _run(tmp_path, str(minilm["base"]), ["cpu/float32", "cpu/bfloat16"], [lora])
+    rows = record.metrics()
+    rows = rows[rows["check"] == "activations"]
+    query = "encoder.layer.0.attention.self.query"
+    with_lora = rows[rows["adapter"] == "lora"]
+    assert {query, "local:" + query, "embeddings.word_embeddings", "encoder.layer.5"} <= set(
+        with_lora["tensor"]
+    )
+    assert not with_lora["module_path"].str.contains("base_layer|lora_A").any()
+
+    def load(adapter, dtype):
+        model = AutoModel.from_pretrained(minilm["base"], dtype=dtype).eval()
+        return model if adapter is None else PeftModel.from_pretrained(model, adapter.path, adapter.name)
+
+    probe = probe_inputs(
+        AutoConfig.from_pretrained(minilm["base"]), BertModel, record.spec.probe, record.spec.seed
+    )
+    for adapter, mine in ((None, rows[rows["adapter"].isna()]), (lora, with_lora)):
+        names = set(mine["module_path"])
+        model64 = load(adapter, torch.float64)
+        for dtype in (torch.float32, torch.bfloat16):
+            acc, loc = _independent(model64, load(adapter, dtype), probe, dtype, names)
+            assert loc[query].rel_l2 > 0  # bfloat16 and float32 rounding both show
+            _assert_equal_rows(mine, acc, loc, f"cpu/{str(dtype).removeprefix('torch.')}")
 
 
 def test_demo_scenario_names_the_first_divergence(bf16_run):
