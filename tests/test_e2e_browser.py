@@ -541,15 +541,26 @@ def _run_scenario(
     page, server: Server, path: str, scenario: str, heading: str, expect: str, shot: str
 ) -> float:
     """Open the page, click the scenario's button, wait for its result; the click → result seconds."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
+
     page.goto(f"{server.url}/{path}")
     page.get_by_role("heading", name=heading, exact=True).wait_for(timeout=FORM_TIMEOUT_S * 1000)
     _wait_idle(page)
     button = page.locator(f"{MAIN} .st-key-scenario-{scenario} button").first
-    if not button.is_visible():
-        page.locator(MAIN).get_by_text("Demo scenarios").first.click()
-    button.wait_for(state="visible", timeout=STEP_TIMEOUT_S * 1000)
     before = _query(page.url).get("run")
-    button.click()
+    # The scenarios sit in an expander that may keep the state a page before left it in (folded):
+    # open it when the button is hidden, and again if a rerun folds it between the check and the click.
+    for attempt in range(3):
+        if not button.is_visible():
+            page.locator(MAIN).get_by_text("Demo scenarios").first.click()
+        button.wait_for(state="visible", timeout=STEP_TIMEOUT_S * 1000)
+        try:
+            button.click(timeout=5000)
+            break
+        except PlaywrightTimeoutError:
+            if attempt == 2:
+                raise
+            _wait_idle(page)
     t_click = time.monotonic()
     _wait_for(
         lambda: f"/{path}" in page.url and _query(page.url).get("run") not in (None, before),
