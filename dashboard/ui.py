@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -127,27 +128,54 @@ def verdict_box(verdict: str, text: str) -> None:
         st.error(f"**{literal(verdict)}** · {literal(text)}")
 
 
-def finished_run(check: str | None = None) -> RunRecord:
+def finished_run(check: str | None = None, page: str | None = None) -> RunRecord:
     """The run the URL selects (else the newest that ran `check`), when it has results; otherwise say
-    why and stop the page."""
+    why and stop the page (with no run at all, after `page`'s demo scenarios, in plain sight)."""
     record = open_run(check=check)
     if record is None:
         st.info("No runs yet. The sidebar's **Run** button starts one on the demo workspace.")
+        if page is not None:
+            scenario_buttons(page, plain=True)
         st.stop()
     if not run_header(record):
         st.stop()
     return record
 
 
-def scenario_buttons(page: str, *, expanded: bool = False) -> None:
-    """The demo scenarios this page offers, one button each: a click runs it and opens the result here."""
+def check_not_run(record: RunRecord, check: str, page: str, text: str) -> None:
+    """Say (`text`) that the run shown did not run `check`; offer, in plain sight, the same selection
+    with this check (one click) and the page's demo scenarios; then stop the page."""
+    st.info(trusted(text))
+    if record.spec is not None and st.button(
+        trusted(f"Run {check} on this run's selection"),
+        key=f"{page}.rerun",
+        icon=":material/play_arrow:",
+        type="primary",
+        help="The same base, adapters, targets, probe and tolerances, with this check alone.",
+    ):
+        start_run(replace(record.spec, checks=(check,)), page)
+    scenario_buttons(page, plain=True)
+    st.stop()
+
+
+def scenario_buttons(page: str, *, expanded: bool = False, plain: bool = False) -> None:
+    """The demo scenarios this page offers, one button each: a click runs it and opens the result here.
+
+    In an expander (open when `expanded`), or `plain`: in plain sight, where the page has nothing else to show.
+    """
     from core.demo import load_manifest
     from core.scenarios import scenario_spec, scenarios_for
 
     scenarios = scenarios_for(page)
     if not scenarios:
         return
-    with st.expander("Demo scenarios: reproduce a problem in one click", expanded=expanded):
+    if plain:
+        st.subheader("Demo scenarios: reproduce a problem in one click")
+    with (
+        st.container()
+        if plain
+        else st.expander("Demo scenarios: reproduce a problem in one click", expanded=expanded)
+    ):
         manifest = load_manifest(home())
         if manifest is None:
             st.info("The demo workspace is not built yet (it is built on first launch).")

@@ -394,3 +394,28 @@ def test_a_home_that_cannot_be_made_is_said_not_raised(tmp_path, monkeypatch):
         f"WeightDrift cannot use its home: cannot create the runs folder {home / 'runs'}: Not a directory "
         "(check the folder and the disk)"
     ]
+
+
+@pytest.mark.parametrize("page", ["merge", "memory", "adapters", "activations"])
+def test_a_page_whose_check_did_not_run_offers_it_and_its_scenarios_in_plain_sight(
+    run_home, monkeypatch, page
+):
+    # The stored run ran weights, deltas and outputs: each other check's page says so, offers the
+    # same selection with that check (one click) and its demo scenarios, none of it folded away.
+    home, run_id = run_home
+    at = make_app(home, monkeypatch, run=run_id)
+    at.run()
+    at.switch_page(f"views/{page}.py").run()
+    no_exceptions(at)
+    assert f"did not run the `{page}` check" in texts(at)
+    rerun = at.button(key=f"{page}.rerun")
+    assert rerun.label == f"Run {page} on this run's selection"
+    scenarios = [b for b in at.button if b.key and b.key.startswith("scenario.")]
+    assert scenarios
+    assert not at.main.expander  # in plain sight (the sidebar form has its own)
+    before = {r.run_id for r in Store(home).list_runs()}
+    rerun.click().run()
+    no_exceptions(at)
+    new = [r for r in Store(home).list_runs() if r.run_id not in before]
+    assert len(new) == 1 and new[0].spec.checks == (page,)
+    assert new[0].spec.targets == Store(home).open(run_id).spec.targets

@@ -6,8 +6,6 @@ first divergence named and marked; click a cell for that module output's |Δ| ma
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pandas as pd
 import streamlit as st
 
@@ -15,9 +13,10 @@ from core import report
 from core.checks.activations import ACCUMULATED, LOCAL_DRIFT, NAME, first_divergences
 from dashboard.figures import METRIC_LABELS, METRICS, VERDICT_SYMBOLS
 from dashboard.figures_activations import activations_heatmap, depth_line_chart
-from dashboard.state import bound_select, metrics_table, set_view, start_run, view
+from dashboard.state import bound_select, metrics_table, set_view, view
 from dashboard.text import inert, literal
 from dashboard.ui import (
+    check_not_run,
     clickable_heatmap,
     downloads,
     element_diff_view,
@@ -33,21 +32,12 @@ DRIFTS = {
 }
 
 st.title("Activations")
-record = finished_run(NAME)
+record = finished_run(NAME, "activations")
 table = metrics_table(record)
 rows = table[table["check"] == NAME] if len(table) else table
 if rows.empty:
-    st.info("This run did not run the `activations` check.")
-    # the same base, adapters, targets, probe and tolerances, with this check alone
-    if record.spec is not None and st.button(
-        "Run activations on this run's selection",
-        key="activations.rerun",
-        icon=":material/play_arrow:",
-        type="primary",
-    ):
-        start_run(replace(record.spec, checks=(NAME,)), "activations")
-    scenario_buttons("activations", expanded=True)
-    st.stop()
+    check_not_run(record, NAME, "activations", "This run did not run the `activations` check.")
+scenario_buttons("activations")
 
 adapters = [a for a in dict.fromkeys(rows["adapter"].dropna())]
 choices = ([BASE] if rows["adapter"].isna().any() else []) + adapters

@@ -16,19 +16,28 @@ from dashboard.figures_adapters import (
 )
 from dashboard.state import bound_select, metrics_table, run_table
 from dashboard.text import inert, literal, trusted
-from dashboard.ui import METRIC_COLUMN_CONFIG, csv_download, downloads, finished_run, scenario_buttons
+from dashboard.ui import (
+    METRIC_COLUMN_CONFIG,
+    check_not_run,
+    csv_download,
+    downloads,
+    finished_run,
+    scenario_buttons,
+)
 
 st.title("Adapter consistency")
-scenario_buttons("adapters")
-record = finished_run("adapters")
+record = finished_run("adapters", "adapters")
 table = metrics_table(record)
 rows = table[table["check"] == "adapters"] if len(table) else table
 if rows.empty:
-    st.info(
+    check_not_run(
+        record,
+        "adapters",
+        "adapters",
         "This run did not run the `adapters` check. Choose it in the sidebar with the load strategies "
-        "to compare, or start one of the demo scenarios above."
+        "to compare, or start one of the demo scenarios below.",
     )
-    st.stop()
+scenario_buttons("adapters")
 
 spec = record.spec
 strategies = list(dict.fromkeys([GROUND_TRUTH, *(spec.strategies if spec else [])]))

@@ -19,18 +19,22 @@ from dashboard.figures_memory import (
 )
 from dashboard.state import bound_select, metrics_table, run_table
 from dashboard.text import inert, literal
-from dashboard.ui import csv_download, downloads, finished_run, scenario_buttons
+from dashboard.ui import check_not_run, csv_download, downloads, finished_run, scenario_buttons
 
 st.title("Memory placement")
-scenario_buttons("memory")
-record = finished_run("memory")
+record = finished_run("memory", "memory")
 timeline = run_table(record, "memory_timeline")
 placement = run_table(record, "placement")
 table = metrics_table(record)
 rows = table[table["check"] == "memory"] if len(table) else table
 if timeline.empty and rows.empty:
-    st.info("This run did not run the `memory` check (add it in the sidebar's form, or use a demo scenario).")
-    st.stop()
+    check_not_run(
+        record,
+        "memory",
+        "memory",
+        "This run did not run the `memory` check (add it in the sidebar's form, or use a demo scenario).",
+    )
+scenario_buttons("memory")
 
 cuda = sorted({d for d in timeline["device"] if d != "cpu"}) if len(timeline) else []
 st.caption(

@@ -22,6 +22,7 @@ from dashboard.state import bound_select, metrics_table, run_table
 from dashboard.text import inert, literal, trusted
 from dashboard.ui import (
     METRIC_COLUMN_CONFIG,
+    check_not_run,
     csv_download,
     downloads,
     element_diff_view,
@@ -31,8 +32,7 @@ from dashboard.ui import (
 )
 
 st.title("Merge residuals")
-scenario_buttons("merge")
-record = finished_run("merge")
+record = finished_run("merge", "merge")
 table = metrics_table(record)
 rows = table[table["check"] == "merge"] if len(table) else table
 # An adapter whose merge rule the check does not cover, or that merging does not apply to (prompt
@@ -43,9 +43,10 @@ no_merge = all_findings[all_findings["finding"].isin(list(NO_MERGE))] if len(all
 pairs = zip(no_merge["finding"], no_merge["detail"], strict=True) if len(no_merge) else ()
 for finding, detail in dict.fromkeys(pairs):
     st.info(f"**{trusted(NO_MERGE[finding])}**: {literal(detail)}", icon=":material/block:")
+if rows.empty and not len(no_merge):
+    check_not_run(record, "merge", "merge", "This run did not run the `merge` check (CLI: `--check merge`).")
+scenario_buttons("merge")
 if rows.empty:
-    if not len(no_merge):
-        st.info("This run did not run the `merge` check (CLI: `--check merge`).")
     st.stop()
 rows, legacy = relabel_legacy(rows)
 if legacy:

@@ -8,7 +8,7 @@ import streamlit as st
 from dashboard.figures import outputs_figure
 from dashboard.state import metrics_table
 from dashboard.text import inert, literal
-from dashboard.ui import METRIC_COLUMN_CONFIG, csv_download, figure_download, finished_run
+from dashboard.ui import METRIC_COLUMN_CONFIG, check_not_run, csv_download, figure_download, finished_run
 
 HEALTH = {
     "health_nan": "NaN",
@@ -22,8 +22,7 @@ record = finished_run("outputs")
 table = metrics_table(record)
 rows = table[table["check"] == "outputs"] if len(table) else table
 if rows.empty:
-    st.info("This run did not run the `outputs` check.")
-    st.stop()
+    check_not_run(record, "outputs", "outputs", "This run did not run the `outputs` check.")
 rows = rows.assign(adapter=rows["adapter"].fillna("base model"))
 
 st.caption(
