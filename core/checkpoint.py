@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,14 +168,16 @@ class Checkpoint:
                 signature = (str(folder.resolve()), prefix, tuple(map(_file_signature, files + indexes)))
             except OSError:
                 signature = None
-            cached = _OPENED.get(signature) if signature is not None else None
+            with _OPENED_LOCK:  # the dashboard's sessions open checkpoints from several threads
+                cached = _OPENED.get(signature) if signature is not None else None
             if cached is not None:
                 return cached
             opened = cls._open_safetensors(folder, prefix, files)
             if signature is not None:
-                if len(_OPENED) >= 8:
-                    _OPENED.pop(next(iter(_OPENED)))
-                _OPENED[signature] = opened
+                with _OPENED_LOCK:
+                    if len(_OPENED) >= 8:
+                        _OPENED.pop(next(iter(_OPENED)))
+                    _OPENED[signature] = opened
             return opened
         return cls._open_bin(folder, prefix)
 
@@ -286,14 +289,16 @@ class Checkpoint:
 
 # Checkpoints indexed in this process, by folder, prefix and their files' signatures.
 _OPENED: dict[tuple, Checkpoint] = {}
+_OPENED_LOCK = threading.Lock()
 
 
 def release_scratch() -> None:
     """Free every scratch buffer (`Checkpoint.read(scratch=True)`) of the checkpoints indexed here: a
     worker calls it when it is done reading one model's references, so the buffer does not add to
     what it holds afterwards."""
-    for checkpoint in _OPENED.values():
-        checkpoint._scratch = None
+    with _OPENED_LOCK:
+        for checkpoint in _OPENED.values():
+            checkpoint._scratch = None
 
 
 def _file_signature(path: Path) -> tuple[str, int, int]:

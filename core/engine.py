@@ -159,7 +159,7 @@ class ProcessRunner(Runner):
 
     def _take_spare(self, task: Task) -> subprocess.Popen | None:
         """A live spare worker for `task` (not a memory timeline's: its process must start with its task)."""
-        if task.own_check == "memory":
+        if not task.imports_ahead:
             return None
         while self._spares:
             proc = self._spares.pop(0)
@@ -184,8 +184,7 @@ class ProcessRunner(Runner):
             proc.wait()
 
     def _spawn(self, task: Task, log_path: Path) -> subprocess.Popen:
-        # A memory timeline measures what importing the libraries costs: its worker imports them itself.
-        return self._spawn_worker(log_path, preimport=task.own_check != "memory")
+        return self._spawn_worker(log_path, preimport=task.imports_ahead)
 
     def _spawn_worker(self, log_path: Path | None, preimport: bool) -> subprocess.Popen:
         """A worker process; its stderr goes to `log_path` (a spare's: nowhere until its task names its log)."""
@@ -617,7 +616,7 @@ class Engine:
                     # task's) is started, so its imports overlap this task. Not a memory timeline's:
                     # its process must start when its task does.
                     following = tasks[i + 1] if i + 1 < len(tasks) else compare
-                    if following.own_check == "memory":
+                    if not following.imports_ahead:
                         following = None
 
                     def prepare(following=following) -> None:

@@ -258,13 +258,11 @@ def bitwise_census(target: torch.Tensor, reference: torch.Tensor) -> tuple[bool,
 
 def _census(ta, ra, tk, rk, n, parallel) -> tuple[bool, int, int]:
     with _LOCK:
-        if (
-            n > BITWISE_BLOCK
-            and not _jit.bitwise_census_serial(ta, ra, tk, rk, BITWISE_BLOCK, BITWISE_BLOCK)[0]
-        ):
-            # differs in its first block (a load in another dtype: nearly every element): no pass to launch
-            return False, 0, 0
         if parallel or (parallel is None and n >= PARALLEL_MIN):
+            # The parallel pass visits every block even once one differs: a pair that differs in its
+            # first block (a load in another dtype: nearly every element) is settled before launching it.
+            if not _jit.bitwise_census_serial(ta, ra, tk, rk, min(n, BITWISE_BLOCK), BITWISE_BLOCK)[0]:
+                return False, 0, 0
             eq, nan, inf = _jit.bitwise_census(ta, ra, tk, rk, n, BITWISE_BLOCK, numba.get_num_threads())
         else:
             eq, nan, inf = _jit.bitwise_census_serial(ta, ra, tk, rk, n, BITWISE_BLOCK)

@@ -385,10 +385,11 @@ def float64_forward(model: torch.nn.Module) -> Iterator[None]:
 
     held: dict[int, dict[int, torch.Tensor]] = {}  # unit → parameter → its narrow storage
     # Float64 buffers given back by earlier units, by shape, kept on the model for its next forward:
-    # widening into memory already touched costs no page faults. Only Linear layers' parameters
-    # (their outputs are never views of them) of shapes more than one unit has (decoder blocks), so
-    # the pool holds about one block.
+    # widening into memory already touched costs no page faults. Only Linear layers' parameters on
+    # the CPU (their outputs are never views of them) of shapes more than one unit has (decoder
+    # blocks), so the pool holds about one block.
     pool: dict[tuple[int, ...], list[torch.Tensor]] = inner.__dict__.setdefault(_FLOAT64_POOL, {})
+    pooled: dict[int, set[int]] = {}  # unit → its parameters whose float64 buffer returns to the pool
     units = forward_units(model)
     unit_shapes = [
         {tuple(p.shape) for m in u.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters(False)}
@@ -398,26 +399,29 @@ def float64_forward(model: torch.nn.Module) -> Iterator[None]:
 
     def widen(unit, args):
         narrow_of = held.setdefault(id(unit), {})
+        returning = pooled.setdefault(id(unit), set())
         for owner in unit.modules():
             linear = isinstance(owner, torch.nn.Linear)
             for p in owner.parameters(recurse=False):
-                reusable = linear and tuple(p.shape) in shared
-                if p.is_floating_point() and p.dtype != torch.float64 and id(p) not in narrow_of:
-                    narrow_of[id(p)] = p.data
-                    free = pool.get(tuple(p.shape)) if reusable and p.device.type == "cpu" else None
+                if not p.is_floating_point() or p.dtype == torch.float64 or id(p) in narrow_of:
+                    continue
+                narrow_of[id(p)] = p.data
+                if linear and p.device.type == "cpu" and tuple(p.shape) in shared:
+                    free = pool.get(tuple(p.shape))
                     p.data = free.pop().copy_(p.data) if free else p.data.to(torch.float64)
-                    if reusable:
-                        narrow_of[-id(p)] = p.data  # the buffer goes back to the pool with the unit
+                    returning.add(id(p))
+                else:
+                    p.data = p.data.to(torch.float64)
 
     def narrow(unit, args, output):
         # the narrow storage itself comes back: no conversion, and bit for bit what was held
         narrow_of = held.pop(id(unit), {})
+        returning = pooled.pop(id(unit), set())
         for p in unit.parameters():
             if id(p) in narrow_of:
+                if id(p) in returning:
+                    pool.setdefault(tuple(p.shape), []).append(p.data)
                 p.data = narrow_of[id(p)]
-                buffer = narrow_of.get(-id(p))
-                if buffer is not None and buffer.device.type == "cpu":
-                    pool.setdefault(tuple(buffer.shape), []).append(buffer)
 
     for unit in units:
         handles.append(unit.register_forward_pre_hook(widen))

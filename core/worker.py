@@ -68,6 +68,12 @@ class Task:
         return self.checks[0] if self.variant is not None else None
 
     @property
+    def imports_ahead(self) -> bool:
+        """Whether its worker may start, and import its libraries, before the task comes: not a memory
+        timeline's, which measures what those imports cost from its process's start."""
+        return self.own_check != "memory"
+
+    @property
     def label(self) -> str:
         if self.target is None:
             return "compare"
@@ -366,7 +372,10 @@ def preimport() -> None:
         import torch
 
         a = torch.arange(8, dtype=torch.float32)
-        metrics.measure(a.to(torch.bfloat16), a, metrics.Tolerance(1e-2, 1e-5))
+        metrics.measure(a.to(torch.bfloat16), a, metrics.Tolerance(1e-2, 1e-5))  # serial passes, sketch
+        # the parallel passes large tensors take are compiled functions of their own
+        kernel.compare_cpu(a, a, 0.0, 0.0, parallel=True)
+        kernel.compare_cpu(a + 0.5, a, 0.0, 0.0, parallel=True, sketch=True)
 
 
 def task_json(task: Task, log_path: str | None = None) -> str:

@@ -158,10 +158,10 @@ def check_not_run(record: RunRecord, check: str, page: str, text: str) -> None:
     st.stop()
 
 
-def scenario_buttons(page: str, *, expanded: bool = False, plain: bool = False) -> None:
+def scenario_buttons(page: str, *, plain: bool = False) -> None:
     """The demo scenarios this page offers, one button each: a click runs it and opens the result here.
 
-    In an expander (open when `expanded`), or `plain`: in plain sight, where the page has nothing else to show.
+    In a folded expander, or `plain`: in plain sight, where the page has nothing else to show.
     """
     from core.demo import load_manifest
     from core.scenarios import scenario_spec, scenarios_for
@@ -171,11 +171,7 @@ def scenario_buttons(page: str, *, expanded: bool = False, plain: bool = False) 
         return
     if plain:
         st.subheader("Demo scenarios: reproduce a problem in one click")
-    with (
-        st.container()
-        if plain
-        else st.expander("Demo scenarios: reproduce a problem in one click", expanded=expanded)
-    ):
+    with st.container() if plain else st.expander("Demo scenarios: reproduce a problem in one click"):
         manifest = load_manifest(home())
         if manifest is None:
             st.info("The demo workspace is not built yet (it is built on first launch).")
