@@ -1,8 +1,8 @@
-"""The comparison kernel (`core.metrics.compare`) against what it has to be measured by.
+"""The comparison kernel (`core.numerics.metrics.compare`) against what it has to be measured by.
 
 For each size and case, the median of N timed repeats (after one untimed warm-up) of:
 
-- ``compare``: ``core.metrics.compare(t, r)`` with its defaults (the code under test);
+- ``compare``: ``core.numerics.metrics.compare(t, r)`` with its defaults (the code under test);
 - ``torch.equal``: the floor for identical tensors (one read of each, no statistics);
 - ``copy``: ``copy_`` of both inputs into preallocated buffers (memory bandwidth: a read and a write);
 - ``naive f64``: the same statistics computed the obvious way: both tensors upcast to float64
@@ -200,7 +200,7 @@ def estimated_peak_bytes(size_bytes: int) -> int:
 
 def bench_case(case: str, size_bytes: int, repeats: int, seed: int = 0) -> dict[str, Any]:
     """Time every method on one (case, size); the result row of the JSON file."""
-    from core.metrics import compare
+    from core.numerics.metrics import compare
 
     numel = size_bytes // 4
     t, r = make_case(case, numel, seed)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from core.sketch import Sketch
+from core.numerics.sketch import Sketch
 
 SEP = "::"
 # separates a tensor's encoded key from the name of one of its sketch's arrays in sketches.safetensors

@@ -152,7 +152,7 @@ def build_parser() -> ArgumentParser:
 
 
 def add_runner_options(p: ArgumentParser) -> None:
-    """Where the tasks run: local worker processes (default) or Ray tasks (core.ray_runner)."""
+    """Where the tasks run: local worker processes (default) or Ray tasks (core.engine.ray_runner)."""
     p.add_argument(
         "--runner",
         choices=("process", "ray"),
@@ -235,7 +235,7 @@ def add_run_options(run: ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from core.store import StoreError
+    from core.engine.store import StoreError
 
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:
@@ -275,7 +275,7 @@ def _progress_printer(stage: str, k: int, n: int) -> None:
 
 def ensure_demo(home: Path) -> dict[str, Any]:
     """Build (or find) the demo workspace, with progress on stderr."""
-    from core.demo import build_demo
+    from core.demo.build import build_demo
 
     return build_demo(home, progress=_progress_printer)
 
@@ -296,7 +296,7 @@ def cmd_demo(args) -> int:
 
 def spec_from_args(args, home: Path) -> ProbeSpec:
     """Build the ProbeSpec of `run` from its arguments (filling in the demo where asked)."""
-    from core.workspace import demo_selection
+    from core.demo.workspace import demo_selection
 
     if args.scenario:
         return scenario_from_args(args, home)
@@ -335,8 +335,8 @@ def scenario_from_args(args, home: Path) -> ProbeSpec:
     """The spec of `--scenario NAME` on the demo workspace; --target/--check/--seed/tolerances override it."""
     import dataclasses
 
-    from core.scenarios import scenario_spec
-    from core.targets import discover_devices
+    from core.demo.scenarios import scenario_spec
+    from core.models.targets import discover_devices
 
     if args.base or args.adapter:
         raise UsageError("--scenario picks the base and adapters itself; leave out --base and --adapter")
@@ -360,7 +360,7 @@ def scenario_from_args(args, home: Path) -> ProbeSpec:
 
 
 def cmd_scenarios(args) -> int:
-    from core.scenarios import SCENARIOS
+    from core.demo.scenarios import SCENARIOS
 
     if args.json:
         print(
@@ -408,8 +408,8 @@ def cmd_run(args) -> int:
 
 
 def cmd_snapshot(args) -> int:
-    """`run`, then its captures packed into one file (`core.snapshot`)."""
-    from core.snapshot import write_snapshot
+    """`run`, then its captures packed into one file (`core.engine.snapshot`)."""
+    from core.engine.snapshot import write_snapshot
 
     out = Path(args.output).expanduser()
 
@@ -430,8 +430,8 @@ def cmd_compare(args) -> int:
     """A run whose targets are the snapshots' captures (plus `--run` runs' and local `--target`s)."""
     import tempfile
 
-    from core.snapshot import comparison, read_snapshot, write_snapshot
-    from core.store import Store
+    from core.engine.snapshot import comparison, read_snapshot, write_snapshot
+    from core.engine.store import Store
 
     if not args.files and not args.run:
         raise UsageError("give at least one snapshot FILE (or --run RUN_ID)")
@@ -476,8 +476,8 @@ def execute(args, plan=None, after=None) -> int:
     worker is starting, so its checks overlap the worker's imports. `after(record)` runs once the
     run succeeded and returns what to add to the report.
     """
-    from core.engine import Engine, InProcessRunner
-    from core.ray_runner import make_runner
+    from core.engine.jobs import Engine, InProcessRunner
+    from core.engine.ray_runner import make_runner
 
     runner = InProcessRunner() if args.in_process else make_runner(args.runner, args.ray_address)
     runner.warm()  # the first worker imports its libraries while this process checks the inputs
@@ -489,7 +489,7 @@ def execute(args, plan=None, after=None) -> int:
 
 def _run_and_report(args, engine_class, runner, plan=None, after=None) -> int:
     from core import report
-    from core.store import RunRecord
+    from core.engine.store import RunRecord
 
     home = weightdrift_home(args.home)
     spec, install = plan(home) if plan is not None else (spec_from_args(args, home), None)
@@ -641,7 +641,7 @@ def _first_divergence(table) -> dict[str, Any]:
 
 
 def cmd_runs(args) -> int:
-    from core.store import Store
+    from core.engine.store import Store
 
     store = Store(weightdrift_home(args.home))
     runs = store.list_runs()
@@ -665,7 +665,7 @@ def cmd_runs(args) -> int:
 
 
 def cmd_devices(args) -> int:
-    from core.targets import devices_report
+    from core.models.targets import devices_report
 
     info = devices_report()
     if args.json:

@@ -127,7 +127,7 @@ class Target:
     threads: int | None = None
     matmul_precision: str | None = None
     machine: str | None = None  # set only for a capture imported from a snapshot
-    # `node=NAME`: the Ray node this target runs on (core.ray_runner), so that cuda:0 of two machines
+    # `node=NAME`: the Ray node this target runs on (core.engine.ray_runner), so that cuda:0 of two machines
     # are two targets; the local runner refuses it
     node: str | None = None
 

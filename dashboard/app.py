@@ -16,7 +16,7 @@ if str(ROOT) not in sys.path:
 
 import streamlit as st  # noqa: E402
 
-from core.store import StoreError  # noqa: E402
+from core.engine.store import StoreError  # noqa: E402
 from dashboard.jobs import sidebar_jobs  # noqa: E402
 from dashboard.run_form import run_form  # noqa: E402
 from dashboard.state import engine, home, store, sync_view_with_url  # noqa: E402
@@ -59,7 +59,7 @@ START = st.Page(start, title="WeightDrift", url_path="start", default=True, visi
 
 def demo_manifest() -> dict | None:
     """The demo workspace's manifest; built on first launch with visible progress."""
-    from core.demo import build_demo, load_manifest
+    from core.demo.build import build_demo, load_manifest
 
     manifest = load_manifest(home())
     if manifest is not None:

@@ -11,7 +11,7 @@ import time
 
 import streamlit as st
 
-from core.engine import Job
+from core.engine.jobs import Job
 from dashboard.state import engine
 from dashboard.text import literal, trusted
 

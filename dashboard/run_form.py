@@ -12,7 +12,23 @@ from dataclasses import dataclass, field
 import streamlit as st
 
 from core.checks import CHECKS
-from core.loading import STRATEGIES
+from core.demo.workspace import (
+    DEMO_ADAPTERS,
+    DEMO_BASE,
+    DEMO_TARGETS,
+    find_adapters,
+    recent_adapters,
+    recent_bases,
+)
+from core.models.loading import STRATEGIES
+from core.models.targets import Device, check_targets_exist
+from core.models.validate import (
+    InputError,
+    validate_adapter,
+    validate_merge_subset,
+    validate_model,
+    validate_tolerance,
+)
 from core.spec import (
     DEFAULT_CHECKS,
     MAX_THREADS,
@@ -23,22 +39,6 @@ from core.spec import (
     SpecError,
     Target,
     ToleranceOverride,
-)
-from core.targets import Device, check_targets_exist
-from core.validate import (
-    InputError,
-    validate_adapter,
-    validate_merge_subset,
-    validate_model,
-    validate_tolerance,
-)
-from core.workspace import (
-    DEMO_ADAPTERS,
-    DEMO_BASE,
-    DEMO_TARGETS,
-    find_adapters,
-    recent_adapters,
-    recent_bases,
 )
 from dashboard.state import engine, ray_runner, result_page, start_run, store
 from dashboard.text import literal
@@ -329,7 +329,7 @@ RUNNER_LABELS = {"process": "Worker processes here", "ray": "Ray (this or other 
 def _runner_choice() -> tuple:
     """Where the run's tasks go (None: the engine's worker processes), the devices targets may name
     there, and whether that choice can run: worker processes on this machine (default), or Ray tasks
-    on a Ray cluster (core.ray_runner; a local Ray when no address is given)."""
+    on a Ray cluster (core.engine.ray_runner; a local Ray when no address is given)."""
     with st.expander("Runner"):
         choice = st.radio(
             "Run the tasks on",

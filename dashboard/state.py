@@ -17,9 +17,9 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from core.engine import Engine, InProcessRunner, ProcessRunner, Runner
+from core.engine.jobs import Engine, InProcessRunner, ProcessRunner, Runner
+from core.engine.store import RunRecord, Store, StoreError, table_problem
 from core.spec import ProbeSpec, SpecError, weightdrift_home
-from core.store import RunRecord, Store, StoreError, table_problem
 from dashboard.text import literal
 
 # Query parameters that make up a view; anything else in the URL is left alone.
@@ -46,8 +46,8 @@ def _engine(home_dir: str, runner: str) -> Engine:
 @st.cache_resource(show_spinner=False)
 def ray_runner(address: str) -> Runner:
     """The server's one Ray runner for `address` ('' starts a local Ray), shared by every session:
-    a job the run form sends to Ray runs its tasks there (core.ray_runner); Ray is imported only now."""
-    from core.ray_runner import RayRunner, import_ray
+    a job the run form sends to Ray runs its tasks there (core.engine.ray_runner); Ray is imported only now."""
+    from core.engine.ray_runner import RayRunner, import_ray
 
     import_ray()  # RayUnavailable (how to install it) before anything is cached
     runner = RayRunner(address=address or None)
@@ -256,12 +256,12 @@ def start_run(spec: ProbeSpec, page: str, runner: Runner | None = None) -> None:
 
 def start_comparison(paths: Sequence[Path], uploads: Sequence[tuple[str, bytes]] = ()) -> None:
     """Compare snapshot files (paths here, and uploaded files, kept under `<home>/snapshots/`) as a
-    new run (`core.snapshot`) and open its Overview.
+    new run (`core.engine.snapshot`) and open its Overview.
 
     A file that is damaged, of another base or not a snapshot, or an upload that cannot be kept, is
     shown as an error where the caller drew its widgets; nothing stored is touched.
     """
-    from core.snapshot import comparison, read_snapshot
+    from core.engine.snapshot import comparison, read_snapshot
 
     try:
         paths = [*paths, *(save_upload(name, data) for name, data in uploads)]
@@ -280,7 +280,7 @@ def save_upload(name: str, data: bytes) -> Path:
     """Keep an uploaded snapshot under `<home>/snapshots/` (a fresh name: uploads never overwrite)."""
     import secrets
 
-    from core.store import atomic_write_bytes
+    from core.engine.store import atomic_write_bytes
 
     safe = "".join(c if c.isascii() and (c.isalnum() or c in "-_.") else "_" for c in Path(name).name)
     path = home() / "snapshots" / f"{secrets.token_hex(3)}-{safe.lstrip('.') or 'snapshot'}"

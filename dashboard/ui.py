@@ -9,9 +9,15 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
+from core.engine.store import DAMAGED, RunRecord
 from core.spec import SpecError
-from core.store import DAMAGED, RunRecord
-from dashboard.figures import diff_heatmap, diff_histogram, figure_html, sketch_heatmap, sketch_histogram
+from dashboard.figures.common import (
+    diff_heatmap,
+    diff_histogram,
+    figure_html,
+    sketch_heatmap,
+    sketch_histogram,
+)
 from dashboard.jobs import job_panel
 from dashboard.state import engine, home, open_run, set_view, start_run, store
 from dashboard.text import inert, literal, spreadsheet_safe, trusted
@@ -163,8 +169,8 @@ def scenario_buttons(page: str, *, plain: bool = False) -> None:
 
     In a folded expander, or `plain`: in plain sight, where the page has nothing else to show.
     """
-    from core.demo import load_manifest
-    from core.scenarios import scenario_spec, scenarios_for
+    from core.demo.build import load_manifest
+    from core.demo.scenarios import scenario_spec, scenarios_for
 
     scenarios = scenarios_for(page)
     if not scenarios:
@@ -203,7 +209,7 @@ def _diff_figures(run_id: str, check: str, target: str, adapter: str | None, ten
     Only the figures are cached (at most 256×256 cells): the full-size difference arrays of a
     large tensor are dropped as soon as they are drawn.
     """
-    from core.diffmap import SketchedDiff, element_diff
+    from core.engine.diffmap import SketchedDiff, element_diff
 
     diff = element_diff(store().open(run_id), check, target, adapter, tensor)
     if isinstance(diff, SketchedDiff):

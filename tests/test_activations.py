@@ -1,5 +1,5 @@
 """The `activations` check: a perturbed module is found as the first divergence, its numbers equal an
-independent computation (plain torch hooks + core.metrics.compare) on the demo's Llama, a tiny T5,
+independent computation (plain torch hooks + core.numerics.metrics.compare) on the demo's Llama, a tiny T5,
 ALBERT and the packaged all-MiniLM-L6-v2 with a LoRA, the figure builders, and the Activations page under AppTest. In-process runner, tiny models."""
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import pandas as pd
 import pytest
 import torch
 
-from core import metrics
 from core.checks.activations import (
     ACCUMULATED,
     LOCAL_DRIFT,
@@ -19,7 +18,8 @@ from core.checks.activations import (
     first_tensor,
     module_role,
 )
-from core.engine import Engine, InProcessRunner
+from core.engine.jobs import Engine, InProcessRunner
+from core.numerics import metrics
 from core.spec import AdapterRef, ModelRef, ProbeSpec, Target
 
 PERTURBED = "model.layers.1.self_attn.v_proj"
@@ -162,7 +162,7 @@ def _assert_equal_rows(rows, acc, loc, target):
 def test_llama_rows_equal_an_independent_computation(bf16_run):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from core.loading import probe_inputs
+    from core.models.loading import probe_inputs
 
     spec = bf16_run.spec
     path = spec.base.path
@@ -210,7 +210,7 @@ def tiny_t5(tmp_path_factory):
 def test_t5_tuple_outputs_equal_an_independent_computation(tmp_path, tiny_t5):
     from transformers import AutoConfig, T5ForConditionalGeneration
 
-    from core.loading import probe_inputs
+    from core.models.loading import probe_inputs
 
     record = _run(tmp_path, str(tiny_t5), ["cpu/bfloat16"])
     rows = record.metrics()
@@ -229,7 +229,7 @@ def test_t5_tuple_outputs_equal_an_independent_computation(tmp_path, tiny_t5):
 def test_albert_shared_layer_is_recorded_per_call(tmp_path):
     from transformers import AlbertConfig, AlbertModel, AutoConfig
 
-    from core.loading import probe_inputs
+    from core.models.loading import probe_inputs
 
     torch.manual_seed(6)
     config = AlbertConfig(
@@ -262,7 +262,7 @@ def test_real_encoder_with_its_lora_equals_an_independent_computation(tmp_path, 
     from peft import PeftModel
     from transformers import AutoConfig, AutoModel, BertModel
 
-    from core.loading import probe_inputs
+    from core.models.loading import probe_inputs
 
     lora = AdapterRef(str(minilm["lora"]), "lora")
     record = _run(tmp_path, str(minilm["base"]), ["cpu/float32", "cpu/bfloat16"], [lora])
@@ -378,7 +378,7 @@ def _rows() -> pd.DataFrame:
 
 
 def test_figures_depth_by_role_and_the_divergence_marked():
-    from dashboard.figures_activations import (
+    from dashboard.figures.activations import (
         activation_grid,
         activations_heatmap,
         depth_labels,
@@ -476,7 +476,7 @@ def test_a_block_as_first_divergence_names_the_worst_leaf_inside_it():
 def test_a_run_without_the_check_offers_to_run_it_on_its_selection(demo_workspace, monkeypatch):
     from apptest import make_app, no_exceptions, texts
 
-    from core.store import Store
+    from core.engine.store import Store
 
     home = _home(demo_workspace)
     engine = Engine(home, runner=InProcessRunner())

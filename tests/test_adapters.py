@@ -1,4 +1,4 @@
-"""Adapter consistency: the load strategies on the demo models, the pure pieces in core.consistency,
+"""Adapter consistency: the load strategies on the demo models, the pure pieces in core.methods.consistency,
 and the `adapters` check's rows.
 
 The facts of issue 6, measured on the tiny demo llama in float32 on the CPU: a loop of
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from core import consistency
 from core.checks.outputs import forward_output
-from core.loading import STRATEGIES, LoadError, read_checkpoint
+from core.methods import consistency
+from core.models.loading import STRATEGIES, LoadError, read_checkpoint
 from core.spec import AdapterRef, ModelRef, Target
 
 CPU32 = Target.parse("cpu/float32")
@@ -248,8 +248,8 @@ def test_conversion_pairs(ws):
 
 
 def run_check(tmp_path, manifest, adapters, strategies, scenario=None):
-    from core.engine import Engine, InProcessRunner
-    from core.scenarios import demo_spec, scenario_spec
+    from core.demo.scenarios import demo_spec, scenario_spec
+    from core.engine.jobs import Engine, InProcessRunner
 
     engine = Engine(tmp_path, runner=InProcessRunner())
     if scenario:

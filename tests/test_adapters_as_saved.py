@@ -15,13 +15,13 @@ import torch
 from safetensors.torch import load_file
 from tiny_models import ARCHITECTURES, quiet
 
-from core import formulas
 from core.checks.deltas import REPLACED
 from core.checks.merge import SAVED_NOTE
 from core.cli import main
-from core.engine import Engine, InProcessRunner
+from core.engine.jobs import Engine, InProcessRunner
+from core.engine.store import RunRecord
+from core.methods import formulas
 from core.spec import AdapterRef, ModelRef, ProbeInputs, ProbeSpec, Target, ToleranceOverride
-from core.store import RunRecord
 
 TARGET = "cpu/float32"
 HEAD = [

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from apptest import make_app, no_exceptions, shown, texts
 
-from core.demo import build_demo, load_manifest
-from core.engine import Engine, InProcessRunner
+from core.demo.build import build_demo, load_manifest
+from core.engine.jobs import Engine, InProcessRunner
+from core.engine.store import Store
 from core.spec import AdapterRef, ModelRef, ProbeSpec, Target
-from core.store import Store
 
 PAGES = (
     "views/overview.py",
@@ -299,7 +299,7 @@ def _damaged_copy(store: Store, good: str, damage) -> str:
     """A copy of the finished run `good`, then damaged by `damage(run_dir)`; returns its id."""
     import shutil
 
-    from core.store import new_run_id
+    from core.engine.store import new_run_id
 
     run_id = new_run_id()
     shutil.copytree(store.runs_dir / good, store.runs_dir / run_id)
@@ -336,7 +336,7 @@ def test_a_damaged_run_shows_why_and_can_be_deleted(run_home, monkeypatch, damag
 def test_run_on_a_home_that_cannot_be_written_says_so(run_home, monkeypatch):
     import errno
 
-    from core import store as store_module
+    from core.engine import store as store_module
 
     home, _ = run_home
     at = make_app(home, monkeypatch)
@@ -363,8 +363,8 @@ def test_run_on_a_home_that_cannot_be_written_says_so(run_home, monkeypatch):
 
 
 def test_a_base_model_moved_after_the_run_is_explained_in_the_drill_down(run_home, monkeypatch):
-    from core import diffmap
-    from core.loading import LoadError
+    from core.engine import diffmap
+    from core.models.loading import LoadError
 
     home, run_id = run_home
 

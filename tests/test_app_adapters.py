@@ -9,9 +9,9 @@ import pytest
 from apptest import make_app, no_exceptions, texts
 from streamlit.testing.v1 import AppTest
 
-from core.demo import build_demo
-from core.engine import Engine, InProcessRunner
-from core.scenarios import scenario_spec
+from core.demo.build import build_demo
+from core.demo.scenarios import scenario_spec
+from core.engine.jobs import Engine, InProcessRunner
 
 PAGE = "views/adapters.py"
 
@@ -104,7 +104,7 @@ def test_form_offers_load_strategies_when_the_adapters_check_is_chosen(scenario_
     at.sidebar.multiselect(key="form.strategies").set_value(["load_adapter"]).run()
     at.sidebar.button(key="form.run").click().run()
     no_exceptions(at)
-    from core.store import Store
+    from core.engine.store import Store
 
     newest = Store(home).list_runs()[0]
     assert newest.spec.checks == ("adapters",)

@@ -11,11 +11,11 @@ import pandas as pd
 import pytest
 from apptest import make_app, texts
 
-from core import memory
-from core.demo import build_demo
-from core.engine import Engine, InProcessRunner
-from core.scenarios import demo_spec
-from core.store import Store
+from core.demo.build import build_demo
+from core.demo.scenarios import demo_spec
+from core.engine.jobs import Engine, InProcessRunner
+from core.engine.store import Store
+from core.models import memory
 
 
 @pytest.fixture(scope="module")

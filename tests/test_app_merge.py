@@ -10,9 +10,9 @@ import pytest
 from apptest import make_app, shown
 from tiny_models import ARCHITECTURES
 
-from core.demo import build_demo
-from core.engine import Engine, InProcessRunner
-from core.scenarios import demo_spec
+from core.demo.build import build_demo
+from core.demo.scenarios import demo_spec
+from core.engine.jobs import Engine, InProcessRunner
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +203,7 @@ def prompt_home(hra_home):
 
 
 def test_merge_page_says_merging_does_not_apply_to_prompt_tuning(prompt_home, monkeypatch):
-    from core.formulas import VIRTUAL_TOKENS
+    from core.methods.formulas import VIRTUAL_TOKENS
 
     home, run = prompt_home
     at = make_app(home, monkeypatch, run=run)

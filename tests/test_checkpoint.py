@@ -1,4 +1,4 @@
-"""core.checkpoint: lazy, exact reads of safetensors (single, sharded) and weights-only .bin files."""
+"""core.models.checkpoint: lazy, exact reads of safetensors (single, sharded) and weights-only .bin files."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from core.checkpoint import Checkpoint, CheckpointError
-from core.loading import LoadError, read_checkpoint
+from core.models.checkpoint import Checkpoint, CheckpointError
+from core.models.loading import LoadError, read_checkpoint
 
 
 def _tensors() -> dict[str, torch.Tensor]:

@@ -9,7 +9,7 @@ from tiny_models import ARCHITECTURES
 from core.capture import BASE, Capture, TensorKey
 from core.checks import CHECKS, get_checks
 from core.checks.base import Reference
-from core.engine import Engine, InProcessRunner
+from core.engine.jobs import Engine, InProcessRunner
 from core.spec import AdapterRef, ModelRef, ProbeSpec, SpecError, Target, ToleranceOverride
 
 
@@ -253,7 +253,7 @@ def _weights_rows(tmp_path, model, file):
     from safetensors.torch import save_file
 
     from core.checks.base import CaptureContext
-    from core.loading import Loaded
+    from core.models.loading import Loaded
 
     save_file(file, str(tmp_path / "model.safetensors"))
     spec = ProbeSpec(base=ModelRef(str(tmp_path)), adapters=(), targets=(Target.parse("cpu/float32"),))

@@ -246,7 +246,7 @@ def _workers_of(home: Path) -> list:
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         try:
-            if "core.worker" not in " ".join(proc.info["cmdline"] or []):
+            if "core.engine.worker" not in " ".join(proc.info["cmdline"] or []):
                 continue
             if any(f.path.startswith(str(home)) for f in proc.open_files()):
                 found.append(proc)
@@ -265,7 +265,7 @@ def test_sigterm_cancels_the_run_and_leaves_no_worker_and_a_running_run_cannot_b
 
     import psutil
 
-    from core.store import Store, StoreError
+    from core.engine.store import Store, StoreError
 
     proc = subprocess.Popen(
         [
@@ -333,7 +333,7 @@ def test_a_run_json_that_cannot_be_written_fails_the_run_with_the_reason(
     import errno
 
     from core import cli
-    from core import store as store_module
+    from core.engine import store as store_module
 
     real_write = store_module.atomic_write_json
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.demo import DEMO_VERSION, build_demo, load_manifest
-from core.formulas import adapter_type
+from core.demo.build import DEMO_VERSION, build_demo, load_manifest
+from core.methods.formulas import adapter_type
 
 LLAMA_ADAPTERS = [
     "lora",
@@ -125,8 +125,8 @@ def test_adapter_configs_as_specified(demo_workspace: dict) -> None:
 
 
 def test_scenario_adapters(demo_workspace: dict) -> None:
-    from core.demo import NAN_MODULE
-    from core.loading import read_checkpoint
+    from core.demo.build import NAN_MODULE
+    from core.models.loading import read_checkpoint
 
     def tensors(name: str) -> dict[str, torch.Tensor]:
         return read_checkpoint(demo_workspace["adapters"][name]["path"], prefix="adapter_model")

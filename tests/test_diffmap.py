@@ -12,12 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from core import metrics
 from core.capture import BASE, Capture, TensorKey
-from core.diffmap import _elementwise, as_2d, element_diff
-from core.engine import Engine, InProcessRunner
+from core.engine.diffmap import _elementwise, as_2d, element_diff
+from core.engine.jobs import Engine, InProcessRunner
+from core.engine.store import Store
+from core.numerics import metrics
 from core.spec import AdapterRef, ModelRef, ProbeSpec, SpecError, Target
-from core.store import Store
 
 TARGETS = ("cpu/float32", "cpu/bfloat16")
 
@@ -248,7 +248,7 @@ def test_as_2d():
 
 def test_weights_drilldown_reads_only_the_one_tensor_from_the_checkpoint(run, monkeypatch):
     """A drill-down must not load the whole checkpoint (GBs for a real base)."""
-    from core.checkpoint import Checkpoint
+    from core.models.checkpoint import Checkpoint
 
     record, table = run
     row = table[(table["check"] == "weights") & table["adapter"].isna()].iloc[0]
@@ -268,20 +268,20 @@ def test_weights_drilldown_reads_only_the_one_tensor_from_the_checkpoint(run, mo
 
 def test_deltas_drilldown_reads_one_base_weight_only(run, monkeypatch):
     """The ΔW reference of one module needs that module's base weight, not the whole base."""
-    import core.loading
+    import core.models.loading
 
     record, table = run
     row = table[(table["check"] == "deltas") & (table["target"] == "cpu/bfloat16")].iloc[0]
     calls = []
-    real = core.loading.read_checkpoint
+    real = core.models.loading.read_checkpoint
 
     def spy(folder, prefix="", names=None):
         calls.append((prefix, names))
         return real(folder, prefix=prefix, names=names)
 
-    import core.conversion
+    import core.models.conversion
 
-    real_loaded = core.conversion.read_loaded
+    real_loaded = core.models.conversion.read_loaded
 
     def spy_loaded(folder, names):
         calls.append(("", set(names)))

@@ -607,8 +607,8 @@ PHISH = (
 def test_a_crafted_run_url_and_run_folder_show_their_text_literally(server: Server) -> None:
     """A crafted `run` URL parameter and a run folder whose base path and error are Markdown: the page
     shows their characters, draws no link or image from them, and asks nothing of another host."""
+    from core.engine.store import Store
     from core.spec import AdapterRef, ModelRef, ProbeSpec, Target
-    from core.store import Store
 
     store = Store(server.home)
     spec = ProbeSpec(
@@ -666,8 +666,8 @@ def test_large_model_drift_from_sketches(server: Server, capsys: pytest.CaptureF
     CLI into the server's home: its captures hold sketches, not tensors, and the Drift page draws
     the heatmap and a drill-down from them, saying so."""
     from bench.checkpoints import ensure_checkpoint, spec_for
+    from core.engine.store import Store
     from core.spec import KEEP_TENSORS_UP_TO
-    from core.store import Store
 
     started = time.monotonic()
     checkpoint = ensure_checkpoint(spec_for("100m"))  # cached under ~/.cache/weightdrift-bench
@@ -729,8 +729,8 @@ def test_an_imported_comparison_shows_its_machines_and_environment_diff(
     """Two snapshots (made in this process: cheap) compared into the server's home; the Overview
     shows the target × target matrix, where the captures came from, and the environment diff."""
     from core import cli
-    from core.snapshot import machine_name
-    from core.store import Store
+    from core.engine.snapshot import machine_name
+    from core.engine.store import Store
 
     base = ["--base", demo_workspace["models"]["tiny-llama"], "--check", "weights", "outputs"]
     base += ["--adapter", f"{demo_workspace['adapters']['lora']['path']}=lora", "--in-process"]

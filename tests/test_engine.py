@@ -8,9 +8,9 @@ import time
 import psutil
 import pytest
 
-from core.engine import Engine, InProcessRunner, Outcome, ProcessRunner, Runner
+from core.engine.jobs import Engine, InProcessRunner, Outcome, ProcessRunner, Runner
+from core.models.targets import Device
 from core.spec import AdapterRef, ModelRef, ProbeSpec, SpecError, Target
-from core.targets import Device
 
 FAKE_DEVICES = [
     Device("cpu", "cpu", "fake cpu"),
@@ -106,7 +106,7 @@ def test_in_process_run_succeeds(tmp_path, demo_workspace):
 
 def _worker_pids():
     me = psutil.Process(os.getpid())
-    return [p.pid for p in me.children(recursive=True) if "core.worker" in " ".join(p.cmdline())]
+    return [p.pid for p in me.children(recursive=True) if "core.engine.worker" in " ".join(p.cmdline())]
 
 
 @pytest.mark.e2e

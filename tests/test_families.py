@@ -23,8 +23,9 @@ from safetensors import safe_open
 from tiny_models import ARCHITECTURES, METHODS, save_method, save_with_lora
 
 from core import report
-from core.engine import Engine, InProcessRunner
-from core.loading import (
+from core.engine.jobs import Engine, InProcessRunner
+from core.engine.store import RunRecord
+from core.models.loading import (
     EAGER_EXPERTS_NOTE,
     LoadError,
     float32_fallback_notes,
@@ -34,9 +35,8 @@ from core.loading import (
     model_class,
     probe_inputs,
 )
+from core.models.validate import InputError
 from core.spec import DEFAULT_CHECKS, AdapterRef, ModelRef, ProbeInputs, ProbeSpec, Target
-from core.store import RunRecord
-from core.validate import InputError
 
 # The families with assertions of their own below (probe shapes, logits, attention blocks).
 FAMILIES = ("vit", "whisper", "mixtral", "bart")
@@ -405,7 +405,7 @@ def test_an_op_without_a_float64_kernel_runs_in_float32_and_the_rows_say_so(
 ) -> None:
     """Mixtral's reference left on its grouped matmul (as if transformers offered no per-expert loop):
     that one op runs in float32 from float64 inputs, the run succeeds and every outputs row names it."""
-    monkeypatch.setattr("core.loading._has_experts_implementation", lambda cls: False)
+    monkeypatch.setattr("core.models.loading._has_experts_implementation", lambda cls: False)
     model, adapter = workspace["mixtral"]
     engine = Engine(tmp_path / "home", runner=InProcessRunner())
     spec = ProbeSpec(
@@ -477,7 +477,7 @@ def test_a_reference_that_cannot_run_is_replaced_by_the_next_best_target(
     def no_float64(model: ModelRef) -> None:
         raise LoadError("float64 refused here")
 
-    monkeypatch.setattr("core.loading.float64_offload_dtype", no_float64)
+    monkeypatch.setattr("core.models.loading.float64_offload_dtype", no_float64)
     model, adapter = workspace["bart"]
     engine = Engine(tmp_path / "home", runner=InProcessRunner())
     spec = ProbeSpec(

@@ -1,4 +1,4 @@
-"""Tests for dashboard.figures: pure figure/table builders, no Streamlit."""
+"""Tests for dashboard.figures.common: pure figure/table builders, no Streamlit."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import plotly.graph_objects as go
 import pytest
 
 from core.report import VERDICT_ORDER, verdicts_by_check_target
-from dashboard import figures as F
+from dashboard.figures import common as F
 
 
 def _row(target, layer, module, role, max_abs, verdict=None, adapter=None, check="weights", **extra):

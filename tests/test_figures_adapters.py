@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from dashboard.figures_adapters import (
+from dashboard.figures.adapters import (
     IDENTICAL_FLOOR,
     consistency_cells,
     consistency_matrix,

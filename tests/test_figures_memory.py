@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pandas as pd
 
-from core import memory
-from dashboard import figures_memory as fm
+from core.models import memory
+from dashboard.figures import memory as fm
 
 MIB = 2**20
 

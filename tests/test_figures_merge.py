@@ -2,8 +2,8 @@
 
 import pandas as pd
 
-from dashboard.figures import drift_heatmap
-from dashboard.figures_merge import stage_bars, stage_table, worst_modules
+from dashboard.figures.common import drift_heatmap
+from dashboard.figures.merge import stage_bars, stage_table, worst_modules
 
 
 def _rows():
@@ -78,7 +78,7 @@ def test_empty_tables():
 
 
 def test_method_summary_one_row_per_adapter_and_target_worst_first():
-    from dashboard.figures_merge import method_summary
+    from dashboard.figures.merge import method_summary
 
     def row(adapter, target, role, stage="merge_adapter", against=None, **kw):
         return {"adapter": adapter, "target": target, "role": role, "stage": stage, "against": against, **kw}
@@ -150,7 +150,7 @@ def test_method_summary_one_row_per_adapter_and_target_worst_first():
 
 
 def test_stages_in_run_order_with_what_they_run():
-    from dashboard.figures_merge import ordered_stages, stage_legend
+    from dashboard.figures.merge import ordered_stages, stage_legend
 
     assert ordered_stages(
         ["reload", "subset unmerged", "safe_merge", "unmerged", "merge_adapter", "safe_merge"]
@@ -170,7 +170,7 @@ def test_stages_in_run_order_with_what_they_run():
 
 
 def test_a_legacy_table_is_relabelled_for_what_it_ran():
-    from dashboard.figures_merge import relabel_legacy
+    from dashboard.figures.merge import relabel_legacy
 
     old = pd.DataFrame(
         {

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 from tiny_models import ARCHITECTURES
 
-from core import formulas
-from core.formulas import (
+from core.methods import formulas
+from core.methods.formulas import (
     adapted_modules,
     adapter_type,
     merged_weights,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from core.engine import Engine, ProcessRunner
+from core.engine.jobs import Engine, ProcessRunner
 from core.spec import AdapterRef, ModelRef, ProbeSpec, Target
 
 pytestmark = [

@@ -1,4 +1,4 @@
-"""Tests for core.kernel: the fused comparison kernel against an independent plain-torch float64
+"""Tests for core.numerics.kernel: the fused comparison kernel against an independent plain-torch float64
 computation, torch.isclose / assert_close's message element for element, extreme magnitudes,
 and independence from threads and block sizes."""
 
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from core import kernel
-from core.metrics import ulp
+from core.numerics import kernel
+from core.numerics.metrics import ulp
 
 pytestmark = pytest.mark.skipif(not kernel.available(), reason="numba is not importable")
 
@@ -340,7 +340,7 @@ def test_cancellation_in_min_atol():
 def test_least_atol_per_element_is_exact():
     # The per-element answer behind min_atol, on random pairs, on pairs with rtol|r| a few ulps
     # below |d| (cancellation), and on subnormal and huge magnitudes.
-    from core import _kernel_jit
+    from core.numerics import _kernel_jit
 
     rng = np.random.default_rng(12)
     n = 6000

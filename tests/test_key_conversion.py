@@ -12,12 +12,13 @@ import pytest
 import torch
 from tiny_models import ARCHITECTURES
 
-from core import cli, conversion
+from core import cli
 from core.capture import BASE, Capture, TensorKey
-from core.checkpoint import Checkpoint
 from core.checks import CHECKS
+from core.models import conversion
+from core.models.checkpoint import Checkpoint
+from core.models.validate import validate_adapter, validate_model
 from core.spec import AdapterRef, ModelRef, ProbeSpec, Target
-from core.validate import validate_adapter, validate_model
 
 
 def run_weights(capsys, home: Path, base: Path) -> tuple[int, dict, pd.DataFrame]:
@@ -192,7 +193,7 @@ def test_vit_adapter_is_matched_to_the_loaded_module_names(tiny_vit):
 def test_vit_base_weights_are_identical(tiny_vit):
     """The weights check on the loaded ViT classifier (the run itself needs image inputs, made elsewhere)."""
     from core.checks.base import CaptureContext
-    from core.loading import Loaded, load_base
+    from core.models.loading import Loaded, load_base
 
     base = str(tiny_vit / "base")
     spec = ProbeSpec(base=ModelRef(base), adapters=(), targets=(Target.parse("cpu/float32"),))

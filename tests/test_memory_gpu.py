@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core import memory
-from core.engine import Engine, ProcessRunner
-from core.scenarios import demo_spec
+from core.demo.scenarios import demo_spec
+from core.engine.jobs import Engine, ProcessRunner
+from core.models import memory
 
 pytestmark = [
     pytest.mark.gpu,

@@ -12,13 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from core import formulas, merging
 from core.capture import Capture
 from core.checks.base import CaptureContext
 from core.checks.merge import MergeCheck
-from core.engine import Engine, InProcessRunner
-from core.loading import load_isolated, read_checkpoint
-from core.scenarios import demo_spec
+from core.demo.scenarios import demo_spec
+from core.engine.jobs import Engine, InProcessRunner
+from core.methods import formulas
+from core.models import merging
+from core.models.loading import load_isolated, read_checkpoint
 from core.spec import REFERENCE_TARGET
 
 
@@ -278,7 +279,7 @@ def test_subset_sequential_and_together(engine_run):
 
 
 def test_drill_down_reference_is_one_module(engine_run):
-    from core.diffmap import element_diff
+    from core.engine.diffmap import element_diff
 
     t = engine_run.metrics()
     row = t[(t.role == "merged") & (t.adapter == "lora") & (t.target == "cpu/bfloat16")].iloc[0]

@@ -20,10 +20,10 @@ from peft import PeftType
 
 from core.checks import CHECKS
 from core.cli import main
+from core.models.targets import discover_devices
 from core.spec import ToleranceOverride
-from core.targets import discover_devices
 
-# What PEFT itself can load, read from PEFT (not from core.validate).
+# What PEFT itself can load, read from PEFT (not from core.models.validate).
 PEFT_EXPECTED = (
     f"expected one of {', '.join(t.value for t in PeftType)} "
     f"(the methods PEFT {metadata.version('peft')} loads)"

@@ -2,7 +2,7 @@
 models built in fixtures (a Llama, and a GPT-2 whose Conv1D layers store W as (in, out)).
 
 The formulas below (`_expected_delta`) are this test's own, written from the adapter files and the
-configs this module makes, independently of `core.formulas` (torch.kron and diagonal matrices where
+configs this module makes, independently of `core.methods.formulas` (torch.kron and diagonal matrices where
 core writes broadcasts), so that both have to agree with PEFT and with each other.
 """
 
@@ -17,10 +17,10 @@ import torch
 from safetensors.torch import load_file
 from tiny_models import ARCHITECTURES, quiet
 
-from core import formulas
-from core.engine import Engine, InProcessRunner
+from core.engine.jobs import Engine, InProcessRunner
+from core.engine.store import RunRecord
+from core.methods import formulas
 from core.spec import AdapterRef, ModelRef, ProbeInputs, ProbeSpec, Target
-from core.store import RunRecord
 
 METHODS = ("loha", "lokr", "vera", "adalora")
 LLAMA_ADAPTERS = ("loha", "lokr", "lokr_lowrank", "vera", "adalora")

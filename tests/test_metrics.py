@@ -1,4 +1,4 @@
-"""Tests for core.metrics: hand-computed exact cases and cross-checks against
+"""Tests for core.numerics.metrics: hand-computed exact cases and cross-checks against
 torch.testing.assert_close and numpy."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from core import metrics
-from core.metrics import (
+from core.numerics import metrics
+from core.numerics.metrics import (
     DEFAULT_TOLERANCES,
     VERDICTS,
     DiffStats,

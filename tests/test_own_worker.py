@@ -12,10 +12,10 @@ import torch
 from core import checks as checks_module
 from core.capture import Capture, TensorKey, capture_folder_name
 from core.checks.base import Check, Reference
-from core.engine import Engine, InProcessRunner
-from core.scenarios import SCENARIOS, scenario_spec
+from core.demo.scenarios import SCENARIOS, scenario_spec
+from core.engine.jobs import Engine, InProcessRunner
+from core.models.targets import Device
 from core.spec import ModelRef, ProbeSpec, SpecError, Target
-from core.targets import Device
 
 
 class VariantCheck(Check):

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from core.ray_runner import pack_tree, restore_process_env, unpack_tree
+from core.engine.ray_runner import pack_tree, restore_process_env, unpack_tree
 from core.spec import AdapterRef, ModelRef, ProbeSpec, SpecError, Target
 
 
@@ -51,8 +51,8 @@ def test_archive_round_trip_and_unsafe_paths(tmp_path):
 
 
 def test_node_flag_parses_and_the_local_runner_refuses_it(tmp_path, demo_workspace):
-    from core.engine import Engine, InProcessRunner
-    from core.targets import Device
+    from core.engine.jobs import Engine, InProcessRunner
+    from core.models.targets import Device
 
     t = Target.parse("cuda:0/float32+tf32+node=gpu-a6000")
     assert t.node == "gpu-a6000" and str(t) == "cuda:0/float32+tf32+node=gpu-a6000"
@@ -74,7 +74,7 @@ def test_runner_options_refused_without_ray(monkeypatch, capsys, tmp_path):
     import sys
 
     from core.cli import main
-    from core.ray_runner import RayUnavailable, make_runner
+    from core.engine.ray_runner import RayUnavailable, make_runner
 
     argv = ["run", "--demo", "--home", str(tmp_path), "--target", "cpu/float32", "--ray-address", "auto"]
     assert main(argv) == 2
@@ -95,8 +95,8 @@ def ray_engine(tmp_path_factory):
         "ray", reason="Ray is optional: pip install -r requirements-ray.txt", exc_type=ImportError
     )
 
-    from core.engine import Engine
-    from core.ray_runner import RayRunner
+    from core.engine.jobs import Engine
+    from core.engine.ray_runner import RayRunner
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     runner = RayRunner(grace_s=10)
@@ -130,7 +130,7 @@ def _wait_for(predicate, timeout: float, what: str):
 def test_demo_gives_the_process_runners_metrics_table(ray_engine, demo_workspace, tmp_path):
     import pandas as pd
 
-    from core.engine import Engine, ProcessRunner
+    from core.engine.jobs import Engine, ProcessRunner
 
     spec = _spec(demo_workspace, ["cpu/float32"])
     local = Engine(tmp_path, runner=ProcessRunner())
@@ -197,7 +197,7 @@ def test_the_forms_ray_choice_sends_the_run_to_ray(ray_engine, demo_workspace, m
 
     from apptest import make_app, no_exceptions
 
-    from core.ray_runner import RayRunner
+    from core.engine.ray_runner import RayRunner
     from dashboard import state
 
     home = Path(demo_workspace["models"]["tiny-llama"]).parents[2]  # the demo is there already
@@ -227,7 +227,7 @@ def test_node_names_resolve_on_the_cluster(ray_engine, demo_workspace):
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from core.worker import Task
+    from core.engine.worker import Task
 
     runner = ray_engine.runner
     here = ray.get_runtime_context().get_node_id()

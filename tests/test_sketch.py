@@ -1,4 +1,4 @@
-"""core.sketch: the bounded drill-down of one tensor's difference, against full computations."""
+"""core.numerics.sketch: the bounded drill-down of one tensor's difference, against full computations."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from core.sketch import MAX_SIDE, TOP_K, Sketch, content_hash, make_sketch
-from dashboard.figures import block_max_pool
+from core.numerics.sketch import MAX_SIDE, TOP_K, Sketch, content_hash, make_sketch
+from dashboard.figures.common import block_max_pool
 
 
 def _rule(t: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -82,7 +82,7 @@ def test_round_trip_and_hash():
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float64), (torch.bfloat16, torch.float32)])
 def test_kernel_sketch_equals_the_torch_sketch(dtypes):
     """metrics.measure's one-pass sketch (the CPU kernel) and make_sketch (any device) agree exactly."""
-    from core import metrics
+    from core.numerics import metrics
 
     g = torch.Generator().manual_seed(11)
     r = torch.randn(300, 700, generator=g, dtype=torch.float64).to(dtypes[1])

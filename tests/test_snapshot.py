@@ -12,9 +12,9 @@ import pandas as pd
 import pytest
 
 from core import cli
-from core.snapshot import machine_name, read_snapshot
+from core.engine.snapshot import machine_name, read_snapshot
+from core.engine.store import Store
 from core.spec import SpecError, Target
-from core.store import Store
 
 ADAPTERS = ("lora", "pissa")
 

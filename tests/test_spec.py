@@ -1,5 +1,6 @@
 import pytest
 
+from core.models.targets import Device, check_targets_exist
 from core.spec import (
     REFERENCE_TARGET,
     AdapterRef,
@@ -10,7 +11,6 @@ from core.spec import (
     Target,
     ToleranceOverride,
 )
-from core.targets import Device, check_targets_exist
 
 
 @pytest.mark.parametrize(

@@ -9,10 +9,10 @@ import time
 import pandas as pd
 import pytest
 
-from core import store as store_module
-from core.engine import Engine, InProcessRunner
+from core.engine import store as store_module
+from core.engine.jobs import Engine, InProcessRunner
+from core.engine.store import Store, StoreError, atomic_write_json
 from core.spec import ModelRef, ProbeSpec, Target
-from core.store import Store, StoreError, atomic_write_json
 
 SPEC = ProbeSpec(base=ModelRef("/m"), adapters=(), targets=(Target.parse("cpu/float32"),))
 
@@ -275,7 +275,7 @@ def test_a_damaged_metrics_table_reads_as_damaged(tmp_path, damage):
 OWNER = """
 import sys, time
 from core.spec import ModelRef, ProbeSpec, Target
-from core.store import Store
+from core.engine.store import Store
 spec = ProbeSpec(base=ModelRef("/m"), adapters=(), targets=(Target.parse("cpu/float32"),))
 rec = Store(sys.argv[1]).create_run(spec)
 print(rec.run_id, flush=True)

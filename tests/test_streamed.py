@@ -9,10 +9,10 @@ import pandas as pd
 import pytest
 
 from core.capture import Capture, TensorKey
-from core.diffmap import ElementDiff, SketchedDiff, element_diff
-from core.engine import Engine, InProcessRunner
+from core.engine.diffmap import ElementDiff, SketchedDiff, element_diff
+from core.engine.jobs import Engine, InProcessRunner
+from core.engine.store import Store
 from core.spec import AdapterRef, ModelRef, ProbeSpec, Target
-from core.store import Store
 
 CHECKS = ("weights", "deltas", "outputs")
 # what two runs of the same spec may differ in: where their folders are, not what they measured
@@ -99,7 +99,7 @@ def test_drill_down_from_the_sketch(runs):
     s = sketched.sketch
     assert s is not None and s.shape == full.shape
     # the sketch's map is the full map, pooled; its failing blocks add up to the row's count
-    from dashboard.figures import block_max_pool
+    from dashboard.figures.common import block_max_pool
 
     pooled, _, _ = block_max_pool(full.diff)
     np.testing.assert_array_equal(s.pooled, pooled.astype(np.float32))  # stored at float32

@@ -5,8 +5,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from core import workspace
-from core.workspace import find_adapters
+from core.demo import workspace
+from core.demo.workspace import find_adapters
 
 
 def test_the_scan_skips_entries_it_cannot_read(demo_workspace, tmp_path, monkeypatch):

@@ -58,7 +58,7 @@ _DECODER = {"vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 1, "num_at
 _LLAMA_LIKE = {**_DECODER, "intermediate_size": 32, "num_key_value_heads": 1, "max_position_embeddings": 32}
 
 ARCHITECTURES: dict[str, Architecture] = {
-    # the demo's family (core.demo builds its own, larger one)
+    # the demo's family (core.demo.build builds its own, larger one)
     "llama": Architecture("Llama", "LlamaForCausalLM", "LlamaConfig", dict(_LLAMA_LIKE)),
     "gpt2": Architecture(
         "GPT-2",

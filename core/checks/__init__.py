@@ -1,4 +1,6 @@
-"""The registry of checks: name → Check instance."""
+"""The checks, one module each, and their registry (name → Check instance): what a check measures on
+a loaded model and writes into a capture. May import core.models, core.methods, core.numerics,
+core.capture and core.spec — never core.engine, core.demo, core.cli or the dashboard."""
 
 from __future__ import annotations
 

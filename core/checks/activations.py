@@ -31,12 +31,12 @@ from typing import Any
 import pandas as pd
 import torch
 
-from core import metrics
 from core.capture import BASE, Capture, TensorKey
 from core.checks.base import LAYER_RE, CaptureContext, Check, Reference, layer_of, tolerance
 from core.checks.outputs import forward_output
-from core.loading import Loaded
-from core.sketch import content_hash
+from core.models.loading import Loaded
+from core.numerics import metrics
+from core.numerics.sketch import content_hash
 from core.spec import ProbeSpec, Target
 
 NAME = "activations"
@@ -263,7 +263,7 @@ class ActivationsCheck(Check):
     reference_first = True
 
     def capture(self, ctx: CaptureContext, loaded: Loaded, out: Capture) -> None:
-        from core.worker import keeps_tensors
+        from core.engine.worker import keeps_tensors
 
         adapter = BASE if loaded.adapter is None else loaded.adapter.name
         is_reference = ctx.target == ctx.spec.reference

@@ -18,7 +18,7 @@ Rows (all with a `strategy` column; `target` is the target string):
   `broken`) or less than the tolerance (`drift`).
 - role `base weight`: a base tensor a load changed, against the checkpoint, once per change.
 - role `pissa conversion`: a converted PiSSA LoRA on the original base against the PiSSA model
-  (`isolated`), for each pair `core.consistency.conversion_pairs` finds among the run's adapters:
+  (`isolated`), for each pair `core.methods.consistency.conversion_pairs` finds among the run's adapters:
   a plain LoRA with the same base and target modules and `r`, `lora_alpha` twice a PiSSA
   adapter's (what `path_initial_model_for_weight_conversion` writes); ambiguous fits pair only a
   LoRA named `<pissa>_lora`.
@@ -32,9 +32,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from core import consistency, metrics
 from core.capture import BASE, Capture, TensorKey
-from core.checkpoint import CheckpointError
 from core.checks.base import (
     CaptureContext,
     Check,
@@ -45,8 +43,11 @@ from core.checks.base import (
     tolerance,
 )
 from core.checks.outputs import forward_output
-from core.conversion import read_loaded
-from core.loading import STRATEGIES, LoadError, read_adapter_config
+from core.methods import consistency
+from core.models.checkpoint import CheckpointError
+from core.models.conversion import read_loaded
+from core.models.loading import STRATEGIES, LoadError, read_adapter_config
+from core.numerics import metrics
 from core.spec import ProbeSpec, Target
 
 GROUND_TRUTH = "isolated"

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from core import metrics
 from core.capture import BASE, Capture, TensorKey
-from core.loading import Loaded
-from core.sketch import Sketch, content_hash
+from core.models.loading import Loaded
+from core.numerics import metrics
+from core.numerics.sketch import Sketch, content_hash
 from core.spec import ProbeSpec, Target
 
 if TYPE_CHECKING:

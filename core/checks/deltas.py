@@ -15,12 +15,12 @@ from typing import Any
 import pandas as pd
 import torch
 
-from core import formulas
 from core.capture import Capture, TensorKey
-from core.checkpoint import Checkpoint
 from core.checks.base import CaptureContext, Check, Reference, add_note, layer_of
-from core.conversion import read_loaded
-from core.loading import Loaded, read_adapter_config, read_checkpoint
+from core.methods import formulas
+from core.models.checkpoint import Checkpoint
+from core.models.conversion import read_loaded
+from core.models.loading import Loaded, read_adapter_config, read_checkpoint
 from core.spec import ProbeSpec, Target
 
 # Methods whose ΔW depends on W itself (rotations, scalings, DoRA's norm).

@@ -26,10 +26,10 @@ from typing import Any
 
 import pandas as pd
 
-from core import memory
 from core.capture import Capture, TensorKey
 from core.checks.base import CaptureContext, Check, Reference, layer_of
-from core.loading import Loaded
+from core.models import memory
+from core.models.loading import Loaded
 from core.spec import AdapterRef, ProbeSpec, Target
 
 TORCH_DEVICE = "torch_device"
@@ -189,7 +189,7 @@ class MemoryCheck(Check):
         out.notes.extend(notes)
 
     def _load_base(self, spec: ProbeSpec, target: Target, variant: str):
-        from core.loading import adapters_task_type, load_base
+        from core.models.loading import adapters_task_type, load_base
 
         # device_map="auto": accelerate spreads the base over every GPU, in the target's dtype
         device_map = "auto" if variant == DEVICE_MAP_AUTO else None
@@ -205,7 +205,7 @@ class MemoryCheck(Check):
         """The model with `adapter` loaded the variant's way, and how the load went (notes)."""
         from peft import PeftModel
 
-        from core.loading import attach_adapter, load_onto
+        from core.models.loading import attach_adapter, load_onto
 
         def attach():
             if variant in (TORCH_DEVICE, ""):
@@ -325,7 +325,7 @@ def _new_flags(seen: dict[tuple, memory.Flag], flags: list[memory.Flag]) -> dict
 
 def process_samples() -> list[dict[str, Any]]:
     """The worker process's samples of itself (process start, import torch); empty in-process."""
-    from core import worker
+    from core.engine import worker
 
     return list(worker.PROCESS_SAMPLES)
 
@@ -336,7 +336,7 @@ def adapter_groups(adapters: tuple[AdapterRef, ...]) -> list[list[AdapterRef]]:
     PEFT refuses to combine adapters of different types in one model (LoRA then BOFT), so a later
     type starts over on a new base. No adapters: one empty group (the base alone).
     """
-    from core.loading import LoadError, read_adapter_config
+    from core.models.loading import LoadError, read_adapter_config
 
     groups: list[list[AdapterRef]] = []
     last = None
@@ -353,6 +353,6 @@ def adapter_groups(adapters: tuple[AdapterRef, ...]) -> list[list[AdapterRef]]:
 
 
 def _one_line(e: BaseException) -> str:
-    from core.loading import _first_line
+    from core.models.loading import _first_line
 
     return f"{type(e).__name__}: {_first_line(e)}"

@@ -36,13 +36,14 @@ from typing import Any
 import pandas as pd
 import torch
 
-from core import formulas, merging, metrics
 from core.capture import Capture, TensorKey
-from core.checkpoint import Checkpoint
 from core.checks.base import CaptureContext, Check, Reference, add_note, layer_of, tolerance
 from core.checks.outputs import forward_output, nonfinite_output
-from core.conversion import read_loaded
-from core.loading import (
+from core.methods import formulas
+from core.models import merging
+from core.models.checkpoint import Checkpoint
+from core.models.conversion import read_loaded
+from core.models.loading import (
     Loaded,
     adapters_task_type,
     attach_adapter,
@@ -51,8 +52,9 @@ from core.loading import (
     read_checkpoint,
     torch_dtype,
 )
+from core.models.validate import TIED_EMBEDDING_NAMES
+from core.numerics import metrics
 from core.spec import AdapterRef, ProbeSpec, Target
-from core.validate import TIED_EMBEDDING_NAMES
 
 # What each stage runs, in order; the page lists these texts beside its numbers. For LoRA, PEFT's
 # default path adds ΔW as computed (float32 where PEFT upcast a bfloat16/float16 adapter) and rounds

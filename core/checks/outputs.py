@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from core import metrics
 from core.capture import BASE, Capture, TensorKey
 from core.checks.base import CaptureContext, Check, Reference, add_note
-from core.loading import FLOAT64_FORWARD, Loaded, float32_fallbacks, float64_forward
+from core.models.loading import FLOAT64_FORWARD, Loaded, float32_fallbacks, float64_forward
+from core.numerics import metrics
 from core.spec import ProbeSpec, Target
 
 

@@ -11,8 +11,8 @@ import streamlit as st
 
 from core import report
 from core.checks.activations import ACCUMULATED, LOCAL_DRIFT, NAME, first_divergences
-from dashboard.figures import METRIC_LABELS, METRICS, VERDICT_SYMBOLS
-from dashboard.figures_activations import activations_heatmap, depth_line_chart
+from dashboard.figures.activations import activations_heatmap, depth_line_chart
+from dashboard.figures.common import METRIC_LABELS, METRICS, VERDICT_SYMBOLS
 from dashboard.state import bound_select, metrics_table, set_view, view
 from dashboard.text import inert, literal
 from dashboard.ui import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard.figures_adapters import (
+from dashboard.figures.adapters import (
     GROUND_TRUTH,
     consistency_cells,
     consistency_matrix,

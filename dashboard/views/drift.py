@@ -6,7 +6,7 @@ import pandas as pd
 import streamlit as st
 
 from core import report
-from dashboard.figures import (
+from dashboard.figures.common import (
     METRIC_LABELS,
     METRICS,
     VERDICT_SYMBOLS,

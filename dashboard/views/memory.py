@@ -7,8 +7,8 @@ import pandas as pd
 import streamlit as st
 
 from core.checks.memory import VARIANTS
-from core.memory import PEFT_PREFIX, adapter_device_summary
-from dashboard.figures_memory import (
+from core.models.memory import PEFT_PREFIX, adapter_device_summary
+from dashboard.figures.memory import (
     CUDA_METRICS,
     flag_summary,
     flags_table,

@@ -6,8 +6,8 @@ import pandas as pd
 import streamlit as st
 
 from core import report
-from dashboard.figures import METRIC_LABELS, METRICS, VERDICT_SYMBOLS, drift_heatmap
-from dashboard.figures_merge import (
+from dashboard.figures.common import METRIC_LABELS, METRICS, VERDICT_SYMBOLS, drift_heatmap
+from dashboard.figures.merge import (
     LEGACY_STAGES,
     method_summary,
     output_rows,

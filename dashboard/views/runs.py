@@ -8,8 +8,8 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from core.store import StoreError
-from dashboard.figures import environment_table, highlight_differences
+from core.engine.store import StoreError
+from dashboard.figures.common import environment_table, highlight_differences
 from dashboard.state import set_view, start_comparison, store
 from dashboard.text import literal
 from dashboard.ui import csv_download

@@ -18,7 +18,7 @@ from plotly.subplots import make_subplots
 
 from core.checks.activations import ACCUMULATED, Divergence
 from core.report import SEVERITY
-from dashboard.figures import (
+from dashboard.figures.common import (
     COLORSCALE,
     _label,
     _log10_positive,

@@ -4,7 +4,7 @@ A job is one run. Its driver thread starts one capture task per target (plus the
 reference where a check needs it), then one compare task that writes the metrics table.
 Targets on different devices run in parallel; work on one device is serialised by a lock per
 device that all jobs share. The runner decides where a task runs: `ProcessRunner` spawns a
-fresh `python -m core.worker` per task (numerics flags are process-global and a CUDA error
+fresh `python -m core.engine.worker` per task (numerics flags are process-global and a CUDA error
 poisons a process); `InProcessRunner` runs it in this process, for unit tests.
 
 Worker threads never touch a UI: the dashboard polls `Job.snapshot()` or the store.
@@ -26,11 +26,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from core.engine.store import Store, StoreError, write_reference_fallback
+from core.engine.worker import EXIT_CANCELLED, PREIMPORT_ENV, Cancelled, Task, run_task, task_json
 from core.spec import ProbeSpec, SpecError, Target
-from core.store import Store, StoreError, write_reference_fallback
-from core.worker import EXIT_CANCELLED, PREIMPORT_ENV, Cancelled, Task, run_task, task_json
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -46,7 +46,7 @@ class Outcome:
 class Runner(ABC):
     """Runs one task; reports events through `on_event` and stops when `cancel` is set."""
 
-    # Whether this runner can place a target on a named machine (`node=NAME`, core.ray_runner).
+    # Whether this runner can place a target on a named machine (`node=NAME`, core.engine.ray_runner).
     places_nodes = False
 
     @abstractmethod
@@ -195,7 +195,7 @@ class ProcessRunner(Runner):
             log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path if log_path is not None else os.devnull, "ab") as log:
             proc = subprocess.Popen(
-                [self.python, "-m", "core.worker"],
+                [self.python, "-m", "core.engine.worker"],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log,
@@ -339,7 +339,7 @@ class Engine:
     ):
         """`spares`: workers kept ready for the next job (started now and again after each job ends),
         so that a run's first target starts without waiting for its libraries to import."""
-        from core.targets import discover_devices
+        from core.models.targets import discover_devices
 
         self.store = Store(home)
         self.store.sweep()  # what killed processes left behind
@@ -347,7 +347,9 @@ class Engine:
         self.spares = spares
         self.runner.warm(spares)
         if devices is None:
-            devices = self.runner.devices()  # a runner of other machines knows theirs (core.ray_runner)
+            devices = (
+                self.runner.devices()
+            )  # a runner of other machines knows theirs (core.engine.ray_runner)
         self.devices = devices if devices is not None else discover_devices()
         self._device_locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
@@ -358,9 +360,9 @@ class Engine:
 
         `runner`: the runner the spec would run with, when not the engine's (its devices count then)."""
         from core.checks import get_checks
-        from core.loading import STRATEGIES
-        from core.targets import check_targets_exist
-        from core.validate import validate_inputs
+        from core.models.loading import STRATEGIES
+        from core.models.targets import check_targets_exist
+        from core.models.validate import validate_inputs
 
         if not spec.targets:
             raise SpecError("no target given; e.g. --target cpu/float32")

@@ -1,7 +1,7 @@
 """The work done for one target (capture) or for a whole run (compare).
 
 Both runners call `run_task`: the in-process runner directly (unit tests), the process runner
-in a fresh `python -m core.worker` process that reads the task as JSON on stdin and writes
+in a fresh `python -m core.engine.worker` process that reads the task as JSON on stdin and writes
 events as JSON lines on its original stdout (library prints go to stderr, the log).
 """
 
@@ -39,9 +39,9 @@ PROCESS_SAMPLES: list[dict[str, Any]] = []
 def _sample_process(stage: str) -> None:
     import psutil
 
-    # `python -m core.worker` runs this file as `__main__`; checks read `core.worker.PROCESS_SAMPLES`,
+    # `python -m core.engine.worker` runs this file as `__main__`; checks read `core.engine.worker.PROCESS_SAMPLES`,
     # another module object, so the sample goes there.
-    from core import worker
+    from core.engine import worker
 
     sample = {"stage": stage, "time": time.time(), "rss": psutil.Process().memory_info().rss}
     worker.PROCESS_SAMPLES.append(sample)
@@ -117,10 +117,10 @@ def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
     worker; a task with a `variant` runs that one own-worker check's `run` instead.
     """
     from core.capture import BASE, Capture, capture_folder_name
-    from core.checkpoint import release_scratch
     from core.checks import get_checks
     from core.checks.base import CaptureContext
-    from core.loading import (
+    from core.models.checkpoint import release_scratch
+    from core.models.loading import (
         STRATEGIES,
         adapters_task_type,
         float32_fallback_notes,
@@ -128,8 +128,8 @@ def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
         model_class,
         probe_inputs,
     )
+    from core.models.targets import apply_flags, environment
     from core.spec import ProbeSpec, Target
-    from core.targets import apply_flags, environment
 
     spec = ProbeSpec.from_dict(task.spec)
     target = Target.parse(task.target or "")
@@ -189,7 +189,7 @@ def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
 
 def keeps_tensors(spec) -> bool:
     """Whether this run keeps compared tensors whole: asked for, or a base model up to KEEP_TENSORS_UP_TO."""
-    from core.checkpoint import Checkpoint, CheckpointError
+    from core.models.checkpoint import Checkpoint, CheckpointError
     from core.spec import KEEP_TENSORS_UP_TO
 
     if spec.keep_tensors:
@@ -223,8 +223,8 @@ def run_compare(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
     from core.capture import Capture
     from core.checks import get_checks
     from core.checks.base import add_note
+    from core.engine.store import Store, read_reference_fallback, reference_fallback_note
     from core.spec import ProbeSpec, Target
-    from core.store import Store, read_reference_fallback, reference_fallback_note
 
     run_dir = Path(task.run_dir)
     store = Store(run_dir.parent.parent)
@@ -259,8 +259,8 @@ def run_compare(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
         for row in rows:
             if row.get("reference") == fallback["reference"]:
                 add_note(row, reference_fallback_note(fallback))
-    if len(shared_captures) > 1:  # every target against every other (core.pairwise)
-        from core.pairwise import pairwise_table
+    if len(shared_captures) > 1:  # every target against every other (core.engine.pairwise)
+        from core.engine.pairwise import pairwise_table
 
         tables["pairwise"] = pairwise_table(spec, shared, shared_captures)
     progress("write metrics")
@@ -334,7 +334,7 @@ def main() -> int:
         os.dup2(fd, 1)
         os.close(fd)
     task = Task(**fields)
-    from core.loading import LoadError
+    from core.models.loading import LoadError
     from core.spec import SpecError
 
     # The runner knows the stage from the progress events: final events carry only the message.
@@ -364,9 +364,9 @@ def preimport() -> None:
 
     import core.capture  # noqa: F401
     import core.checks  # noqa: F401
-    import core.loading  # noqa: F401
-    import core.store  # noqa: F401
-    from core import kernel, metrics
+    import core.engine.store  # noqa: F401
+    import core.models.loading  # noqa: F401
+    from core.numerics import kernel, metrics
 
     if kernel.available():
         import torch

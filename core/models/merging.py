@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from core import formulas
+from core.methods import formulas
 
 # PEFT's own test tolerances (tests/testing_common.py, PEFT 0.21): `_test_merge_layers` compares
 # unmerged, merge_adapter, unmerge_adapter, merge_and_unload and the save/reload logits with
@@ -330,7 +330,7 @@ def reload_forward(
     """Load a saved merged model on the same device and dtype and run `forward` on it."""
     import transformers
 
-    from core.loading import model_class
+    from core.models.loading import model_class
 
     config = transformers.AutoConfig.from_pretrained(folder)
     model = model_class(config).from_pretrained(folder, dtype=dtype, device_map=device)

@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from core import kernel
-from core.sketch import Sketch, block_starts, hist_bin_index, make_sketch
+from core.numerics import kernel
+from core.numerics.sketch import Sketch, block_starts, hist_bin_index, make_sketch
 
 __all__ = [
     "DEFAULT_TOLERANCES",
@@ -716,7 +716,7 @@ def compare(
 
 
 def _kernel_applies(target: torch.Tensor, reference: torch.Tensor) -> bool:
-    """Whether the fused CPU kernel (`core.kernel`) measures this pair: dtypes it reads, the same shape.
+    """Whether the fused CPU kernel (`core.numerics.kernel`) measures this pair: dtypes it reads, the same shape.
 
     Tensors on another device are measured on a host copy (one tensor at a time): the kernel at
     1.5–15 GB/s beats the chunked path even after the copy.
@@ -751,7 +751,7 @@ def _kernel_measure(
 def _sketch_from_kernel(
     k: kernel.Sketch, shape: tuple[int, ...], t_flat: torch.Tensor, r_flat: torch.Tensor
 ) -> Sketch:
-    """The kernel's sketch in `core.sketch`'s terms (same fold and blocks; its log2 bins renumbered)."""
+    """The kernel's sketch in `core.numerics.sketch`'s terms (same fold and blocks; its log2 bins renumbered)."""
     rows, cols = k.fold
     bins = np.arange(k.hist_first_bin, k.hist_first_bin + len(k.hist_counts))
     keep = np.asarray(k.hist_counts) > 0

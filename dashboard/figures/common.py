@@ -18,8 +18,8 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from core.numerics.sketch import Sketch, as_2d, block_starts
 from core.report import SEVERITY, VERDICT_ORDER
-from core.sketch import Sketch, as_2d, block_starts
 from dashboard.text import plot_text
 
 METRICS = ("max_abs", "rel_l2", "max_ulp", "min_atol")
@@ -623,7 +623,7 @@ def block_max_pool(matrix: np.ndarray, max_side: int = 256) -> tuple[np.ndarray,
 
 
 def _as_2d(values: np.ndarray, shape: tuple[int, ...] | None = None) -> tuple[np.ndarray, str]:
-    """`values` as drawn (the fold rule of core.diffmap.as_2d), and a note on how `shape` was folded.
+    """`values` as drawn (the fold rule of core.engine.diffmap.as_2d), and a note on how `shape` was folded.
 
     `shape` is the tensor's own shape when `values` arrive already folded (as ElementDiff's do).
     """

@@ -1,6 +1,6 @@
 """Demo scenarios: named runs on the demo workspace that reproduce one problem in one click.
 
-Each scenario builds a ProbeSpec from the demo manifest (`core.demo`) and this machine's devices.
+Each scenario builds a ProbeSpec from the demo manifest (`core.demo.build`) and this machine's devices.
 The dashboard offers a page's scenarios as buttons (`dashboard.ui.scenario_buttons`); the CLI runs
 one with `python -m core run --scenario NAME`.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from core.models.targets import Device
 from core.spec import AdapterRef, ModelRef, ProbeSpec, SpecError, Target
-from core.targets import Device
 
 
 @dataclass(frozen=True)

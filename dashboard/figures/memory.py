@@ -14,8 +14,8 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from core.memory import device_sort_key, leak_figures, module_device_bytes
-from dashboard.figures import COLORSCALE, category_axis, empty_figure, title_top
+from core.models.memory import device_sort_key, leak_figures, module_device_bytes
+from dashboard.figures.common import COLORSCALE, category_axis, empty_figure, title_top
 from dashboard.text import plot_text
 
 MIB = 2**20
@@ -218,7 +218,7 @@ def _human_bytes(n: float) -> str:
 
 
 def module_grid(placement: pd.DataFrame, target: str, variant: str, by: str = "module") -> pd.DataFrame:
-    """Bytes per module × device for one panel (see `core.memory.module_device_bytes`)."""
+    """Bytes per module × device for one panel (see `core.models.memory.module_device_bytes`)."""
     return module_device_bytes(_panel_rows(placement, target, variant), by=by)
 
 

@@ -1,4 +1,4 @@
-"""The target × target matrix of a run's pairwise rows (`core.pairwise`): a pure DataFrame → Plotly builder."""
+"""The target × target matrix of a run's pairwise rows (`core.engine.pairwise`): a pure DataFrame → Plotly builder."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from core.pairwise import DIFFERS, PAIR_SEVERITY
-from dashboard.figures import UNKNOWN_COLOR, VERDICT_COLORS, VERDICT_SYMBOLS, _fmt, empty_figure
+from core.engine.pairwise import DIFFERS, PAIR_SEVERITY
+from dashboard.figures.common import UNKNOWN_COLOR, VERDICT_COLORS, VERDICT_SYMBOLS, _fmt, empty_figure
 from dashboard.text import plot_text
 
 # `differs` (hashes differ, tensors not kept) is neither a pass nor a measured failure: grey-violet.
@@ -17,7 +17,7 @@ PAIR_SYMBOLS = {**VERDICT_SYMBOLS, DIFFERS: "≠"}
 
 def pairwise_figure(matrix: pd.DataFrame) -> go.Figure:
     """One cell per pair of targets: coloured by the worst verdict over the pair's rows, with its
-    symbol and the largest max |Δ| as text (`core.pairwise.pair_matrix`); the diagonal is empty."""
+    symbol and the largest max |Δ| as text (`core.engine.pairwise.pair_matrix`); the diagonal is empty."""
     if matrix.empty:
         return empty_figure("fewer than two targets: nothing to pair")
     targets = list(dict.fromkeys([*matrix["target"], *matrix["other"]]))

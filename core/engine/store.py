@@ -283,8 +283,8 @@ class RunRecord:
         return envs
 
     def imported(self) -> list[dict[str, Any]]:
-        """Where the captures of a run made from snapshots came from (`core.snapshot`); empty otherwise."""
-        from core.snapshot import read_imported
+        """Where the captures of a run made from snapshots came from (`core.engine.snapshot`); empty otherwise."""
+        from core.engine.snapshot import read_imported
 
         return read_imported(self.run_dir)
 

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from core.sketch import as_2d
+from core.numerics.sketch import as_2d
 
 __all__ = [
     "DEFAULT_BLOCK",
@@ -99,7 +99,7 @@ try:
     if _dir is not None:
         # Read when each function is decorated, so this must come before importing _kernel_jit.
         _numba_config.CACHE_DIR = _dir
-    from core import _kernel_jit as _jit
+    from core.numerics import _kernel_jit as _jit
 except ImportError as _exc:  # numba missing or broken: callers use their torch path
     _jit = None
     _IMPORT_ERROR: ImportError | None = _exc
@@ -221,7 +221,7 @@ def to_kernel_array(t: torch.Tensor) -> np.ndarray:
     return flat.view(torch.uint8).numpy()
 
 
-# The 2-D reading of a tensor for its pooled map: the drill-down's own fold (`core.sketch.as_2d`).
+# The 2-D reading of a tensor for its pooled map: the drill-down's own fold (`core.numerics.sketch.as_2d`).
 default_fold = as_2d
 
 

@@ -11,7 +11,7 @@ the old names.
 `KeyConversion` replays that mapping, transformers' own transforms matched by its own
 `rename_source_key` the way its loader matches them, on the checkpoint's key names alone: each loaded
 tensor knows the file tensors it came from, and `read` rebuilds it from them (one loaded tensor at a time,
-its file tensors read lazily from a `core.checkpoint.Checkpoint`).
+its file tensors read lazily from a `core.models.checkpoint.Checkpoint`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from core.checkpoint import Checkpoint
+from core.models.checkpoint import Checkpoint
 
 __all__ = ["KeyConversion", "for_folder", "read_loaded", "remember"]
 
@@ -195,10 +195,10 @@ def for_folder(folder: str | Path, checkpoint: Checkpoint) -> KeyConversion:
 
 
 def _meta_model(folder: str) -> torch.nn.Module:
-    """The model class `core.loading` loads `folder` with, built on the meta device (no memory, no weights)."""
+    """The model class `core.models.loading` loads `folder` with, built on the meta device (no memory, no weights)."""
     import transformers
 
-    from core.loading import model_class
+    from core.models.loading import model_class
 
     config = transformers.AutoConfig.from_pretrained(folder)
     cls = model_class(config)

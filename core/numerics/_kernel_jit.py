@@ -1,11 +1,11 @@
-"""The numba half of `core.kernel`: compiled loops only, imported only where numba is.
+"""The numba half of `core.numerics.kernel`: compiled loops only, imported only where numba is.
 
 One compiled kernel serves every dtype pair, so it compiles once (not once per pair): the
 tensors arrive as raw byte views with a format code each (KIND_*), and each block is first
 widened (exactly) into a small thread-local float64 staging buffer; the format, the isclose
 dtype and the ULP format are runtime values chosen once per block, never per element.
 
-Exactness rules (the contract is in `core.kernel`):
+Exactness rules (the contract is in `core.numerics.kernel`):
 - Helpers that must round exactly (isclose emulation, TwoSum, power-of-two scaling) are
   separate jitted functions without fast-math flags. Only `_pass1` carries ``reassoc`` so
   that LLVM may vectorise its float sums; fast-math flags are per LLVM instruction, so

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.engine.store import RunRecord
 from core.spec import AdapterRef, ModelRef
-from core.store import RunRecord
 
 DEMO_BASE = "tiny-llama"
 # The adapters a demo run loads by default: one per method. pissa_init/pissa_lora serve the
@@ -69,8 +69,8 @@ def find_adapters(
     Each is checked against the base's tensor shapes (no model load), so the list says which ones
     fit; those made for another base come last with the reason.
     """
-    from core.formulas import adapter_type
-    from core.validate import InputError, read_adapter_config, validate_adapter, validate_model
+    from core.methods.formulas import adapter_type
+    from core.models.validate import InputError, read_adapter_config, validate_adapter, validate_model
 
     base_path = Path(base).expanduser()
     roots = [*extra_roots]

@@ -89,8 +89,8 @@ def read_adapter_config(adapter: AdapterRef) -> dict[str, Any]:
 
 
 def weight_shapes(folder: Path, prefix: str = "") -> dict[str, tuple[int, ...]]:
-    """Tensor name → shape from the checkpoint's headers (`core.checkpoint`); InputError when unreadable."""
-    from core.checkpoint import Checkpoint, CheckpointError
+    """Tensor name → shape from the checkpoint's headers (`core.models.checkpoint`); InputError when unreadable."""
+    from core.models.checkpoint import Checkpoint, CheckpointError
 
     try:
         checkpoint = Checkpoint.open(folder, prefix=prefix)
@@ -100,15 +100,15 @@ def weight_shapes(folder: Path, prefix: str = "") -> dict[str, tuple[int, ...]]:
 
 
 def loaded_shapes(folder: Path, file_shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-    """The base's tensors under the names the loaded model gives them (`core.conversion`), with its shapes.
+    """The base's tensors under the names the loaded model gives them (`core.models.conversion`), with its shapes.
 
     transformers renames and fuses checkpoint keys on load (ViT's `encoder.layer.0.attention.attention.query`
     is the model's `layers.0.attention.q_proj`), and PEFT names an adapter's modules as the loaded model has
     them. Worked out from a model built on the meta device from the config (no weights read); where
     transformers cannot build one here (an architecture it does not know, remote code), the file's own names.
     """
-    from core.checkpoint import Checkpoint
-    from core.conversion import for_folder
+    from core.models.checkpoint import Checkpoint
+    from core.models.conversion import for_folder
 
     shapes = for_folder(folder, Checkpoint.open(folder)).loaded_shapes()
     return shapes or file_shapes  # none: no model was built (the identity conversion knows no shapes)
@@ -139,7 +139,7 @@ def validate_model(model: ModelRef) -> dict[str, tuple[int, ...]] | None:
 
 def validate_adapter(adapter: AdapterRef, base_shapes: dict[str, tuple[int, ...]] | None, base: str) -> None:
     """The adapter folder is intact and its modules exist in the base with fitting shapes."""
-    from core.formulas import split_adapter_key
+    from core.methods.formulas import split_adapter_key
 
     config = read_adapter_config(adapter)
     shapes = weight_shapes(Path(adapter.path).expanduser(), prefix="adapter_model")
@@ -241,7 +241,7 @@ def validate_inputs(spec: ProbeSpec) -> None:
 def validate_family(spec: ProbeSpec) -> None:
     """The model's class (from its config and the adapters' task head) and its probe input, from the
     config alone: a model the tool cannot run is refused here, not after loading it."""
-    from core.loading import LoadError, adapters_task_type, load_config, model_class, probe_inputs
+    from core.models.loading import LoadError, adapters_task_type, load_config, model_class, probe_inputs
 
     try:
         config = load_config(spec.base)

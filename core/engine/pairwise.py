@@ -16,9 +16,9 @@ from typing import Any
 import pandas as pd
 import torch
 
-from core import metrics
 from core.capture import BASE, Capture, TensorKey
 from core.checks.base import Check, tolerance
+from core.numerics import metrics
 from core.spec import ProbeSpec, Target
 
 # A pair whose hashes differ and whose tensors stayed where they were captured.

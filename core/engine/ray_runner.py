@@ -43,9 +43,9 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from core.engine import Outcome, ProcessRunner, Runner
+from core.engine.jobs import Outcome, ProcessRunner, Runner
+from core.engine.worker import Cancelled, Task
 from core.spec import SpecError, Target
-from core.worker import Cancelled, Task
 
 # The archive a task sends back travels in pieces of this size: no single Ray object gets near the
 # object store's limits, and the driver writes as it receives.
@@ -197,7 +197,7 @@ def remote_task(
     """
     ray = import_ray()
     ray_set = restore_process_env(os.environ, initial_environ())  # before torch reads them
-    from core.worker import _sample_process
+    from core.engine.worker import _sample_process
 
     # the memory timeline's first stages, as a local worker takes them (this process has Ray imported)
     _sample_process("process start")
@@ -214,7 +214,7 @@ def remote_task(
     }
     yield {"type": "worker", **info}
     if gates is not None:
-        from core.worker import preimport
+        from core.engine.worker import preimport
 
         preimport()
         if not ray.get(gates.wait.remote(gate_key)):
@@ -236,8 +236,8 @@ def remote_task(
     result: dict[str, Any] = {}
 
     def work() -> None:
-        from core.loading import LoadError
-        from core.worker import run_task
+        from core.engine.worker import run_task
+        from core.models.loading import LoadError
 
         try:
             run_task(task, events.put, cancel.is_set)
@@ -335,7 +335,7 @@ class RayRunner(Runner):
                 kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
                 # Remote nodes have no copy of this package: Ray ships it to them (the `core` folder).
                 if self.address:
-                    kwargs["runtime_env"] = {"py_modules": [str(Path(__file__).resolve().parent)]}
+                    kwargs["runtime_env"] = {"py_modules": [str(Path(__file__).resolve().parents[1])]}
                 kwargs.update(self.init_kwargs)
                 try:
                     ray.init(address=self.address or None, **kwargs)
@@ -348,7 +348,7 @@ class RayRunner(Runner):
     def devices(self) -> list:
         """The devices targets may name on this cluster: cpu, and cuda:0 … cuda:K-1 where the node with
         the most GPUs has K (which node has which is checked when a task is placed)."""
-        from core.targets import Device
+        from core.models.targets import Device
 
         ray = self.ray()
         gpus = 0
@@ -519,7 +519,7 @@ class RayRunner(Runner):
             return Outcome(ok=True)
         if final.get("type") == "cancelled" or cancel.is_set():
             return Outcome(ok=False, cancelled=True)
-        from core.engine import tail
+        from core.engine.jobs import tail
 
         return Outcome(
             ok=False,

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from dashboard.figures import VERDICT_SYMBOLS
+from dashboard.figures.common import VERDICT_SYMBOLS
 from dashboard.text import plot_text
 
 GROUND_TRUTH = "isolated"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from core import validate
+from core.models import validate
 from core.spec import AdapterRef, ModelRef, ProbeInputs, Target
 
 DTYPES = {
@@ -46,11 +46,11 @@ def read_checkpoint(
 ) -> dict[str, torch.Tensor]:
     """Every tensor of a model or adapter folder (or only `names`), as stored (dtype and values untouched).
 
-    Through `core.checkpoint.Checkpoint`: safetensors (one file or shards) read tensor by tensor,
+    Through `core.models.checkpoint.Checkpoint`: safetensors (one file or shards) read tensor by tensor,
     so asking for a few names costs their bytes only; `.bin` only with `weights_only=True`.
     Raises LoadError naming the file when it is missing, truncated or corrupt.
     """
-    from core.checkpoint import Checkpoint, CheckpointError
+    from core.models.checkpoint import Checkpoint, CheckpointError
 
     try:
         checkpoint = Checkpoint.open(folder, prefix=prefix)
@@ -158,8 +158,8 @@ def saved_head_labels(config, cls: type, adapters: Collection[AdapterRef]) -> in
     fit. The count is read from the saved tensors' shapes where they differ from the fresh head's (built
     on the meta device, no memory) in a dimension of size `num_labels`.
     """
-    from core.checkpoint import Checkpoint, CheckpointError
-    from core.formulas import saved_module_names, split_saved_module_key
+    from core.methods.formulas import saved_module_names, split_saved_module_key
+    from core.models.checkpoint import Checkpoint, CheckpointError
 
     labels = getattr(config, "num_labels", None)
     saved = {a: saved_module_names(read_adapter_config(a)) for a in adapters}
@@ -315,7 +315,7 @@ def float64_offload_dtype(model: ModelRef) -> torch.dtype | None:
     model is held in the checkpoint's widest floating dtype (widening its values to float64 later is
     exact, so the forward computes on the very float64 weights a float64 load would have).
     """
-    from core.checkpoint import Checkpoint, CheckpointError
+    from core.models.checkpoint import Checkpoint, CheckpointError
 
     try:
         checkpoint = Checkpoint.open(model.path)
@@ -504,7 +504,7 @@ def float32_fallback_notes(model) -> list[str]:
 
 
 def read_adapter_config(adapter: AdapterRef) -> dict:
-    """The adapter's `adapter_config.json` (`core.validate` checks it); LoadError saying what is wrong."""
+    """The adapter's `adapter_config.json` (`core.models.validate` checks it); LoadError saying what is wrong."""
     try:
         return validate.read_adapter_config(adapter)
     except validate.InputError as e:

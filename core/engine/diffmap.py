@@ -18,13 +18,13 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from core import metrics
 from core.capture import BASE, Capture, TensorKey
 from core.checks import get_checks
 from core.checks.base import Check, Reference, tolerance
-from core.sketch import Sketch, as_2d
+from core.engine.store import RunRecord
+from core.numerics import metrics
+from core.numerics.sketch import Sketch, as_2d
 from core.spec import ProbeSpec, Target
-from core.store import RunRecord
 
 __all__ = ["ElementDiff", "SketchedDiff", "element_diff", "as_2d"]
 

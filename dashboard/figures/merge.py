@@ -14,7 +14,7 @@ from plotly.subplots import make_subplots
 
 from core.checks.merge import OUTPUT_STAGES, STAGES, SUBSET_STAGE_TEXT, SUBSET_STAGES
 from core.report import SEVERITY
-from dashboard.figures import VERDICT_COLORS, VERDICT_SYMBOLS, empty_figure
+from dashboard.figures.common import VERDICT_COLORS, VERDICT_SYMBOLS, empty_figure
 from dashboard.text import plot_text
 
 # Runs stored before the stages were told apart merged with safe_merge=True throughout and ran
