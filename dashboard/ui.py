@@ -11,13 +11,8 @@ import streamlit as st
 
 from core.engine.store import DAMAGED, RunRecord
 from core.spec import SpecError
-from dashboard.figures.common import (
-    diff_heatmap,
-    diff_histogram,
-    figure_html,
-    sketch_heatmap,
-    sketch_histogram,
-)
+from dashboard.figures.common import figure_html
+from dashboard.figures.diffs import diff_heatmap, diff_histogram, sketch_heatmap, sketch_histogram
 from dashboard.jobs import job_panel
 from dashboard.state import engine, home, open_run, set_view, start_run, store
 from dashboard.text import inert, literal, spreadsheet_safe, trusted

@@ -18,7 +18,8 @@ import torch
 
 from core.checks.outputs import forward_output
 from core.methods import consistency
-from core.models.loading import STRATEGIES, LoadError, read_checkpoint
+from core.models.checkpoint import LoadError, read_checkpoint
+from core.models.loading import STRATEGIES
 from core.spec import AdapterRef, ModelRef, Target
 
 CPU32 = Target.parse("cpu/float32")

@@ -20,7 +20,7 @@ from core.checks.merge import SAVED_NOTE
 from core.cli import main
 from core.engine.jobs import Engine, InProcessRunner
 from core.engine.store import RunRecord
-from core.methods import formulas
+from core.methods import adapter_keys
 from core.spec import AdapterRef, ModelRef, ProbeInputs, ProbeSpec, Target, ToleranceOverride
 
 TARGET = "cpu/float32"
@@ -161,13 +161,13 @@ def test_the_adapters_are_what_the_tests_claim(workspace: dict[str, Path]) -> No
     lora = [f"base_model.model.{m}.lora_{ab}.weight" for m in LORA_MODULES for ab in "AB"]
     assert keys["cls_lora"] == sorted([f"base_model.model.{k}" for k in HEAD] + lora)
     for name in CLS_PROMPT:
-        assert keys[name] == sorted([f"base_model.{k}" for k in HEAD] + [formulas.PROMPT_KEY]), name
-    assert keys["soft"] == keys["pfx"] == [formulas.PROMPT_KEY]
+        assert keys[name] == sorted([f"base_model.{k}" for k in HEAD] + [adapter_keys.PROMPT_KEY]), name
+    assert keys["soft"] == keys["pfx"] == [adapter_keys.PROMPT_KEY]
 
 
 def test_modules_to_save_head_loads_as_saved_in_its_own_role(runs: dict[str, RunRecord]) -> None:
     run = runs["roberta_cls"]
-    head = [(f"base_model.model.{k}", k.split(".")[1], formulas.SAVED_MODULE, "identical") for k in HEAD]
+    head = [(f"base_model.model.{k}", k.split(".")[1], adapter_keys.SAVED_MODULE, "identical") for k in HEAD]
     lora = [
         (f"base_model.model.{m}.lora_{ab}.weight", m.rsplit(".", 1)[-1], f"lora_{ab}", "identical")
         for m in LORA_MODULES
@@ -175,7 +175,7 @@ def test_modules_to_save_head_loads_as_saved_in_its_own_role(runs: dict[str, Run
     ]
     assert _rows(run, "weights", "cls_lora") == sorted(head + lora)
     table = run.metrics()
-    notes = table[(table.check == "weights") & (table.role == formulas.SAVED_MODULE)].note
+    notes = table[(table.check == "weights") & (table.role == adapter_keys.SAVED_MODULE)].note
     assert len(notes) == len(HEAD) * (1 + len(CLS_PROMPT))  # cls_lora's head and the prompt adapters'
     assert set(notes) == {"modules_to_save: the adapter's own copy of classifier, which replaces the base's"}
 
@@ -185,13 +185,18 @@ def test_modules_to_save_deltas_are_replaced_not_a_formula(runs: dict[str, RunRe
     head's rows say it is replaced whole and compare the target's copy with the file (identical)."""
     rows = _rows(runs["roberta_cls"], "deltas", "cls_lora")
     head = [
-        (f"{formulas.SAVED_MODULE}:base_model.model.{k}", k.split(".")[1], formulas.SAVED_MODULE, "identical")
+        (
+            f"{adapter_keys.SAVED_MODULE}:base_model.model.{k}",
+            k.split(".")[1],
+            adapter_keys.SAVED_MODULE,
+            "identical",
+        )
         for k in HEAD
     ]
     deltas = [(m, m.rsplit(".", 1)[-1], "delta", "within tolerance") for m in LORA_MODULES]
     assert rows == sorted(head + deltas)
     table = runs["roberta_cls"].metrics()
-    saved = table[(table.check == "deltas") & (table.role == formulas.SAVED_MODULE)]
+    saved = table[(table.check == "deltas") & (table.role == adapter_keys.SAVED_MODULE)]
     assert set(saved.note) == {REPLACED}
 
 
@@ -199,9 +204,13 @@ def test_modules_to_save_merge_puts_the_saved_head_in_place(runs: dict[str, RunR
     """merge_and_unload's model holds the adapter's head exactly; the LoRA modules merge as usual."""
     table = runs["roberta_cls"].metrics()
     rows = table[(table.check == "merge") & (table.adapter == "cls_lora")]
-    saved = rows[rows.role == formulas.SAVED_MODULE]
+    saved = rows[rows.role == adapter_keys.SAVED_MODULE]
     assert sorted(zip(saved.tensor, saved.stage, saved.verdict, strict=True)) == sorted(
-        (f"{formulas.SAVED_MODULE}:merge_and_unload:base_model.model.{k}", "merge_and_unload", "identical")
+        (
+            f"{adapter_keys.SAVED_MODULE}:merge_and_unload:base_model.model.{k}",
+            "merge_and_unload",
+            "identical",
+        )
         for k in HEAD
     )
     assert set(saved.note) == {SAVED_NOTE}
@@ -217,8 +226,8 @@ def test_prompt_learning_virtual_tokens_and_outputs_are_compared(
     runs: dict[str, RunRecord], run: str, adapter: str
 ) -> None:
     weights = _rows(runs[run], "weights", adapter)
-    tokens = (formulas.PROMPT_KEY, "prompt_encoder", formulas.PROMPT_KEY, "identical")
-    head = [(f"base_model.{k}", k.split(".")[1], formulas.SAVED_MODULE, "identical") for k in HEAD]
+    tokens = (adapter_keys.PROMPT_KEY, "prompt_encoder", adapter_keys.PROMPT_KEY, "identical")
+    head = [(f"base_model.{k}", k.split(".")[1], adapter_keys.SAVED_MODULE, "identical") for k in HEAD]
     assert weights == sorted([tokens] + (head if adapter in CLS_PROMPT else []))
     assert _rows(runs[run], "outputs", adapter) == [("logits", "logits", "output", "within tolerance")]
 
@@ -234,10 +243,10 @@ def test_prompt_learning_deltas_and_merge_say_they_do_not_apply(
     tables = {check: record.table(f"{check}_findings") for check in ("deltas", "merge")}
     findings = {check: t[t.adapter == adapter] for check, t in tables.items()}
     deltas_why = (
-        f"{adapter} is a {kind} adapter: {formulas.VIRTUAL_TOKENS}, so there is no ΔW; "
+        f"{adapter} is a {kind} adapter: {adapter_keys.VIRTUAL_TOKENS}, so there is no ΔW; "
         "its virtual tokens (weights check) and outputs are compared"
     )
-    merge_why = f"{adapter} is a {kind} adapter: {formulas.VIRTUAL_TOKENS}, so merging does not apply"
+    merge_why = f"{adapter} is a {kind} adapter: {adapter_keys.VIRTUAL_TOKENS}, so merging does not apply"
     for check, why in (("deltas", deltas_why), ("merge", merge_why)):
         rows = findings[check]
         assert list(zip(rows.target, rows.finding, rows.detail, strict=True)) == [
@@ -246,7 +255,7 @@ def test_prompt_learning_deltas_and_merge_say_they_do_not_apply(
         assert f"{check}: {why}" in record.notes()
     assert _rows(record, "merge", adapter) == []
     deltas = _rows(record, "deltas", adapter)
-    assert {r[2] for r in deltas} == ({formulas.SAVED_MODULE} if adapter in CLS_PROMPT else set())
+    assert {r[2] for r in deltas} == ({adapter_keys.SAVED_MODULE} if adapter in CLS_PROMPT else set())
     assert len(deltas) == (len(HEAD) if adapter in CLS_PROMPT else 0)
 
 
@@ -264,7 +273,7 @@ def test_cli_runs_default_and_merge_checks(
 
 def test_split_saved_module_key() -> None:
     names = ("classifier", "score", "model.embed_tokens")
-    split = formulas.split_saved_module_key
+    split = adapter_keys.split_saved_module_key
     assert split("base_model.model.classifier.dense.weight", names) == ("classifier", "dense.weight")
     assert split("base_model.classifier.out_proj.bias", names) == ("classifier", "out_proj.bias")
     # older saves keep the wrapper's part; a name matches the end of a module path at a dot
@@ -276,12 +285,12 @@ def test_split_saved_module_key() -> None:
     assert split("base_model.model.head.score.weight", names) == ("head.score", "weight")
     assert split("base_model.model.roberta.encoder.layer.0.output.dense.weight", names) is None
     assert split("base_model.model.my_classifier.weight", names) is None
-    assert split(formulas.PROMPT_KEY, names) is None
-    assert formulas.saved_module_names({"modules_to_save": ["classifier", "score", "classifier"]}) == (
+    assert split(adapter_keys.PROMPT_KEY, names) is None
+    assert adapter_keys.saved_module_names({"modules_to_save": ["classifier", "score", "classifier"]}) == (
         "classifier",
         "score",
     )
-    assert formulas.saved_module_names({"modules_to_save": None}) == ()
+    assert adapter_keys.saved_module_names({"modules_to_save": None}) == ()
 
 
 def test_adapter_module_keys_leave_out_saved_modules_only() -> None:
@@ -291,7 +300,7 @@ def test_adapter_module_keys_leave_out_saved_modules_only() -> None:
         "base_model.model.enc.q.lora_B.weight": t,
         "base_model.model.classifier.dense.weight": t,
     }
-    modules = formulas.adapter_module_keys(keys, ("classifier",))
+    modules = adapter_keys.adapter_module_keys(keys, ("classifier",))
     assert list(modules) == ["enc.q"]
     assert modules["enc.q"].keys == {
         "lora_A.weight": "base_model.model.enc.q.lora_A.weight",
@@ -300,7 +309,7 @@ def test_adapter_module_keys_leave_out_saved_modules_only() -> None:
     with pytest.raises(
         ValueError, match=r"no lora/.* parameter: base_model\.model\.classifier\.dense\.weight"
     ):
-        formulas.adapter_module_keys(keys)
+        adapter_keys.adapter_module_keys(keys)
 
 
 SAVES = "saves classifier, score whole (modules_to_save), and PEFT activates one saved copy at a time"
@@ -337,7 +346,7 @@ def test_loras_with_saved_heads_are_not_merged_together_and_say_why(
         (TARGET, "", "subset", detail)
     ]
     table = run.metrics()
-    saved = table[table.role == formulas.SAVED_MODULE]
+    saved = table[table.role == adapter_keys.SAVED_MODULE]
     assert sorted(zip(saved.adapter, saved.verdict, strict=True)) == sorted(
         (a, "identical") for a in ("cls_lora", "cls_lora2") for _ in HEAD
     )
@@ -350,7 +359,7 @@ def test_a_tolerance_for_modules_to_save_judges_the_head(
     """On bfloat16 the head loads rounded from the float32 file (PEFT keeps the LoRA tensors in float32):
     within bfloat16's tolerance by default, drift under a zero tolerance set for role modules_to_save,
     in the weights rows (compared in the worker) as in the deltas rows; the LoRA rows stay identical."""
-    tolerances = {formulas.SAVED_MODULE: ToleranceOverride(rtol=0.0, atol=0.0)} if override else {}
+    tolerances = {adapter_keys.SAVED_MODULE: ToleranceOverride(rtol=0.0, atol=0.0)} if override else {}
     engine = Engine(tmp_path, runner=InProcessRunner())
     spec = _spec(
         workspace, "roberta_cls", ["cls_lora"], ("weights", "deltas"), "cpu/bfloat16", tolerances=tolerances
@@ -359,7 +368,7 @@ def test_a_tolerance_for_modules_to_save_judges_the_head(
     assert job.wait(300) and job.state == "succeeded", job.error
     table = engine.store.open(job.run_id).metrics()
     rows = table[(table.adapter == "cls_lora") & (table.target == "cpu/bfloat16")]
-    head = rows[rows.role == formulas.SAVED_MODULE]
+    head = rows[rows.role == adapter_keys.SAVED_MODULE]
     assert sorted(head.check) == ["deltas"] * len(HEAD) + ["weights"] * len(HEAD)
     assert set(head.verdict) == {"drift" if override else "within tolerance"}
     assert set(rows[rows.role.isin(["lora_A", "lora_B"])].verdict) == {"identical"}

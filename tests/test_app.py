@@ -364,7 +364,7 @@ def test_run_on_a_home_that_cannot_be_written_says_so(run_home, monkeypatch):
 
 def test_a_base_model_moved_after_the_run_is_explained_in_the_drill_down(run_home, monkeypatch):
     from core.engine import diffmap
-    from core.models.loading import LoadError
+    from core.models.checkpoint import LoadError
 
     home, run_id = run_home
 

@@ -203,7 +203,7 @@ def prompt_home(hra_home):
 
 
 def test_merge_page_says_merging_does_not_apply_to_prompt_tuning(prompt_home, monkeypatch):
-    from core.methods.formulas import VIRTUAL_TOKENS
+    from core.methods.adapter_keys import VIRTUAL_TOKENS
 
     home, run = prompt_home
     at = make_app(home, monkeypatch, run=run)

@@ -1,25 +1,165 @@
-"""The layering DESIGN.md asks for: core/ and the figure builders never import Streamlit."""
+"""The layering DESIGN.md asks for: core/ and the figure builders never import Streamlit, each core
+package imports only the packages below it (the table in README's "Where things live"), and no
+folder or file grows past what a reader can hold."""
 
 from __future__ import annotations
 
+import ast
 import pkgutil
 import subprocess
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 import core
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# Package → the core/dashboard packages it may import besides itself (stdlib and third party are free).
+LOWER = {
+    "core.engine",
+    "core.checks",
+    "core.models",
+    "core.methods",
+    "core.numerics",
+    "core.capture",
+    "core.spec",
+}
+ALLOWED: dict[str, set[str]] = {
+    "dashboard": {"dashboard", "core.demo", "core.report", *LOWER},
+    "core.cli": {"core.demo", "core.report", *LOWER},
+    "core.demo": LOWER,
+    "core.engine": (LOWER | {"core.report"}) - {"core.engine"},
+    "core.checks": {"core.models", "core.methods", "core.numerics", "core.capture", "core.spec"},
+    "core.capture": {"core.numerics", "core.spec"},
+    "core.models": {"core.methods", "core.numerics", "core.spec"},
+    "core.methods": {"core.numerics", "core.spec"},
+    "core.numerics": {"core.spec"},
+    "core.report": set(),
+    "core.spec": set(),
+    "core.__main__": {"core.cli"},
+    "core": set(),  # core/__init__.py
+}
+MAX_MODULES = 8  # per folder, besides __init__.py
+MAX_LINES = 700
+
+
+def layer_name(module: str) -> str:
+    """The layer a `core.*` / `dashboard.*` module belongs to (its package in the table)."""
+    if module.startswith("dashboard"):
+        return "dashboard"
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 else "core"
+
+
+def _module_name(root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(root: Path, path: Path) -> list[tuple[str, bool]]:
+    """(imported module, at module level) for every core/dashboard import in `path`, relative ones resolved.
+    `from pkg import name` counts as importing `pkg.name` when that is a module file, else `pkg`."""
+    name = _module_name(root, path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    # run at import: the module's own statements and those under try/if, not `if TYPE_CHECKING:`
+    top = {id(n) for n in tree.body} | {
+        id(c)
+        for n in tree.body
+        if isinstance(n, ast.Try) or (isinstance(n, ast.If) and "TYPE_CHECKING" not in ast.unparse(n.test))
+        for c in ast.walk(n)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            targets = []
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                as_file = root.joinpath(*sub.split("."))
+                is_module = as_file.with_suffix(".py").is_file() or (as_file / "__init__.py").is_file()
+                targets.append(sub if is_module else base)
+        else:
+            continue
+        found += [(t, id(node) in top) for t in targets if t.split(".")[0] in ("core", "dashboard")]
+    return found
+
+
+def check_layers(root: Path) -> dict[str, list[str]]:
+    """Every breach of the rules under `root` (a folder holding core/ and dashboard/), by rule."""
+    files = sorted(p for d in ("core", "dashboard") for p in (root / d).rglob("*.py"))
+    problems: dict[str, list[str]] = defaultdict(list)
+    graph: dict[str, set[str]] = defaultdict(set)  # module-level imports between modules
+    layers: dict[str, set[str]] = defaultdict(set)  # every import between layers
+    for path in files:
+        importer = _module_name(root, path)
+        for imported, module_level in _imports(root, path):
+            src, dst = layer_name(importer), layer_name(imported)
+            if dst != src and dst not in ALLOWED.get(src, set()):
+                problems["layer"].append(f"{importer} imports {imported} ({src} may not import {dst})")
+            if dst == "core.demo" and src not in ("core.cli", "dashboard", "core.demo"):
+                problems["layer"].append(
+                    f"{importer} imports {imported} (only core.cli and the dashboard may)"
+                )
+            if dst != src:
+                layers[src].add(dst)
+            if module_level and imported != importer:
+                graph[importer].add(imported)
+        lines = len(path.read_text(encoding="utf-8").splitlines())
+        if lines > MAX_LINES:
+            problems["size"].append(f"{path.relative_to(root)} has {lines} lines (at most {MAX_LINES})")
+    for folder in sorted({p.parent for p in files}):
+        modules = [p.name for p in folder.glob("*.py") if p.name != "__init__.py"]
+        if len(modules) > MAX_MODULES:
+            problems["size"].append(
+                f"{folder.relative_to(root)}/ has {len(modules)} modules (at most {MAX_MODULES})"
+            )
+    for label, edges in (("package", layers), ("module", graph)):
+        cycle = _cycle(edges)
+        if cycle:
+            problems["cycle"].append(f"{label} import cycle: {' → '.join(cycle)}")
+    return dict(problems)
+
+
+def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the directed graph `edges`, as its nodes with the first repeated; None if acyclic."""
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
 
 def test_core_and_figures_import_without_streamlit():
-    modules = sorted(f"core.{m.name}" for m in pkgutil.walk_packages(core.__path__) if m.name != "__main__")
+    modules = sorted(
+        m.name for m in pkgutil.walk_packages(core.__path__, "core.") if not m.name.endswith("__main__")
+    )
+    figures = ROOT / "dashboard" / "figures"
     modules += [
-        "core.checks.weights",
-        "core.checks.deltas",
-        "core.checks.outputs",
-        "dashboard.figures.common",
+        "dashboard.figures",
+        *(f"dashboard.figures.{p.stem}" for p in sorted(figures.glob("[!_]*.py"))),
     ]
+    assert "core.engine.worker" in modules and "dashboard.figures.common" in modules
     code = (
         "import importlib, sys\n"
         f"for name in {modules!r}:\n"
@@ -28,3 +168,36 @@ def test_core_and_figures_import_without_streamlit():
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", "core/ or dashboard/figures/ pulled in Streamlit"
+
+
+def test_layers_sizes_and_cycles():
+    problems = check_layers(ROOT)
+    assert not problems, "\n".join(p for found in problems.values() for p in found)
+
+
+def test_the_checker_names_a_wrong_way_import_a_cycle_and_an_oversized_file(tmp_path):
+    def write(rel: str, text: str = "") -> None:
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+    for pkg in ("core", "core/numerics", "core/engine", "dashboard"):
+        write(f"{pkg}/__init__.py")
+    write("core/numerics/x.py", "from core.engine.jobs import Engine\n")
+    write(
+        "core/engine/jobs.py",
+        "from core.numerics import x\n\n\ndef f():\n    from ..numerics import x  # noqa\n",
+    )
+    write("core/spec.py", "def f():\n    import dashboard.app\n" + "\n" * MAX_LINES)
+    write("core/cli.py")
+    write("dashboard/app.py", "from core import cli\n")
+    problems = check_layers(tmp_path)
+    layer = "\n".join(problems["layer"])
+    assert "core.numerics.x imports core.engine.jobs" in layer
+    assert "core.spec imports dashboard.app" in layer
+    assert "dashboard.app imports core.cli" in layer
+    assert "core.engine.jobs" not in layer.replace(
+        "core.numerics.x imports core.engine.jobs", ""
+    )  # allowed way
+    assert any("core.numerics.x" in c and "core.engine.jobs" in c for c in problems["cycle"])
+    assert problems["size"] == [f"core/spec.py has {MAX_LINES + 2} lines (at most {MAX_LINES})"]

@@ -8,8 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from core.models.checkpoint import Checkpoint, CheckpointError
-from core.models.loading import LoadError, read_checkpoint
+from core.models.checkpoint import Checkpoint, CheckpointError, LoadError, read_checkpoint
 
 
 def _tensors() -> dict[str, torch.Tensor]:

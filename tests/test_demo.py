@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from core.demo.build import DEMO_VERSION, build_demo, load_manifest
-from core.methods.formulas import adapter_type
+from core.methods.adapter_keys import adapter_type
 
 LLAMA_ADAPTERS = [
     "lora",
@@ -126,7 +126,7 @@ def test_adapter_configs_as_specified(demo_workspace: dict) -> None:
 
 def test_scenario_adapters(demo_workspace: dict) -> None:
     from core.demo.build import NAN_MODULE
-    from core.models.loading import read_checkpoint
+    from core.models.checkpoint import read_checkpoint
 
     def tensors(name: str) -> dict[str, torch.Tensor]:
         return read_checkpoint(demo_workspace["adapters"][name]["path"], prefix="adapter_model")

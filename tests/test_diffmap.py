@@ -268,12 +268,12 @@ def test_weights_drilldown_reads_only_the_one_tensor_from_the_checkpoint(run, mo
 
 def test_deltas_drilldown_reads_one_base_weight_only(run, monkeypatch):
     """The ΔW reference of one module needs that module's base weight, not the whole base."""
-    import core.models.loading
+    import core.models.checkpoint
 
     record, table = run
     row = table[(table["check"] == "deltas") & (table["target"] == "cpu/bfloat16")].iloc[0]
     calls = []
-    real = core.models.loading.read_checkpoint
+    real = core.models.checkpoint.read_checkpoint
 
     def spy(folder, prefix="", names=None):
         calls.append((prefix, names))

@@ -25,9 +25,9 @@ from tiny_models import ARCHITECTURES, METHODS, save_method, save_with_lora
 from core import report
 from core.engine.jobs import Engine, InProcessRunner
 from core.engine.store import RunRecord
+from core.models.checkpoint import LoadError
 from core.models.loading import (
     EAGER_EXPERTS_NOTE,
-    LoadError,
     float32_fallback_notes,
     float32_fallbacks,
     load_base,

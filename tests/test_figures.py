@@ -12,6 +12,9 @@ import pytest
 
 from core.report import VERDICT_ORDER, verdicts_by_check_target
 from dashboard.figures import common as F
+from dashboard.figures.diffs import block_max_pool, diff_heatmap, diff_histogram
+from dashboard.figures.outputs import outputs_figure
+from dashboard.figures.overview import verdict_counts_figure
 
 
 def _row(target, layer, module, role, max_abs, verdict=None, adapter=None, check="weights", **extra):
@@ -207,7 +210,7 @@ def test_drift_heatmap_empty_and_all_nan():
 # --------------------------------------------------------------------------------------------- summaries
 def test_verdict_counts_figure_traces_in_verdict_order(table):
     counts = verdicts_by_check_target(table)
-    fig = F.verdict_counts_figure(counts)
+    fig = verdict_counts_figure(counts)
     assert len(fig.data) == 4
     assert [tr.name.split(" ", 1)[1] for tr in fig.data] == list(VERDICT_ORDER)
     assert [tr.marker.color for tr in fig.data] == [F.VERDICT_COLORS[v] for v in VERDICT_ORDER]
@@ -215,7 +218,7 @@ def test_verdict_counts_figure_traces_in_verdict_order(table):
     assert list(fig.data[0].y) == ["weights · cpu/bfloat16", "weights · cpu/float32"]
     drift = fig.data[VERDICT_ORDER.index("drift")]
     assert list(drift.x) == [1, 1]
-    assert len(F.verdict_counts_figure(verdicts_by_check_target(table.iloc[0:0])).data) == 4
+    assert len(verdict_counts_figure(verdicts_by_check_target(table.iloc[0:0])).data) == 4
 
 
 def test_outputs_figure_groups_by_adapter_with_base():
@@ -225,7 +228,7 @@ def test_outputs_figure_groups_by_adapter_with_base():
         _row("cpu/bfloat16", None, "logits", "output", 5e-3, verdict="drift", check="outputs"),
         _row("cpu/bfloat16", None, "logits", "output", 0.0, check="outputs", adapter="lora"),
     ]
-    fig = F.outputs_figure(_table(rows))
+    fig = outputs_figure(_table(rows))
     bars = [tr for tr in fig.data if tr.type == "bar" and tr.x != (None,)]
     assert [b.name for b in bars] == ["cpu/float32", "cpu/bfloat16"]
     assert list(bars[0].x) == ["base", "lora"]
@@ -244,7 +247,7 @@ def test_outputs_figure_gives_a_bare_encoders_pooled_output_its_own_group():
         _row("cpu/float32", None, "last_hidden_state", "output", 4e-7, check="outputs", adapter="lora"),
         _row("cpu/float32", None, "pooler_output", "output", 1e-7, check="outputs", adapter="lora"),
     ]
-    bars = [tr for tr in F.outputs_figure(_table(rows)).data if tr.type == "bar" and tr.x != (None,)]
+    bars = [tr for tr in outputs_figure(_table(rows)).data if tr.type == "bar" and tr.x != (None,)]
     assert list(bars[0].x) == ["base", "base · pooler_output", "lora", "lora · pooler_output"]
     assert list(bars[0].y) == [3e-7, 2e-7, 4e-7, 1e-7]
 
@@ -254,7 +257,7 @@ def test_block_max_pool_large_matrix_keeps_the_max_in_the_right_block():
     rng = np.random.default_rng(0)
     m = rng.standard_normal((1000, 700))
     m[613, 401] = -1e6
-    pooled, rs, cs = F.block_max_pool(m)
+    pooled, rs, cs = block_max_pool(m)
     assert pooled.dtype == np.float64
     assert pooled.shape[0] <= 256 and pooled.shape[1] <= 256
     assert pooled.shape == (len(rs), len(cs))
@@ -273,20 +276,20 @@ def test_block_max_pool_large_matrix_keeps_the_max_in_the_right_block():
 def test_block_max_pool_preserves_nan_and_small_matrices():
     m = np.ones((600, 600))
     m[5, 5] = np.nan
-    pooled, rs, cs = F.block_max_pool(m)
+    pooled, rs, cs = block_max_pool(m)
     assert list(rs[:3]) == [0, 3, 6]  # b = ceil(600 / 256) = 3
     assert np.isnan(pooled[1, 1])  # element (5, 5) lies in block rows 3–5, cols 3–5
     assert np.isnan(pooled).sum() == 1
     assert np.nanmax(pooled) == 1.0
 
     small = np.array([[-1.5, 2.0], [0.0, -3.0]], dtype=np.float32)
-    pooled, rs, cs = F.block_max_pool(small)
+    pooled, rs, cs = block_max_pool(small)
     assert pooled.dtype == np.float64
     np.testing.assert_array_equal(pooled, np.abs(small.astype(np.float64)))
     assert list(rs) == [0, 1] and list(cs) == [0, 1]
 
     with pytest.raises(ValueError):
-        F.block_max_pool(np.zeros(5))
+        block_max_pool(np.zeros(5))
 
 
 # --------------------------------------------------------------------------------------------- diff figures
@@ -295,8 +298,8 @@ def test_diff_heatmap_z_is_log10_of_pooled_values():
     d = rng.standard_normal((520, 300)) * 1e-4
     d[0:3, :] = 0.0  # a block of exactly equal elements
     d[100, 100] = np.inf
-    fig = F.diff_heatmap(d, title="q_proj")
-    pooled, rs, cs = F.block_max_pool(d)
+    fig = diff_heatmap(d, title="q_proj")
+    pooled, rs, cs = block_max_pool(d)
     heat = fig.data[0]
     z = np.asarray(heat.z, dtype=float)
     finite = np.isfinite(pooled) & (pooled > 0)
@@ -315,12 +318,12 @@ def test_diff_heatmap_z_is_log10_of_pooled_values():
 
 def test_diff_heatmap_small_matrix_not_pooled():
     d = np.array([[0.0, 1e-3], [-1e-5, 0.0]])
-    fig = F.diff_heatmap(d)
+    fig = diff_heatmap(d)
     assert "block max" not in fig.layout.title.text
     z = np.asarray(fig.data[0].z, dtype=float)
     assert z[0, 1] == np.log10(1e-3) and z[1, 0] == np.log10(1e-5)
     assert np.isnan(z[0, 0])
-    assert isinstance(F.diff_heatmap(np.zeros(7)), go.Figure)  # 1-D tensors show as one row
+    assert isinstance(diff_heatmap(np.zeros(7)), go.Figure)  # 1-D tensors show as one row
 
 
 def test_diff_histogram_counts_add_up():
@@ -329,13 +332,13 @@ def test_diff_histogram_counts_add_up():
     d[:123] = 0.0
     d[200:205] = np.nan
     d[300] = -np.inf
-    fig = F.diff_histogram(d, bins=40)
+    fig = diff_histogram(d, bins=40)
     bar = fig.data[0]
     assert sum(bar.y) == 10_000 - 123 - 6
     assert len(bar.y) == 40
     assert "123 exactly equal" in fig.layout.title.text
     assert "6 NaN/Inf" in fig.layout.title.text
-    empty = F.diff_histogram(np.zeros(4))
+    empty = diff_histogram(np.zeros(4))
     assert "4 exactly equal" in empty.layout.title.text
 
 
@@ -385,15 +388,15 @@ def test_diff_heatmap_outlines_the_blocks_that_hold_failing_elements():
     diff = np.full((600, 300), 1e-6)
     failing = np.zeros_like(diff, dtype=bool)
     failing[0, 0] = failing[599, 299] = failing[1, 1] = True  # (0,0) and (1,1) share a 3×2 block
-    fig = F.diff_heatmap(diff, failing=failing)
+    fig = diff_heatmap(diff, failing=failing)
     marks = [t for t in fig.data if t.type == "scatter" and "beyond tolerance" in t.name]
     assert len(marks) == 1 and "3 elements" in marks[0].name
     assert sorted(zip(marks[0].y, marks[0].x, strict=True)) == [(0, 0), (597, 298)]
-    assert not [t for t in F.diff_heatmap(diff, failing=np.zeros_like(failing)).data if t.type == "scatter"]
+    assert not [t for t in diff_heatmap(diff, failing=np.zeros_like(failing)).data if t.type == "scatter"]
 
 
 def test_diff_heatmap_names_the_fold_of_an_already_folded_tensor():
     logits = np.ones((32, 256)) * 1e-6  # (2, 16, 256) as ElementDiff hands it over
-    fig = F.diff_heatmap(logits, shape=(2, 16, 256))
+    fig = diff_heatmap(logits, shape=(2, 16, 256))
     assert "2×16×256 folded to 256 columns" in fig.layout.title.text
     assert fig.data[0].z.shape == (32, 256)

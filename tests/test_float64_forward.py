@@ -14,7 +14,7 @@ F64 = Target.parse("cpu/float64")
 
 def _outputs(base: str, adapters: tuple[AdapterRef, ...], offload: bool, monkeypatch) -> list:
     # A negative headroom makes every model "too large for float64".
-    monkeypatch.setattr("core.models.loading.FLOAT64_HEADROOM", -(1 << 40) if offload else 1 << 40)
+    monkeypatch.setattr("core.models.checkpoint.FLOAT64_HEADROOM", -(1 << 40) if offload else 1 << 40)
     ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
     out = []
     for loaded in load_isolated(ModelRef(base), adapters, F64):

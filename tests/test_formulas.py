@@ -12,15 +12,9 @@ import torch
 from safetensors.torch import load_file
 from tiny_models import ARCHITECTURES
 
-from core.methods import formulas
-from core.methods.formulas import (
-    adapted_modules,
-    adapter_type,
-    merged_weights,
-    peft_delta,
-    peft_delta_source,
-    reference_deltas,
-)
+from core.methods import adapter_keys, formulas
+from core.methods.adapter_keys import adapted_modules, adapter_type
+from core.methods.formulas import merged_weights, peft_delta, peft_delta_source, reference_deltas
 
 # Max |merged − (W + ΔW_ref)| in float64, per method. The checks run the same float64 arithmetic
 # in a different order, so they land at 0 to a few 1e-17 (measured on the demo: LoRA 0, DoRA 2.8e-17,
@@ -491,7 +485,7 @@ def test_adapter_for_a_different_base_is_a_clear_error(demo_workspace: dict, bas
 @pytest.mark.parametrize("name", ["lora", "dora", "boft", "oft", "ia3"])
 def test_shape_mismatch_is_a_clear_error(name: str, demo_workspace: dict, base64) -> None:
     config, tensors = _adapter(demo_workspace["adapters"][name]["path"])
-    module = next(iter(formulas.adapter_module_keys(tensors)))
+    module = next(iter(adapter_keys.adapter_module_keys(tensors)))
     wrong = dict(base64)
     wrong[module + ".weight"] = torch.zeros(48, 48, dtype=torch.float64)
     with pytest.raises(ValueError, match=rf"{module}.*(shape|in_features)"):
@@ -516,7 +510,7 @@ def test_adapter_module_keys() -> None:
         "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(1),
         "model.layers.1.mlp.down_proj.ia3_l": torch.zeros(1),
     }
-    keys = formulas.adapter_module_keys(tensors)
+    keys = adapter_keys.adapter_module_keys(tensors)
     assert list(keys) == ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"]
     assert keys["model.layers.0.self_attn.q_proj"].keys == {
         "lora_A.weight": "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",

@@ -17,9 +17,10 @@ from core.checks.base import CaptureContext
 from core.checks.merge import MergeCheck
 from core.demo.scenarios import demo_spec
 from core.engine.jobs import Engine, InProcessRunner
-from core.methods import formulas
+from core.methods import adapter_keys, formulas
 from core.models import merging
-from core.models.loading import load_isolated, read_checkpoint
+from core.models.checkpoint import read_checkpoint
+from core.models.loading import load_isolated
 from core.spec import REFERENCE_TARGET
 
 
@@ -46,7 +47,7 @@ def test_float64_formulas_agree_with_peft_merge(demo_workspace, name):
     config, tensors = _files(demo_workspace, name)
     expected = formulas.merged_weights(config, tensors, base)
     model = _peft_model(demo_workspace, name, torch.float64)
-    layers = {m: lay for m, (lay, names) in formulas.adapted_modules(model).items() if name in names}
+    layers = {m: lay for m, (lay, names) in adapter_keys.adapted_modules(model).items() if name in names}
     assert set(layers) == set(expected)
     merging.merge_modules(model, [name])
     worst = max(float((merging.base_weight(lay) - expected[m]).abs().max()) for m, lay in layers.items())
@@ -59,7 +60,7 @@ def test_unmerge_round_trip_in_float64_pins_peft_precision(demo_workspace):
     measured = {}
     for name in ("lora", "oft", "ia3"):
         model = _peft_model(demo_workspace, name, torch.float64)
-        layers = {m: lay for m, (lay, names) in formulas.adapted_modules(model).items() if name in names}
+        layers = {m: lay for m, (lay, names) in adapter_keys.adapted_modules(model).items() if name in names}
         before = {m: merging.base_weight(lay).detach().clone() for m, lay in layers.items()}
         merging.merge_modules(model, [name])
         merging.unmerge_modules(model)
@@ -75,7 +76,7 @@ def test_restore_base_undoes_a_bfloat16_merge_round_trip_bit_for_bit(demo_worksp
     """merge_adapter + unmerge_adapter leaves residue on W in bfloat16; restore_base takes W back
     to the loaded bits, so the next stage starts from what a fresh load gives."""
     model = _peft_model(demo_workspace, "lora", torch.bfloat16)
-    layers = {m: lay for m, (lay, _) in formulas.adapted_modules(model).items()}
+    layers = {m: lay for m, (lay, _) in adapter_keys.adapted_modules(model).items()}
     state = merging.base_state(layers)
     model.merge_adapter(adapter_names=["lora"])
     model.unmerge_adapter()
@@ -87,7 +88,7 @@ def test_restore_base_undoes_a_bfloat16_merge_round_trip_bit_for_bit(demo_worksp
     assert merging.restore_base(model, layers, state) == []
     assert not any(lay.merged for lay in layers.values())
     fresh = _peft_model(demo_workspace, "lora", torch.bfloat16)
-    for m, lay in formulas.adapted_modules(fresh).items():
+    for m, lay in adapter_keys.adapted_modules(fresh).items():
         assert merging.same_bits(merging.base_weight(lay[0]), merging.base_weight(layers[m]))
 
 
@@ -307,7 +308,7 @@ def test_save_pretrained_atomic_leaves_nothing_on_failure(tmp_path):
 
 
 def test_scale_ulp_tells_rounding_from_an_error():
-    from core.checks.merge import scale_ulp
+    from core.models.merging import scale_ulp
 
     w = torch.tensor([1.0, -0.5, 2.0**-20], dtype=torch.float64)
     exact = w + torch.tensor([0.25, 0.5, -(2.0**-20)], dtype=torch.float64)  # last element cancels to 0

@@ -19,7 +19,7 @@ from tiny_models import ARCHITECTURES, quiet
 
 from core.engine.jobs import Engine, InProcessRunner
 from core.engine.store import RunRecord
-from core.methods import formulas
+from core.methods import adapter_keys, formulas
 from core.spec import AdapterRef, ModelRef, ProbeInputs, ProbeSpec, Target
 
 METHODS = ("loha", "lokr", "vera", "adalora")
@@ -266,7 +266,7 @@ def test_peft_float64_delta_and_merge_equal_the_formula_written_here(workspace: 
     config, tensors, base = _files(workspace, name)
     expected = _expected_delta(config, tensors, base)
     model = _peft(workspace, name, torch.float64)
-    layers = formulas.adapted_modules(model)
+    layers = adapter_keys.adapted_modules(model)
     assert sorted(layers) == sorted(expected)
     for m, (layer, names) in layers.items():
         delta = formulas.peft_delta(layer, names[0])
@@ -285,7 +285,7 @@ def test_peft_float64_delta_and_merge_equal_the_formula_written_here(workspace: 
 def test_peft_float32_delta_is_float32_rounding_of_the_formula(workspace: dict, name: str) -> None:
     config, tensors, base = _files(workspace, name)
     expected = _expected_delta(config, tensors, base)
-    for m, (layer, names) in formulas.adapted_modules(_peft(workspace, name, torch.float32)).items():
+    for m, (layer, names) in adapter_keys.adapted_modules(_peft(workspace, name, torch.float32)).items():
         delta = formulas.peft_delta(layer, names[0])
         assert delta.dtype == torch.float32
         rel = ((delta.double() - expected[m]).norm() / expected[m].norm()).item()
@@ -294,8 +294,8 @@ def test_peft_float32_delta_is_float32_rounding_of_the_formula(workspace: dict, 
 
 def test_vera_projections_are_shared_keys(workspace: dict) -> None:
     config, tensors, base = _files(workspace, "vera")
-    assert formulas.split_adapter_key("base_model.vera_A") is None  # no module of its own
-    modules = formulas.adapter_module_keys(tensors)
+    assert adapter_keys.split_adapter_key("base_model.vera_A") is None  # no module of its own
+    modules = adapter_keys.adapter_module_keys(tensors)
     assert sorted(modules) == sorted(_expected_delta(config, tensors, base))
     for mod in modules.values():
         assert mod.keys["vera_A"] == "base_model.vera_A" and mod.keys["vera_B"] == "base_model.vera_B"
@@ -375,7 +375,7 @@ def test_delta_and_merged_rows_equal_the_formula_written_here(workspace: dict, r
     expected = _expected_delta(config, tensors, base)
     model = _peft(workspace, name, torch.float32)
     want: dict[tuple[str, str], float] = {}
-    for m, (layer, names) in formulas.adapted_modules(model).items():
+    for m, (layer, names) in adapter_keys.adapted_modules(model).items():
         with torch.no_grad():
             err = (layer.get_delta_weight(names[0]).double() - expected[m]).abs().max().item()
         want[("deltas", m)] = want[("merge", f"delta:peft:{m}")] = err

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from core.numerics.sketch import MAX_SIDE, TOP_K, Sketch, content_hash, make_sketch
-from dashboard.figures.common import block_max_pool
+from dashboard.figures.diffs import block_max_pool
 
 
 def _rule(t: torch.Tensor, r: torch.Tensor) -> torch.Tensor:

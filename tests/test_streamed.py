@@ -99,7 +99,7 @@ def test_drill_down_from_the_sketch(runs):
     s = sketched.sketch
     assert s is not None and s.shape == full.shape
     # the sketch's map is the full map, pooled; its failing blocks add up to the row's count
-    from dashboard.figures.common import block_max_pool
+    from dashboard.figures.diffs import block_max_pool
 
     pooled, _, _ = block_max_pool(full.diff)
     np.testing.assert_array_equal(s.pooled, pooled.astype(np.float32))  # stored at float32

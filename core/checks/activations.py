@@ -12,7 +12,7 @@ The reference target runs first (`Check.reference_first`): it keeps every record
 leaf's input. A target's worker then reads those back one tensor at a time (`safe_open`) and
 compares each output as its hook sees it, so no worker ever holds the whole model's activations:
 its capture keeps a metric row and a bounded sketch per module output (the tensors too on a small
-model, `worker.keeps_tensors`).
+model, `checkpoint.keeps_tensors`).
 
 Rows carry `order` (execution order of the outputs, per adapter), `drift` (accumulated or local),
 `call` (0 for a module's first call, 1 for a second call of a shared module, …), `module_path`,
@@ -32,8 +32,9 @@ import pandas as pd
 import torch
 
 from core.capture import BASE, Capture, TensorKey
-from core.checks.base import LAYER_RE, CaptureContext, Check, Reference, layer_of, tolerance
+from core.checks.base import CaptureContext, Check, Reference, tolerance
 from core.checks.outputs import forward_output
+from core.models.conversion import LAYER_RE, layer_of
 from core.models.loading import Loaded
 from core.numerics import metrics
 from core.numerics.sketch import content_hash
@@ -263,7 +264,7 @@ class ActivationsCheck(Check):
     reference_first = True
 
     def capture(self, ctx: CaptureContext, loaded: Loaded, out: Capture) -> None:
-        from core.engine.worker import keeps_tensors
+        from core.models.checkpoint import keeps_tensors
 
         adapter = BASE if loaded.adapter is None else loaded.adapter.name
         is_reference = ctx.target == ctx.spec.reference

@@ -38,15 +38,14 @@ from core.checks.base import (
     Check,
     Reference,
     add_note,
-    layer_of,
     missing_reference_row,
     tolerance,
 )
 from core.checks.outputs import forward_output
 from core.methods import consistency
-from core.models.checkpoint import CheckpointError
-from core.models.conversion import read_loaded
-from core.models.loading import STRATEGIES, LoadError, read_adapter_config
+from core.models.checkpoint import CheckpointError, LoadError, read_adapter_config
+from core.models.conversion import layer_of, read_loaded
+from core.models.loading import STRATEGIES
 from core.numerics import metrics
 from core.spec import ProbeSpec, Target
 

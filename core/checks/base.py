@@ -8,7 +8,6 @@ registry in `core/checks/__init__.py`.
 from __future__ import annotations
 
 import math
-import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from core.capture import BASE, Capture, TensorKey
+from core.models.conversion import layer_of
 from core.models.loading import Loaded
 from core.numerics import metrics
 from core.numerics.sketch import Sketch, content_hash
@@ -53,8 +53,6 @@ METRIC_COLUMNS = (
     "explanation",
     "note",
 )
-
-LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)")
 
 
 @dataclass
@@ -110,12 +108,6 @@ def tolerance(spec: ProbeSpec, role: str, dtype: torch.dtype) -> metrics.Toleran
         rtol=default.rtol if override.rtol is None else override.rtol,
         atol=default.atol if override.atol is None else override.atol,
     )
-
-
-def layer_of(name: str) -> int | None:
-    """The transformer block index in a parameter or module name, if any."""
-    m = LAYER_RE.search(name)
-    return int(m.group(1)) if m else None
 
 
 class Check(ABC):

@@ -16,17 +16,17 @@ import pandas as pd
 import torch
 
 from core.capture import Capture, TensorKey
-from core.checks.base import CaptureContext, Check, Reference, add_note, layer_of
-from core.methods import formulas
-from core.models.checkpoint import Checkpoint
-from core.models.conversion import read_loaded
-from core.models.loading import Loaded, read_adapter_config, read_checkpoint
+from core.checks.base import CaptureContext, Check, Reference, add_note
+from core.methods import adapter_keys, formulas
+from core.models.checkpoint import Checkpoint, read_adapter_config, read_checkpoint
+from core.models.conversion import layer_of, read_loaded
+from core.models.loading import Loaded
 from core.spec import ProbeSpec, Target
 
 # Methods whose ΔW depends on W itself (rotations, scalings, DoRA's norm).
 MULTIPLICATIVE = ("dora", "boft", "oft", "ia3")
 # Capture names of a saved module's tensors: this prefix, then the tensor's key in the adapter file.
-SAVED_PREFIX = formulas.SAVED_MODULE + ":"
+SAVED_PREFIX = adapter_keys.SAVED_MODULE + ":"
 # The deltas meta is keyed by adapter name; the findings sit beside under a key no adapter name can be
 # (a colon is not allowed in one: `core.spec`).
 FINDINGS = ":findings"
@@ -46,20 +46,20 @@ class DeltasCheck(Check):
             return
         adapter = loaded.adapter.name
         config = read_adapter_config(loaded.adapter)
-        kind = formulas.adapter_type(config)
+        kind = adapter_keys.adapter_type(config)
         meta = out.meta.setdefault(self.name, {})
-        if kind not in formulas.ADAPTER_TYPES:
-            if kind in formulas.PROMPT_LEARNING:
+        if kind not in adapter_keys.ADAPTER_TYPES:
+            if kind in adapter_keys.PROMPT_LEARNING:
                 finding = "does not apply"
                 why = (
-                    f"{adapter} is a {kind} adapter: {formulas.VIRTUAL_TOKENS}, so there is no ΔW; "
+                    f"{adapter} is a {kind} adapter: {adapter_keys.VIRTUAL_TOKENS}, so there is no ΔW; "
                     "its virtual tokens (weights check) and outputs are compared"
                 )
             else:
                 finding = "not covered"
                 why = (
                     f"{adapter} is a {kind} adapter; its ΔW is not covered "
-                    f"(supported: {', '.join(formulas.ADAPTER_TYPES)}); its weights and outputs are"
+                    f"(supported: {', '.join(adapter_keys.ADAPTER_TYPES)}); its weights and outputs are"
                 )
             meta.setdefault(FINDINGS, []).append({"adapter": adapter, "finding": finding, "detail": why})
             out.notes.append(f"deltas: {why}")
@@ -68,7 +68,7 @@ class DeltasCheck(Check):
         self._capture_saved_modules(loaded, config, out)
         sources: dict[str, str] = {}
         with torch.no_grad():
-            for module, (layer, names) in formulas.adapted_modules(loaded.model).items():
+            for module, (layer, names) in adapter_keys.adapted_modules(loaded.model).items():
                 if adapter not in names:
                     continue
                 out.add(TensorKey(self.name, adapter, module), formulas.peft_delta(layer, adapter))
@@ -83,13 +83,13 @@ class DeltasCheck(Check):
         """The target's copies of the modules the adapter saves whole, under `SAVED_PREFIX` + file key."""
         from peft import get_peft_model_state_dict
 
-        names = formulas.saved_module_names(config)
+        names = adapter_keys.saved_module_names(config)
         if not names:
             return
         adapter = loaded.adapter.name
         state = get_peft_model_state_dict(loaded.model, adapter_name=adapter)
         for key, tensor in state.items():
-            if formulas.split_saved_module_key(key, names) is not None:
+            if adapter_keys.split_saved_module_key(key, names) is not None:
                 out.add(TensorKey(self.name, adapter, SAVED_PREFIX + key), tensor)
 
     def reference(
@@ -130,13 +130,13 @@ class DeltasCheck(Check):
             if not wanted:
                 continue
             config = read_adapter_config(adapter)
-            kind = formulas.adapter_type(config)
-            if kind not in formulas.ADAPTER_TYPES:
+            kind = adapter_keys.adapter_type(config)
+            if kind not in adapter_keys.ADAPTER_TYPES:
                 continue
             # The adapter's tensor names from its index; only those of the wanted modules are read.
-            modules = formulas.adapter_module_keys(
+            modules = adapter_keys.adapter_module_keys(
                 dict.fromkeys(Checkpoint.open(adapter.path, prefix="adapter_model").names()),
-                formulas.saved_module_names(config),
+                adapter_keys.saved_module_names(config),
             )
             names = {t for k in wanted if k.name in modules for t in modules[k.name].keys.values()}
             if not names:
@@ -157,7 +157,7 @@ class DeltasCheck(Check):
             return {
                 "layer": layer_of(module),
                 "module": module.rsplit(".", 1)[-1],
-                "role": formulas.SAVED_MODULE,
+                "role": adapter_keys.SAVED_MODULE,
             }
         return {"layer": layer_of(key.name), "module": key.name.rsplit(".", 1)[-1], "role": "delta"}
 

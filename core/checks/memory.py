@@ -21,14 +21,16 @@ capture without flags gets one `identical` row that says its placement was as as
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from typing import Any
 
 import pandas as pd
 
 from core.capture import Capture, TensorKey
-from core.checks.base import CaptureContext, Check, Reference, layer_of
+from core.checks.base import CaptureContext, Check, Reference
 from core.models import memory
+from core.models.conversion import layer_of
 from core.models.loading import Loaded
 from core.spec import AdapterRef, ProbeSpec, Target
 
@@ -111,7 +113,7 @@ class MemoryCheck(Check):
             else:
                 stage(f"load base again for {group[0].name}")
                 model = None  # PEFT cannot stack this type on the last model: give it back first
-                memory.cleanup()
+                cleanup()
             model = self._load_base(spec, target, variant)
             when = memory.BASE_LOADED if i == 0 else memory.base_again_stage(group[0].name)
             sampler.sample(when)
@@ -168,7 +170,7 @@ class MemoryCheck(Check):
             except Exception as e:
                 notes.append(f"unload() failed ({_one_line(e)}); the model was deleted as it was")
         del model
-        memory.cleanup()
+        cleanup()
         sampler.sample(memory.CLEANED_UP)
 
         out.meta[self.name] = {
@@ -189,7 +191,8 @@ class MemoryCheck(Check):
         out.notes.extend(notes)
 
     def _load_base(self, spec: ProbeSpec, target: Target, variant: str):
-        from core.models.loading import adapters_task_type, load_base
+        from core.models.checkpoint import adapters_task_type
+        from core.models.loading import load_base
 
         # device_map="auto": accelerate spreads the base over every GPU, in the target's dtype
         device_map = "auto" if variant == DEVICE_MAP_AUTO else None
@@ -325,9 +328,21 @@ def _new_flags(seen: dict[tuple, memory.Flag], flags: list[memory.Flag]) -> dict
 
 def process_samples() -> list[dict[str, Any]]:
     """The worker process's samples of itself (process start, import torch); empty in-process."""
-    from core.engine import worker
+    return list(memory.PROCESS_SAMPLES)
 
-    return list(worker.PROCESS_SAMPLES)
+
+def cleanup() -> None:
+    """What a user does to give memory back: collect garbage, then empty PyTorch's CUDA cache."""
+    gc.collect()
+    try:
+        import torch
+
+        # No synchronize(): it acts on the current device (cuda:0) and would create a context
+        # there for a run on cuda:1. empty_cache frees cached blocks only where there are some.
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+    except Exception:  # cleanup is best effort; what remains is what the next sample measures
+        pass
 
 
 def adapter_groups(adapters: tuple[AdapterRef, ...]) -> list[list[AdapterRef]]:
@@ -336,7 +351,7 @@ def adapter_groups(adapters: tuple[AdapterRef, ...]) -> list[list[AdapterRef]]:
     PEFT refuses to combine adapters of different types in one model (LoRA then BOFT), so a later
     type starts over on a new base. No adapters: one empty group (the base alone).
     """
-    from core.models.loading import LoadError, read_adapter_config
+    from core.models.checkpoint import LoadError, read_adapter_config
 
     groups: list[list[AdapterRef]] = []
     last = None
@@ -353,6 +368,6 @@ def adapter_groups(adapters: tuple[AdapterRef, ...]) -> list[list[AdapterRef]]:
 
 
 def _one_line(e: BaseException) -> str:
-    from core.models.loading import _first_line
+    from core.models.checkpoint import _first_line
 
     return f"{type(e).__name__}: {_first_line(e)}"

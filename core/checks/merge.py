@@ -30,67 +30,30 @@ output (the exact model), and a second verdict (`peft_verdict`) applies PEFT's o
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import torch
 
 from core.capture import Capture, TensorKey
-from core.checks.base import CaptureContext, Check, Reference, add_note, layer_of, tolerance
+from core.checks.base import CaptureContext, Check, Reference, add_note, tolerance
 from core.checks.outputs import forward_output, nonfinite_output
-from core.methods import formulas
+from core.methods import adapter_keys, formulas
 from core.models import merging
-from core.models.checkpoint import Checkpoint
-from core.models.conversion import read_loaded
-from core.models.loading import (
-    Loaded,
-    adapters_task_type,
-    attach_adapter,
-    load_base,
-    read_adapter_config,
-    read_checkpoint,
-    torch_dtype,
-)
-from core.models.validate import TIED_EMBEDDING_NAMES
+from core.models.checkpoint import read_adapter_config, read_checkpoint
+from core.models.conversion import layer_of
+from core.models.loading import Loaded
+from core.models.merging import ROUNDING_ULPS, scale_ulp
 from core.numerics import metrics
 from core.spec import AdapterRef, ProbeSpec, Target
 
-# What each stage runs, in order; the page lists these texts beside its numbers. For LoRA, PEFT's
-# default path adds ΔW as computed (float32 where PEFT upcast a bfloat16/float16 adapter) and rounds
-# once to W's dtype; safe_merge rounds ΔW to W's dtype first, then adds: two roundings.
-STAGES: dict[str, str] = {
-    "unmerged": "the loaded PeftModel's forward, adapter active, nothing merged",
-    "merge_adapter": "model.merge_adapter(adapter_names=[adapter]): PEFT's default path (safe_merge=False), "
-    "W += ΔW in place, on the loaded W",
-    "unmerge_adapter": "model.unmerge_adapter() right after merge_adapter: W −= ΔW; what it leaves is the "
-    "round trip",
-    "safe_merge": "layer.merge(safe_merge=True, adapter_names=[adapter]) module by module, on the loaded W "
-    "restored bit for bit: W + ΔW in a copy, refused (module named) where it holds NaN/Inf",
-    "merge_and_unload": "model.merge_and_unload(adapter_names=[adapter]) with PEFT's defaults "
-    "(safe_merge=False), on the loaded W restored bit for bit",
-    "reload": "the merge_and_unload() model saved with save_pretrained and loaded again on the same target",
-}
-SUBSET_STAGE_TEXT: dict[str, str] = {
-    "subset unmerged": "a fresh base with the adapters loaded, all active: the unmerged sum",
-    "subset merge_adapter sequential": "merge_adapter(adapter_names=[a]) for each adapter in turn (PEFT's "
-    "default path): W rounded to its dtype after each",
-    "subset merge_adapter combined": "add_weighted_adapter(adapters, combination_type='cat') into one "
-    "adapter, then merge_adapter(adapter_names=['combined']), on the loaded W restored bit for bit",
-}
-OUTPUT_STAGES = tuple(STAGES)
-SUBSET_STAGES = tuple(SUBSET_STAGE_TEXT)
-ROLES = ("merged", "roundtrip", "delta", "tied", formulas.SAVED_MODULE, "output")
+ROLES = ("merged", "roundtrip", "delta", "tied", adapter_keys.SAVED_MODULE, "output")
 SUBSET_SEP = "+"
 UNTIE = "untie before merging"
 SAVED_NOTE = (
     "modules_to_save: merge_and_unload puts the adapter's copy of this module in place of the base's "
     "(replaced, not merged: no W + ΔW); compared with the adapter file"
 )
-# Up to this many ulps at the tensor's scale is what rounding a merge's sums and products leaves
-# (measured on the demo: LoRA 1.9 in float32; in bfloat16 0.63 by PEFT's default merge, 1.1 by
-# safe_merge, which rounds ΔW to bfloat16 before adding it; BOFT 2.8 in float32).
-ROUNDING_ULPS = 4.0
 
 
 def key_name(role: str, stage: str, name: str) -> str:
@@ -108,27 +71,6 @@ def _subset_label(names: list[str] | tuple[str, ...]) -> str:
     return SUBSET_SEP.join(names)
 
 
-def _not_for_subset(adapter: AdapterRef) -> str:
-    """Why `adapter` cannot be merged together with others here, in words; "" when it can.
-
-    A plain LoRA only: the others have no `cat` combination. A LoRA that saves modules whole
-    (modules_to_save, a classifier head) neither: all adapters of the subset are active at once, and
-    PEFT keeps one saved copy of a module active at a time (it refuses to activate several).
-    """
-    config = read_adapter_config(adapter)
-    kind = formulas.adapter_type(config)
-    if kind != "lora":
-        return kind
-    if formulas.base_rewriting_init(config) == "olora":  # its merge starts from its own residual of W
-        return "olora (init_lora_weights='olora' rewrites the base weight on load)"
-    saved = formulas.saved_module_names(config)
-    if saved:
-        return (
-            f"saves {', '.join(saved)} whole (modules_to_save), and PEFT activates one saved copy at a time"
-        )
-    return ""
-
-
 class MergeCheck(Check):
     name = "merge"
     description = "merged weights vs W + ΔW in float64, merged vs unmerged outputs, save round trip"
@@ -144,20 +86,20 @@ class MergeCheck(Check):
             return
         adapter = loaded.adapter.name
         meta = out.meta.setdefault(self.name, {}).setdefault("adapters", {}).setdefault(adapter, {})
-        kind = formulas.adapter_type(read_adapter_config(loaded.adapter))
+        kind = adapter_keys.adapter_type(read_adapter_config(loaded.adapter))
         meta["kind"] = kind
         with torch.no_grad():
-            if kind in formulas.ADAPTER_TYPES:
+            if kind in adapter_keys.ADAPTER_TYPES:
                 self._capture_adapter(ctx, loaded, out, meta)
-            elif kind in formulas.PROMPT_LEARNING:  # said in a note and a finding row (`findings_table`)
+            elif kind in adapter_keys.PROMPT_LEARNING:  # said in a note and a finding row (`findings_table`)
                 meta["does_not_apply"] = (
-                    f"{adapter} is a {kind} adapter: {formulas.VIRTUAL_TOKENS}, so merging does not apply"
+                    f"{adapter} is a {kind} adapter: {adapter_keys.VIRTUAL_TOKENS}, so merging does not apply"
                 )
                 out.notes.append(f"merge: {meta['does_not_apply']}")
             else:  # said in a note and a finding row (`findings_table`)
                 meta["not_covered"] = (
                     f"{adapter} is a {kind} adapter; its merge rule is not covered "
-                    f"(supported: {', '.join(formulas.ADAPTER_TYPES)})"
+                    f"(supported: {', '.join(adapter_keys.ADAPTER_TYPES)})"
                 )
                 out.notes.append(f"merge: {meta['not_covered']}")
             # the adapters merged together are the run's, whatever kind the last one is
@@ -169,7 +111,9 @@ class MergeCheck(Check):
 
     def _capture_adapter(self, ctx: CaptureContext, loaded: Loaded, out: Capture, meta: dict) -> None:
         adapter, model = loaded.adapter.name, loaded.model
-        layers = {m: lay for m, (lay, names) in formulas.adapted_modules(model).items() if adapter in names}
+        layers = {
+            m: lay for m, (lay, names) in adapter_keys.adapted_modules(model).items() if adapter in names
+        }
 
         def output(stage: str, m) -> torch.Tensor:
             # Named for what the model returns: logits, or an encoder's last_hidden_state.
@@ -235,23 +179,15 @@ class MergeCheck(Check):
         self._saved_modules_stage(out, loaded, merged)
         if ctx.target == ctx.spec.reference:
             return  # the exact model's save round trip is nobody's question: saves a second model
-        meta["save"] = self._save_round_trip(ctx, merged, adapter, out, output)
+        meta["save"] = merging.save_round_trip(
+            merged, ctx.run_dir, ctx.target, adapter, lambda m: output("reload", m)
+        )
 
     def _saved_modules_stage(self, out: Capture, loaded: Loaded, merged) -> None:
         """The tensors of the modules the adapter saves whole, as ``merge_and_unload`` left them in the
         merged model (the adapter's copies, in place of the base's), under their adapter-file keys."""
-        adapter = loaded.adapter.name
-        names = formulas.saved_module_names(read_adapter_config(loaded.adapter))
-        if not names:
-            return
-        params = merged.state_dict()
-        for key in Checkpoint.open(loaded.adapter.path, prefix="adapter_model").names():
-            saved = formulas.split_saved_module_key(key, names)
-            if saved is None:
-                continue
-            tensor = params.get(f"{saved[0]}.{saved[1]}")
-            if tensor is not None:  # one it lacks gets no row here: the weights check names it
-                self._add(out, adapter, formulas.SAVED_MODULE, "merge_and_unload", key, tensor)
+        for key, tensor in merging.saved_module_tensors(merged, loaded.adapter).items():
+            self._add(out, loaded.adapter.name, adapter_keys.SAVED_MODULE, "merge_and_unload", key, tensor)
 
     def _merged_stage(
         self, out: Capture, adapter: str, model, layers: dict, tied: list, stage: str, output
@@ -267,77 +203,9 @@ class MergeCheck(Check):
                     self._add(out, adapter, "tied", stage, partner, weight)
         output(stage, model)
 
-    def _save_round_trip(self, ctx: CaptureContext, merged, adapter: str, out: Capture, output) -> dict:
-        groups = merging.shared_groups(merged.state_dict())
-        attempts = [merging.try_save_file(merged)]
-        scratch = None
-        if ctx.run_dir is not None:
-            folder = Path(ctx.run_dir) / "merged" / ctx.target.slug / adapter
-        else:  # no run folder (a direct call): save into a scratch folder removed afterwards
-            import tempfile
-
-            scratch = Path(tempfile.mkdtemp(prefix="wd-merged-"))
-            folder = scratch / adapter
-        try:
-            saved = merging.save_pretrained_atomic(merged, folder)
-            attempts.append(saved)
-            reload_error = ""
-            if saved.ok:
-                try:
-                    merging.reload_forward(
-                        saved.folder,
-                        ctx.target.device,
-                        torch_dtype(ctx.target.dtype),
-                        lambda m: output("reload", m),
-                    )
-                except Exception as e:  # a reload failure is a finding of the save report
-                    reload_error = merging.error_text(e)
-        finally:
-            if scratch is not None:
-                import shutil
-
-                shutil.rmtree(scratch, ignore_errors=True)
-                for a in attempts:
-                    a.folder = ""
-        return {
-            "shared": groups,
-            "attempts": [a.__dict__ for a in attempts],
-            "reload_error": reload_error,
-            "fix": merging.save_fix(groups, attempts),
-        }
-
     def subset(self, spec: ProbeSpec) -> tuple[list[AdapterRef], str]:
         """The adapters merged together, and why (or a note saying why none are)."""
-        by_name = {a.name: a for a in spec.adapters}
-        if spec.merge_subset:
-            unknown = [n for n in spec.merge_subset if n not in by_name]
-            if unknown:
-                return [], f"merge subset names adapters not in the run: {', '.join(unknown)}"
-            chosen = [by_name[n] for n in spec.merge_subset]
-            bad = [f"{a.name} ({why})" for a in chosen if (why := _not_for_subset(a))]
-            if bad:
-                return [], (
-                    "merge subset: only plain LoRA adapters can share one PeftModel and be combined "
-                    f"into one adapter here; not {', '.join(bad)}"
-                )
-            if len(chosen) < 2:  # `validate_merge_subset` refuses this up front; a stored spec may hold it
-                return (
-                    [],
-                    "merge subset: fewer than two plain LoRA adapters in the run, nothing merged together",
-                )
-            return chosen, ""
-        # Default: the run's first two plain LoRA adapters (name others with merge_subset).
-        why = {a.name: _not_for_subset(a) for a in spec.adapters}
-        chosen = [a for a in spec.adapters if not why[a.name]][:2]
-        if len(chosen) < 2:
-            # LoRAs left out for their saved modules are named: the user may expect them merged together
-            saving = [f"{n} ({w})" for n, w in why.items() if w.startswith("saves")]
-            return (
-                [],
-                "merge subset: fewer than two plain LoRA adapters in the run, nothing merged together"
-                + (f"; left out: {', '.join(saving)}" if saving else ""),
-            )
-        return chosen, ""
+        return merging.merge_subset(spec)
 
     def _capture_subset(self, ctx: CaptureContext, out: Capture) -> None:
         chosen, why = self.subset(ctx.spec)
@@ -348,15 +216,8 @@ class MergeCheck(Check):
         names = [a.name for a in chosen]
         label = _subset_label(names)
         meta["subset"] = names
-        model = load_base(
-            ctx.spec.base,
-            ctx.target,
-            task_type=adapters_task_type(ctx.spec.adapters),
-            adapters=ctx.spec.adapters,
-        )
-        for a in chosen:
-            model = attach_adapter(model, a, ctx.target)
-        layers = {m: lay for m, (lay, _) in formulas.adapted_modules(model).items()}
+        model = merging.load_with_adapters(ctx.spec, ctx.target, chosen)
+        layers = {m: lay for m, (lay, _) in adapter_keys.adapted_modules(model).items()}
         state = merging.base_state(layers)
 
         def output(stage: str) -> None:
@@ -406,8 +267,10 @@ class MergeCheck(Check):
         notes: dict[str, str] = {}
         parsed = [(k, *parse_name(k.name)) for k in keys]
         by_adapter = {a.name: a for a in spec.adapters}
-        for adapter in sorted({p[0].adapter for p in parsed if p[1] == formulas.SAVED_MODULE}):
-            saved = {p[3]: p[0] for p in parsed if p[1] == formulas.SAVED_MODULE and p[0].adapter == adapter}
+        for adapter in sorted({p[0].adapter for p in parsed if p[1] == adapter_keys.SAVED_MODULE}):
+            saved = {
+                p[3]: p[0] for p in parsed if p[1] == adapter_keys.SAVED_MODULE and p[0].adapter == adapter
+            }
             file = read_checkpoint(by_adapter[adapter].path, prefix="adapter_model", names=set(saved))
             for name, tensor in file.items():
                 tensors[saved[name].encode()] = tensor
@@ -415,13 +278,7 @@ class MergeCheck(Check):
         weight_keys = [p for p in parsed if p[1] in ("merged", "delta", "tied")]
         if weight_keys:
             # the adapted modules' base weights and the embedding a tied head shares, never the whole base
-            names = {f"{p[3]}.weight" for p in weight_keys}
-            if "lm_head.weight" in names:  # a tied head is stored once, as the input embedding
-                names |= {
-                    n for n in Checkpoint.open(spec.base.path).names() if n.endswith(TIED_EMBEDDING_NAMES)
-                }
-            base = read_loaded(spec.base.path, names)  # by the loaded model's names
-            base = _with_tied_aliases(spec, base)
+            base = merging.reference_base(spec, {f"{p[3]}.weight" for p in weight_keys})
             by_name = {a.name: a for a in spec.adapters}
             cache: dict[str, tuple[dict, dict]] = {}
 
@@ -431,7 +288,7 @@ class MergeCheck(Check):
                     files = read_checkpoint(a.path, prefix="adapter_model")
                     if only_keys:  # the drill-down: just the modules asked for
                         wanted = {p[3] for p in weight_keys}
-                        modules = formulas.adapter_module_keys(files)
+                        modules = adapter_keys.adapter_module_keys(files)
                         files = {
                             t: files[t] for m in wanted if m in modules for t in modules[m].keys.values()
                         }
@@ -491,7 +348,7 @@ class MergeCheck(Check):
         role, stage, name = parse_name(key.name)
         if role == "output":
             return {"layer": None, "module": name, "role": "output", "stage": stage}
-        if role == formulas.SAVED_MODULE:  # `name` is the adapter file's key: module path, then parameter
+        if role == adapter_keys.SAVED_MODULE:  # `name` is the adapter file's key: module path, then parameter
             module = name.rsplit(".", 1)[0]
             return {
                 "layer": layer_of(module),
@@ -514,9 +371,9 @@ class MergeCheck(Check):
             info = adapters_meta.get(key.adapter, {})
             kind = info.get("kind", "lora")
             tensor = capture.get(key)
-            if role in ("merged", "delta", "tied", formulas.SAVED_MODULE):
+            if role in ("merged", "delta", "tied", adapter_keys.SAVED_MODULE):
                 ref = reference.tensors.get(key.encode())
-                label = {"tied": "base weight (checkpoint)", formulas.SAVED_MODULE: "checkpoint"}.get(
+                label = {"tied": "base weight (checkpoint)", adapter_keys.SAVED_MODULE: "checkpoint"}.get(
                     role, "fp64 formula"
                 )
                 row = self._row(
@@ -697,54 +554,9 @@ class MergeCheck(Check):
         return {"merge_save": save_table(captures), "merge_findings": findings_table(captures)}
 
 
-def scale_ulp(
-    merged: torch.Tensor, exact: torch.Tensor, before: torch.Tensor | None, dtype: torch.dtype
-) -> float:
-    """max |merged − exact| in ulps (of `dtype`) of the tensor's scale, max(|W|, |W + ΔW|) over all elements.
-
-    `max_ulp` counts ulps of each exact element, which explodes where W + ΔW (or the products inside
-    ΔW) nearly cancel to 0. A merge computed in `dtype` carries rounding errors at the size of the
-    numbers it adds and multiplies, so measured at the tensor's scale about 1 ulp (a few where ΔW is a
-    matmul: 1.9 for the demo LoRA in float32, 2.8 for BOFT) reads as rounding, and tens or more as an
-    error (a wrong scaling, a missing term, a changed W). NaN when shapes differ.
-    """
-    exact = exact.to(torch.float64)
-    if merged.shape != exact.shape:
-        return math.nan
-    diff = (merged.to(torch.float64) - exact).abs()
-    finite = torch.isfinite(diff) & torch.isfinite(exact)
-    if not finite.any():
-        return math.nan
-    scale = exact[finite].abs().max()
-    if before is not None and before.shape == exact.shape:
-        w = before.to(torch.float64)
-        scale = torch.maximum(scale, w[torch.isfinite(w)].abs().max())
-    return float(diff[finite].max() / metrics.ulp(scale.reshape(1), dtype)[0])
-
-
 def _exact_stage(stage: str) -> str:
     """The stage of the cpu/float64 capture an output is compared with: the exact model's unmerged one."""
     return "subset unmerged" if stage.startswith("subset") else "unmerged"
-
-
-def _with_tied_aliases(spec: ProbeSpec, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Base weights plus the tied ones the checkpoint stores once (lm_head.weight → embeddings)."""
-    import json
-
-    try:
-        config = json.loads((Path(spec.base.path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return base
-    tie = config.get("tie_word_embeddings")
-    if tie is None:
-        text = config.get("text_config") or {}
-        tie = text.get("tie_word_embeddings", False)
-    if not tie or "lm_head.weight" in base:
-        return base
-    embed = next((k for k in base if k.endswith(TIED_EMBEDDING_NAMES)), None)
-    if embed is None:
-        return base
-    return {**base, "lm_head.weight": base[embed]}
 
 
 def save_table(captures: list[Capture]) -> pd.DataFrame:

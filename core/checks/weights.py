@@ -9,17 +9,23 @@ from typing import Any
 import torch
 
 from core.capture import BASE, Capture, TensorKey
-from core.checks.base import CaptureContext, Check, Reference, add_note, layer_of, missing_reference_row
-from core.methods.formulas import (
+from core.checks.base import CaptureContext, Check, Reference, add_note, missing_reference_row
+from core.methods.adapter_keys import (
     PROMPT_KEY,
     SAVED_MODULE,
     saved_module_names,
     split_adapter_key,
     split_saved_module_key,
 )
-from core.models.checkpoint import Checkpoint, CheckpointError
-from core.models.conversion import KeyConversion, for_folder, remember
-from core.models.loading import NOT_IN_CHECKPOINT, Loaded, LoadError, read_adapter_config
+from core.models.checkpoint import (
+    NOT_IN_CHECKPOINT,
+    Checkpoint,
+    CheckpointError,
+    LoadError,
+    read_adapter_config,
+)
+from core.models.conversion import KeyConversion, for_folder, layer_of, remember
+from core.models.loading import Loaded
 from core.spec import ProbeSpec
 
 

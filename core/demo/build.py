@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from core.methods.formulas import adapter_type
+from core.methods.adapter_keys import adapter_type
 
 DEMO_VERSION = "2"
 """Bump when the contents change: an existing workspace of another version is rebuilt."""

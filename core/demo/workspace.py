@@ -69,7 +69,7 @@ def find_adapters(
     Each is checked against the base's tensor shapes (no model load), so the list says which ones
     fit; those made for another base come last with the reason.
     """
-    from core.methods.formulas import adapter_type
+    from core.methods.adapter_keys import adapter_type
     from core.models.validate import InputError, read_adapter_config, validate_adapter, validate_model
 
     base_path = Path(base).expanduser()

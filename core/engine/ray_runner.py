@@ -197,13 +197,13 @@ def remote_task(
     """
     ray = import_ray()
     ray_set = restore_process_env(os.environ, initial_environ())  # before torch reads them
-    from core.engine.worker import _sample_process
+    from core.models.memory import sample_process
 
     # the memory timeline's first stages, as a local worker takes them (this process has Ray imported)
-    _sample_process("process start")
+    sample_process("process start")
     import torch  # noqa: F401
 
-    _sample_process("import torch")
+    sample_process("import torch")
     ctx = ray.get_runtime_context()
     info = {
         "node_id": ctx.get_node_id(),
@@ -237,7 +237,7 @@ def remote_task(
 
     def work() -> None:
         from core.engine.worker import run_task
-        from core.models.loading import LoadError
+        from core.models.checkpoint import LoadError
 
         try:
             run_task(task, events.put, cancel.is_set)

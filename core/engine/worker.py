@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from core.models.memory import sample_process
+
 Event = dict[str, Any]
 Emit = Callable[[Event], None]
 
@@ -29,22 +31,6 @@ EXIT_OK = 0
 EXIT_CRASH = 1
 EXIT_USER_ERROR = 3
 EXIT_CANCELLED = 4
-
-
-# Samples a worker process takes of itself before its task starts (process start, after importing
-# torch), for the memory timeline; empty where tasks run in a process that existed before.
-PROCESS_SAMPLES: list[dict[str, Any]] = []
-
-
-def _sample_process(stage: str) -> None:
-    import psutil
-
-    # `python -m core.engine.worker` runs this file as `__main__`; checks read `core.engine.worker.PROCESS_SAMPLES`,
-    # another module object, so the sample goes there.
-    from core.engine import worker
-
-    sample = {"stage": stage, "time": time.time(), "rss": psutil.Process().memory_info().rss}
-    worker.PROCESS_SAMPLES.append(sample)
 
 
 class Cancelled(Exception):
@@ -119,15 +105,8 @@ def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
     from core.capture import BASE, Capture, capture_folder_name
     from core.checks import get_checks
     from core.checks.base import CaptureContext
-    from core.models.checkpoint import release_scratch
-    from core.models.loading import (
-        STRATEGIES,
-        adapters_task_type,
-        float32_fallback_notes,
-        load_config,
-        model_class,
-        probe_inputs,
-    )
+    from core.models.checkpoint import adapters_task_type, load_config, release_scratch
+    from core.models.loading import STRATEGIES, float32_fallback_notes, model_class, probe_inputs
     from core.models.targets import apply_flags, environment
     from core.spec import ProbeSpec, Target
 
@@ -187,21 +166,10 @@ def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
     capture.save(run_dir / "captures" / capture_folder_name(target.slug, own.name if own else "", variant))
 
 
-def keeps_tensors(spec) -> bool:
-    """Whether this run keeps compared tensors whole: asked for, or a base model up to KEEP_TENSORS_UP_TO."""
-    from core.models.checkpoint import Checkpoint, CheckpointError
-    from core.spec import KEEP_TENSORS_UP_TO
-
-    if spec.keep_tensors:
-        return True
-    try:
-        return Checkpoint.open(spec.base.path).nbytes <= KEEP_TENSORS_UP_TO
-    except CheckpointError:  # a hub id, or weights transformers finds elsewhere: assume it is large
-        return False
-
-
 def _comparator(spec, target, checks) -> Callable:
     """`Capture.comparator` for the shared load loop: `compares_in_worker` checks measure each tensor now."""
+    from core.models.checkpoint import keeps_tensors
+
     by_name = {c.name: c for c in checks if c.compares_in_worker}
     keep = keeps_tensors(spec)
 
@@ -304,10 +272,10 @@ def metrics_table(rows: list[dict[str, Any]]):
 
 def main() -> int:
     """Entry point of a worker process: task JSON on stdin, events as JSON lines on stdout."""
-    _sample_process("process start")
+    sample_process("process start")
     import torch  # noqa: F401  (imported here so the memory timeline can say what importing it costs)
 
-    _sample_process("import torch")
+    sample_process("import torch")
     if os.environ.get(PREIMPORT_ENV):
         preimport()
     events = os.fdopen(os.dup(1), "w", buffering=1)
@@ -334,7 +302,7 @@ def main() -> int:
         os.dup2(fd, 1)
         os.close(fd)
     task = Task(**fields)
-    from core.models.loading import LoadError
+    from core.models.checkpoint import LoadError
     from core.spec import SpecError
 
     # The runner knows the stage from the progress events: final events carry only the message.

@@ -9,6 +9,10 @@ contiguous run of elements, so a tensor larger than memory can be compared chunk
 
 `.bin` checkpoints (pickles) are read with ``torch.load(weights_only=True, mmap=True)``; they are
 the exception, kept for older models.
+
+Below the index: what a model or adapter folder's files say for the loaders (`read_checkpoint`, the
+model's config, `adapter_config.json` and what it implies, the heads adapters save, whether a float64
+target fits in memory), with LoadError, the loaders' one-line error.
 """
 
 from __future__ import annotations
@@ -17,11 +21,15 @@ import json
 import math
 import os
 import threading
-from collections.abc import Iterator
+import warnings
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from core.models import validate
+from core.spec import AdapterRef, ModelRef
 
 __all__ = ["Checkpoint", "CheckpointError", "TensorInfo", "SAFETENSORS_DTYPES"]
 
@@ -326,3 +334,174 @@ def _index_shards(folder: Path, prefix: str) -> dict[str, str] | None:
     if bad:
         raise CheckpointError(f"{path}: shard names must be plain file names, not {bad[0]!r}")
     return weight_map
+
+
+def keeps_tensors(spec) -> bool:
+    """Whether this run keeps compared tensors whole: asked for, or a base model up to KEEP_TENSORS_UP_TO."""
+    from core.spec import KEEP_TENSORS_UP_TO
+
+    if spec.keep_tensors:
+        return True
+    try:
+        return Checkpoint.open(spec.base.path).nbytes <= KEEP_TENSORS_UP_TO
+    except CheckpointError:  # a hub id, or weights transformers finds elsewhere: assume it is large
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# What a model or adapter folder's files say, for the loaders (core.models.loading)
+
+
+class LoadError(RuntimeError):
+    """A model or adapter that cannot be loaded, with a one-line reason for the user."""
+
+
+def _quiet_transformers() -> None:
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def load_config(model: ModelRef):
+    """The model's transformers config; LoadError when the folder or hub id gives none."""
+    import transformers
+
+    _quiet_transformers()
+    try:
+        return transformers.AutoConfig.from_pretrained(
+            model.path, revision=model.revision, trust_remote_code=model.trust_remote_code
+        )
+    except Exception as e:
+        raise LoadError(f"{model.path}: not a model folder or reachable hub id ({_first_line(e)})") from e
+
+
+def read_checkpoint(
+    folder: str | Path, prefix: str = "", names: Collection[str] | None = None
+) -> dict[str, torch.Tensor]:
+    """Every tensor of a model or adapter folder (or only `names`), as stored (dtype and values untouched).
+
+    Through `core.models.checkpoint.Checkpoint`: safetensors (one file or shards) read tensor by tensor,
+    so asking for a few names costs their bytes only; `.bin` only with `weights_only=True`.
+    Raises LoadError naming the file when it is missing, truncated or corrupt.
+    """
+    try:
+        checkpoint = Checkpoint.open(folder, prefix=prefix)
+        wanted = checkpoint.names() if names is None else [n for n in checkpoint.names() if n in names]
+        return {name: checkpoint.read(name) for name in wanted}
+    except CheckpointError as e:
+        raise LoadError(str(e)) from e
+
+
+def adapters_task_type(adapters: Collection[AdapterRef]) -> str | None:
+    """The task head the adapters were trained with (PEFT `task_type`); None when none names one.
+
+    Every adapter of a run sits on one base model, so they must agree; LoadError when they do not.
+    """
+    kinds = {a.name: read_adapter_config(a).get("task_type") for a in adapters}
+    named = {k for k in kinds.values() if k}
+    if len(named) > 1:
+        by = ", ".join(f"{n}: {k}" for n, k in kinds.items() if k)
+        raise LoadError(
+            f"the adapters were trained with different task heads ({by}); they cannot share one base"
+        )
+    return next(iter(named), None)
+
+
+def saved_head_labels(config, cls: type, adapters: Collection[AdapterRef]) -> int | None:
+    """The label count of the classifier head the adapters save whole (``modules_to_save``), where it
+    differs from the config's `num_labels`; None where it does not, or the saved heads do not say.
+
+    A base checkpoint without a head (an encoder saved bare) gets a fresh head of the config's
+    `num_labels` (2 by default), which the saved head of a classifier trained with 5 labels does not
+    fit. The count is read from the saved tensors' shapes where they differ from the fresh head's (built
+    on the meta device, no memory) in a dimension of size `num_labels`.
+    """
+    from core.methods.adapter_keys import saved_module_names, split_saved_module_key
+
+    labels = getattr(config, "num_labels", None)
+    saved = {a: saved_module_names(read_adapter_config(a)) for a in adapters}
+    if labels is None or not any(saved.values()):
+        return None
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            shapes = {n: tuple(t.shape) for n, t in cls(config).state_dict().items()}
+    except Exception:  # a class that cannot be built bare (remote code): the load goes on as configured
+        return None
+    found = set()
+    for adapter, names in saved.items():
+        if not names:
+            continue
+        try:
+            checkpoint = Checkpoint.open(adapter.path, prefix="adapter_model")
+        except CheckpointError:  # the adapter's own load says what is wrong with it
+            continue
+        for key in checkpoint.names():
+            split = split_saved_module_key(key, names)
+            fresh = shapes.get(f"{split[0]}.{split[1]}") if split else None
+            stored = tuple(checkpoint.info(key).shape)
+            if fresh is None or len(fresh) != len(stored):
+                continue
+            found |= {s for f, s in zip(fresh, stored, strict=True) if f != s and f == labels}
+    return found.pop() if len(found) == 1 else None
+
+
+# Set by `load_base` on the model: the loaded names of the tensors its checkpoint lacks.
+NOT_IN_CHECKPOINT = "weightdrift_not_in_checkpoint"
+
+
+# A float64 model may cost this much more memory than its checkpoint before it is held in the
+# checkpoint's dtype and upcast one block at a time instead (a 1B float32 model needs 8 GB in float64).
+FLOAT64_HEADROOM = 1 << 30
+
+
+def float64_offload_dtype(model: ModelRef) -> torch.dtype | None:
+    """The dtype to hold a float64 target's model in, when float64 does not fit; None when it does.
+
+    Float64 fits when it costs at most FLOAT64_HEADROOM more than the checkpoint. Otherwise the
+    model is held in the checkpoint's widest floating dtype (widening its values to float64 later is
+    exact, so the forward computes on the very float64 weights a float64 load would have).
+    """
+    try:
+        checkpoint = Checkpoint.open(model.path)
+    except CheckpointError:
+        return None  # a hub id: transformers loads it; no index to size it from here
+    floating = [checkpoint.info(n) for n in checkpoint.names() if checkpoint.info(n).dtype.is_floating_point]
+    if not floating:
+        return None
+    as_float64 = sum(t.numel * 8 for t in floating)
+    if as_float64 <= checkpoint.nbytes + FLOAT64_HEADROOM:
+        return None
+    return max((t.dtype for t in floating), key=lambda d: d.itemsize)
+
+
+def read_adapter_config(adapter: AdapterRef) -> dict:
+    """The adapter's `adapter_config.json` (`core.models.validate` checks it); LoadError saying what is wrong."""
+    try:
+        return validate.read_adapter_config(adapter)
+    except validate.InputError as e:
+        raise LoadError(str(e)) from e
+
+
+def is_pissa(adapter_config: dict) -> bool:
+    init = adapter_config.get("init_lora_weights")
+    return isinstance(init, str) and init.lower().startswith("pissa")
+
+
+def float32_only_init(adapter_config: dict) -> str | None:
+    """ "PiSSA" or "OLoRA" for a LoRA whose init PEFT runs on the base weight in float32 at most (an SVD,
+    a QR: it refuses a float64 base), else None."""
+    init = adapter_config.get("init_lora_weights")
+    if is_pissa(adapter_config):
+        return "PiSSA"
+    return "OLoRA" if isinstance(init, str) and init.lower() == "olora" else None
+
+
+def _first_line(e: BaseException) -> str:
+    """The gist of an exception in one line; a line ending in ':' takes the next one along."""
+    lines = [ln.strip() for ln in (str(e).strip() or type(e).__name__).splitlines() if ln.strip()]
+    text = lines[0]
+    if text.endswith(":") and len(lines) > 1:
+        text = f"{text} {lines[1]}"
+    return text[:400]

@@ -17,6 +17,7 @@ its file tensors read lazily from a `core.models.checkpoint.Checkpoint`).
 from __future__ import annotations
 
 import functools
+import re
 import threading
 from collections.abc import Iterable
 from copy import deepcopy
@@ -27,6 +28,16 @@ from typing import Any
 import torch
 
 from core.models.checkpoint import Checkpoint
+
+# A transformer block's index in a parameter or module name (`….layers.3.…`, `….h.3.…`).
+LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)")
+
+
+def layer_of(name: str) -> int | None:
+    """The transformer block index in a parameter or module name, if any."""
+    m = LAYER_RE.search(name)
+    return int(m.group(1)) if m else None
+
 
 __all__ = ["KeyConversion", "for_folder", "read_loaded", "remember"]
 

@@ -22,13 +22,14 @@ records those of `placement.parquet` (PLACEMENT_COLUMNS) followed by a few extra
 from __future__ import annotations
 
 import ctypes
-import gc
 import os
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
+if TYPE_CHECKING:  # imported where used: a worker samples its own start before any heavy import
+    import pandas as pd
 
 TIMELINE_COLUMNS = ("stage", "order", "device", "allocated", "reserved", "driver_used", "rss", "context")
 PLACEMENT_COLUMNS = ("name", "module", "role", "adapter", "device", "dtype", "bytes")
@@ -44,6 +45,10 @@ BASE_LOADED = "base loaded"
 FIRST_FORWARD = "first forward"
 MERGED = "merged"
 CLEANED_UP = "unloaded and cleaned up"
+
+# Samples a worker process takes of itself before its task starts (process start, after importing
+# torch), for the memory timeline; empty where tasks run in a process that existed before.
+PROCESS_SAMPLES: list[dict[str, Any]] = []
 
 PEFT_PREFIX = "base_model.model."
 # Path parts that hold the wrapped base module inside a PEFT layer (its parameters are base).
@@ -86,6 +91,11 @@ def rss_bytes() -> int:
     import psutil
 
     return int(psutil.Process().memory_info().rss)
+
+
+def sample_process(stage: str) -> None:
+    """This process's RSS now, as stage `stage`, into PROCESS_SAMPLES (the memory check reads them)."""
+    PROCESS_SAMPLES.append({"stage": stage, "time": time.time(), "rss": rss_bytes()})
 
 
 def normalize_device(device: str) -> str:
@@ -298,20 +308,6 @@ class StageSampler:
             )
 
 
-def cleanup() -> None:
-    """What a user does to give memory back: collect garbage, then empty PyTorch's CUDA cache."""
-    gc.collect()
-    try:
-        import torch
-
-        # No synchronize(): it acts on the current device (cuda:0) and would create a context
-        # there for a run on cuda:1. empty_cache frees cached blocks only where there are some.
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
-    except Exception:  # cleanup is best effort; what remains is what the next sample measures
-        pass
-
-
 # ---------------------------------------------------------------------------------------------
 # Placement map
 
@@ -347,7 +343,7 @@ def placement_map(
     the bytes, later ones carry 0 bytes and name the first in `shared_with`, so that sums are
     the memory the model really holds.
     """
-    from core.checks.base import layer_of
+    from core.models.conversion import layer_of
 
     names = set(adapters)
     seen: dict[tuple, str] = {}
@@ -433,6 +429,8 @@ def module_device_bytes(placement: pd.DataFrame, by: str = "module") -> pd.DataF
     `by="module"` uses the full layer path; `by="kind"` its last part (`q_proj`, …), summed
     over layers, for models too large to show layer by layer.
     """
+    import pandas as pd
+
     if placement.empty:
         return pd.DataFrame()
     table = placement.assign(module=placement["module"].fillna("").replace("", "(root)"))
@@ -464,6 +462,8 @@ def adapter_device_summary(
     bytes_by_device, tensors, hidden: True where PEFT's view cannot show what is wrong (one
     type on several indices, or a device of the asked-for type but another index).
     """
+    import pandas as pd
+
     columns = ["adapter", "get_layer_status", "devices", "bytes_by_device", "tensors", "hidden"]
     if placement.empty or "adapter" not in placement:
         return pd.DataFrame(columns=columns)
@@ -645,6 +645,8 @@ def leak_figures(timeline: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
     minus baseline; None where the figure is unknown). The base-load baseline is the stage
     right before BASE_LOADED (imports done); on CUDA the allocator figures should return to 0.
     """
+    import pandas as pd
+
     table = pd.DataFrame(list(timeline))
     columns = ["device", "baseline_stage", "allocated", "reserved", "driver_used", "rss"]
     if table.empty or CLEANED_UP not in set(table["stage"]):

@@ -3,11 +3,15 @@ weights restored bit for bit between merges, NaN/Inf a merge wrote into W, save 
 
 Pure helpers on a loaded model (no metrics, no Streamlit): the `merge` check calls them on each
 target and turns what they return into metric rows and report tables. Everything reported is
-what the libraries did on this model, never a hard-coded expectation.
+what the libraries did on this model, never a hard-coded expectation. Also here: what each merge
+stage runs (`STAGES`, the page's texts), the error at the tensor's scale (`scale_ulp`), which adapters
+merge together (`merge_subset`) and the base weights a float64 reference merges into (`reference_base`).
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import secrets
 import shutil
@@ -20,7 +24,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from core.methods import formulas
+from core.methods import adapter_keys, formulas
+from core.models.checkpoint import Checkpoint, adapters_task_type, read_adapter_config
+from core.models.validate import TIED_EMBEDDING_NAMES
+from core.numerics.tolerance import ulp
+from core.spec import AdapterRef, ProbeSpec, Target
 
 # PEFT's own test tolerances (tests/testing_common.py, PEFT 0.21): `_test_merge_layers` compares
 # unmerged, merge_adapter, unmerge_adapter, merge_and_unload and the save/reload logits with
@@ -44,6 +52,36 @@ PEFT_TOL_SOURCE = {
 }
 # The stages that merge with safe_merge=True (the `merge` check's names): PEFT tests those at 1e-6.
 SAFE_MERGE_STAGES = ("safe_merge",)
+
+# What each stage runs, in order; the page lists these texts beside its numbers. For LoRA, PEFT's
+# default path adds ΔW as computed (float32 where PEFT upcast a bfloat16/float16 adapter) and rounds
+# once to W's dtype; safe_merge rounds ΔW to W's dtype first, then adds: two roundings.
+STAGES: dict[str, str] = {
+    "unmerged": "the loaded PeftModel's forward, adapter active, nothing merged",
+    "merge_adapter": "model.merge_adapter(adapter_names=[adapter]): PEFT's default path (safe_merge=False), "
+    "W += ΔW in place, on the loaded W",
+    "unmerge_adapter": "model.unmerge_adapter() right after merge_adapter: W −= ΔW; what it leaves is the "
+    "round trip",
+    "safe_merge": "layer.merge(safe_merge=True, adapter_names=[adapter]) module by module, on the loaded W "
+    "restored bit for bit: W + ΔW in a copy, refused (module named) where it holds NaN/Inf",
+    "merge_and_unload": "model.merge_and_unload(adapter_names=[adapter]) with PEFT's defaults "
+    "(safe_merge=False), on the loaded W restored bit for bit",
+    "reload": "the merge_and_unload() model saved with save_pretrained and loaded again on the same target",
+}
+SUBSET_STAGE_TEXT: dict[str, str] = {
+    "subset unmerged": "a fresh base with the adapters loaded, all active: the unmerged sum",
+    "subset merge_adapter sequential": "merge_adapter(adapter_names=[a]) for each adapter in turn (PEFT's "
+    "default path): W rounded to its dtype after each",
+    "subset merge_adapter combined": "add_weighted_adapter(adapters, combination_type='cat') into one "
+    "adapter, then merge_adapter(adapter_names=['combined']), on the loaded W restored bit for bit",
+}
+OUTPUT_STAGES = tuple(STAGES)
+SUBSET_STAGES = tuple(SUBSET_STAGE_TEXT)
+
+# Up to this many ulps at the tensor's scale is what rounding a merge's sums and products leaves
+# (measured on the demo: LoRA 1.9 in float32; in bfloat16 0.63 by PEFT's default merge, 1.1 by
+# safe_merge, which rounds ΔW to bfloat16 before adding it; BOFT 2.8 in float32).
+ROUNDING_ULPS = 4.0
 
 
 def peft_tolerance(kind: str, stage: str) -> float:
@@ -117,7 +155,7 @@ def tied_adapted_modules(peft_model: nn.Module, adapter: str) -> list[TiedFindin
     """
     groups = model_tied_groups(peft_model)
     findings = []
-    for module, (layer, names) in formulas.adapted_modules(peft_model).items():
+    for module, (layer, names) in adapter_keys.adapted_modules(peft_model).items():
         if adapter not in names:
             continue
         weight = layer.get_base_layer().weight
@@ -154,7 +192,7 @@ def merge_modules(peft_model: nn.Module, adapters: list[str], safe: bool = True)
     every broken module while the others merge.
     """
     errors: dict[str, str] = {}
-    for module, (layer, names) in formulas.adapted_modules(peft_model).items():
+    for module, (layer, names) in adapter_keys.adapted_modules(peft_model).items():
         for adapter in adapters:
             if adapter not in names:
                 continue
@@ -167,7 +205,7 @@ def merge_modules(peft_model: nn.Module, adapters: list[str], safe: bool = True)
 
 def unmerge_modules(peft_model: nn.Module) -> None:
     """`unmerge()` on every merged tuner layer (PEFT's `unmerge_adapter`)."""
-    for _, (layer, _) in formulas.adapted_modules(peft_model).items():
+    for _, (layer, _) in adapter_keys.adapted_modules(peft_model).items():
         if layer.merged:
             layer.unmerge()
 
@@ -339,3 +377,194 @@ def reload_forward(
         return forward(model)
     finally:
         del model
+
+
+def save_round_trip(
+    merged: nn.Module,
+    run_dir: str | Path | None,
+    target: Target,
+    adapter: str,
+    on_reload: Callable[[nn.Module], Any],
+) -> dict:
+    """The save report of a merged model: shared tensors, which save paths work (`try_save_file`, then
+    `save_pretrained_atomic` into ``run_dir/merged/<target>/<adapter>``, or a scratch folder removed
+    afterwards without a run folder) and a reload on the same target, whose model `on_reload` gets."""
+    from core.models.loading import torch_dtype
+
+    groups = shared_groups(merged.state_dict())
+    attempts = [try_save_file(merged)]
+    scratch = None
+    if run_dir is not None:
+        folder = Path(run_dir) / "merged" / target.slug / adapter
+    else:  # no run folder (a direct call): save into a scratch folder removed afterwards
+        scratch = Path(tempfile.mkdtemp(prefix="wd-merged-"))
+        folder = scratch / adapter
+    try:
+        saved = save_pretrained_atomic(merged, folder)
+        attempts.append(saved)
+        reload_error = ""
+        if saved.ok:
+            try:
+                reload_forward(saved.folder, target.device, torch_dtype(target.dtype), on_reload)
+            except Exception as e:  # a reload failure is a finding of the save report
+                reload_error = error_text(e)
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+            for a in attempts:
+                a.folder = ""
+    return {
+        "shared": groups,
+        "attempts": [a.__dict__ for a in attempts],
+        "reload_error": reload_error,
+        "fix": save_fix(groups, attempts),
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# Measuring a merge, and which adapters merge together
+# --------------------------------------------------------------------------------------------------
+
+
+def scale_ulp(
+    merged: torch.Tensor, exact: torch.Tensor, before: torch.Tensor | None, dtype: torch.dtype
+) -> float:
+    """max |merged − exact| in ulps (of `dtype`) of the tensor's scale, max(|W|, |W + ΔW|) over all elements.
+
+    `max_ulp` counts ulps of each exact element, which explodes where W + ΔW (or the products inside
+    ΔW) nearly cancel to 0. A merge computed in `dtype` carries rounding errors at the size of the
+    numbers it adds and multiplies, so measured at the tensor's scale about 1 ulp (a few where ΔW is a
+    matmul: 1.9 for the demo LoRA in float32, 2.8 for BOFT) reads as rounding, and tens or more as an
+    error (a wrong scaling, a missing term, a changed W). NaN when shapes differ.
+    """
+    exact = exact.to(torch.float64)
+    if merged.shape != exact.shape:
+        return math.nan
+    diff = (merged.to(torch.float64) - exact).abs()
+    finite = torch.isfinite(diff) & torch.isfinite(exact)
+    if not finite.any():
+        return math.nan
+    scale = exact[finite].abs().max()
+    if before is not None and before.shape == exact.shape:
+        w = before.to(torch.float64)
+        scale = torch.maximum(scale, w[torch.isfinite(w)].abs().max())
+    return float(diff[finite].max() / ulp(scale.reshape(1), dtype)[0])
+
+
+def saved_module_tensors(merged: nn.Module, adapter: AdapterRef) -> dict[str, torch.Tensor]:
+    """The tensors of the modules `adapter` saves whole (``modules_to_save``) as the merged model holds them,
+    by their adapter-file keys; a key the model lacks is left out (the weights check names it)."""
+    names = adapter_keys.saved_module_names(read_adapter_config(adapter))
+    if not names:
+        return {}
+    params = merged.state_dict()
+    found = {}
+    for key in Checkpoint.open(adapter.path, prefix="adapter_model").names():
+        saved = adapter_keys.split_saved_module_key(key, names)
+        if saved is None:
+            continue
+        tensor = params.get(f"{saved[0]}.{saved[1]}")
+        if tensor is not None:
+            found[key] = tensor
+    return found
+
+
+def load_with_adapters(spec: ProbeSpec, target: Target, adapters: list[AdapterRef]) -> nn.Module:
+    """A fresh base of the run on `target` with `adapters` loaded onto it, one PeftModel."""
+    from core.models.loading import attach_adapter, load_base
+
+    model = load_base(
+        spec.base,
+        target,
+        task_type=adapters_task_type(spec.adapters),
+        adapters=spec.adapters,
+    )
+    for a in adapters:
+        model = attach_adapter(model, a, target)
+    return model
+
+
+def reference_base(spec: ProbeSpec, names: set[str]) -> dict[str, torch.Tensor]:
+    """The base weights `names` (the adapted modules' weights) by the loaded model's names, read from the
+    checkpoint, with the embedding a tied head shares: never the whole base."""
+    from core.models.conversion import read_loaded
+
+    if "lm_head.weight" in names:  # a tied head is stored once, as the input embedding
+        names = names | {
+            n for n in Checkpoint.open(spec.base.path).names() if n.endswith(TIED_EMBEDDING_NAMES)
+        }
+    base = read_loaded(spec.base.path, names)  # by the loaded model's names
+    return with_tied_aliases(spec, base)
+
+
+def with_tied_aliases(spec: ProbeSpec, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Base weights plus the tied ones the checkpoint stores once (lm_head.weight → embeddings)."""
+    try:
+        config = json.loads((Path(spec.base.path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return base
+    tie = config.get("tie_word_embeddings")
+    if tie is None:
+        text = config.get("text_config") or {}
+        tie = text.get("tie_word_embeddings", False)
+    if not tie or "lm_head.weight" in base:
+        return base
+    embed = next((k for k in base if k.endswith(TIED_EMBEDDING_NAMES)), None)
+    if embed is None:
+        return base
+    return {**base, "lm_head.weight": base[embed]}
+
+
+def not_for_subset(adapter: AdapterRef) -> str:
+    """Why `adapter` cannot be merged together with others here, in words; "" when it can.
+
+    A plain LoRA only: the others have no `cat` combination. A LoRA that saves modules whole
+    (modules_to_save, a classifier head) neither: all adapters of the subset are active at once, and
+    PEFT keeps one saved copy of a module active at a time (it refuses to activate several).
+    """
+    config = read_adapter_config(adapter)
+    kind = adapter_keys.adapter_type(config)
+    if kind != "lora":
+        return kind
+    if formulas.base_rewriting_init(config) == "olora":  # its merge starts from its own residual of W
+        return "olora (init_lora_weights='olora' rewrites the base weight on load)"
+    saved = adapter_keys.saved_module_names(config)
+    if saved:
+        return (
+            f"saves {', '.join(saved)} whole (modules_to_save), and PEFT activates one saved copy at a time"
+        )
+    return ""
+
+
+def merge_subset(spec: ProbeSpec) -> tuple[list[AdapterRef], str]:
+    """The adapters merged together, and why (or a note saying why none are)."""
+    by_name = {a.name: a for a in spec.adapters}
+    if spec.merge_subset:
+        unknown = [n for n in spec.merge_subset if n not in by_name]
+        if unknown:
+            return [], f"merge subset names adapters not in the run: {', '.join(unknown)}"
+        chosen = [by_name[n] for n in spec.merge_subset]
+        bad = [f"{a.name} ({why})" for a in chosen if (why := not_for_subset(a))]
+        if bad:
+            return [], (
+                "merge subset: only plain LoRA adapters can share one PeftModel and be combined "
+                f"into one adapter here; not {', '.join(bad)}"
+            )
+        if len(chosen) < 2:  # `validate_merge_subset` refuses this up front; a stored spec may hold it
+            return (
+                [],
+                "merge subset: fewer than two plain LoRA adapters in the run, nothing merged together",
+            )
+        return chosen, ""
+    # Default: the run's first two plain LoRA adapters (name others with merge_subset).
+    why = {a.name: not_for_subset(a) for a in spec.adapters}
+    chosen = [a for a in spec.adapters if not why[a.name]][:2]
+    if len(chosen) < 2:
+        # LoRAs left out for their saved modules are named: the user may expect them merged together
+        saving = [f"{n} ({w})" for n, w in why.items() if w.startswith("saves")]
+        return (
+            [],
+            "merge subset: fewer than two plain LoRA adapters in the run, nothing merged together"
+            + (f"; left out: {', '.join(saving)}" if saving else ""),
+        )
+    return chosen, ""

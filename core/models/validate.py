@@ -139,7 +139,7 @@ def validate_model(model: ModelRef) -> dict[str, tuple[int, ...]] | None:
 
 def validate_adapter(adapter: AdapterRef, base_shapes: dict[str, tuple[int, ...]] | None, base: str) -> None:
     """The adapter folder is intact and its modules exist in the base with fitting shapes."""
-    from core.methods.formulas import split_adapter_key
+    from core.methods.adapter_keys import split_adapter_key
 
     config = read_adapter_config(adapter)
     shapes = weight_shapes(Path(adapter.path).expanduser(), prefix="adapter_model")
@@ -241,7 +241,8 @@ def validate_inputs(spec: ProbeSpec) -> None:
 def validate_family(spec: ProbeSpec) -> None:
     """The model's class (from its config and the adapters' task head) and its probe input, from the
     config alone: a model the tool cannot run is refused here, not after loading it."""
-    from core.models.loading import LoadError, adapters_task_type, load_config, model_class, probe_inputs
+    from core.models.checkpoint import LoadError, adapters_task_type, load_config
+    from core.models.loading import model_class, probe_inputs
 
     try:
         config = load_config(spec.base)

@@ -12,7 +12,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from core.checks.merge import OUTPUT_STAGES, STAGES, SUBSET_STAGE_TEXT, SUBSET_STAGES
+from core.models.merging import OUTPUT_STAGES, STAGES, SUBSET_STAGE_TEXT, SUBSET_STAGES
 from core.report import SEVERITY
 from dashboard.figures.common import VERDICT_COLORS, VERDICT_SYMBOLS, empty_figure
 from dashboard.text import plot_text

@@ -1,4 +1,5 @@
-"""The target × target matrix of a run's pairwise rows (`core.engine.pairwise`): a pure DataFrame → Plotly builder."""
+"""The Overview page's figures: verdict counts per check and target, and the target × target matrix of a
+run's pairwise rows (`core.engine.pairwise`). Pure DataFrame → Plotly builders."""
 
 from __future__ import annotations
 
@@ -7,7 +8,16 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from core.engine.pairwise import DIFFERS, PAIR_SEVERITY
-from dashboard.figures.common import UNKNOWN_COLOR, VERDICT_COLORS, VERDICT_SYMBOLS, _fmt, empty_figure
+from core.report import VERDICT_ORDER
+from dashboard.figures.common import (
+    UNKNOWN_COLOR,
+    VERDICT_COLORS,
+    VERDICT_SYMBOLS,
+    _fmt,
+    _verdict_color,
+    _verdict_symbol,
+    empty_figure,
+)
 from dashboard.text import plot_text
 
 # `differs` (hashes differ, tensors not kept) is neither a pass nor a measured failure: grey-violet.
@@ -83,3 +93,54 @@ def snapshot_sources(imported: list[dict]) -> pd.DataFrame:
             for i in imported
         ]
     )
+
+
+def verdict_counts_figure(counts: pd.DataFrame) -> go.Figure:
+    """Horizontal stacked bars of verdict counts, one bar per "check · target".
+
+    ``counts`` is ``core.report.verdicts_by_check_target(table)``; one trace per verdict, in
+    ``VERDICT_ORDER``, coloured by verdict.
+    """
+    labels = [f"{c} · {t}" for c, t in zip(counts.get("check", []), counts.get("target", []), strict=True)]
+    fig = go.Figure()
+    for verdict in VERDICT_ORDER:
+        n = (
+            pd.to_numeric(counts[verdict], errors="coerce").fillna(0).astype(int).tolist()
+            if verdict in counts.columns
+            else [0] * len(labels)
+        )
+        fig.add_trace(
+            go.Bar(
+                y=labels,
+                x=n,
+                orientation="h",
+                name=f"{_verdict_symbol(verdict)} {verdict}",
+                marker={"color": _verdict_color(verdict)},
+                # Labels only on non-empty segments; a "0" would float over the neighbouring bar.
+                text=[str(v) if v else "" for v in n],
+                textposition="inside",
+                textangle=0,  # counts in narrow bars stay upright (smaller) rather than turned 90°
+                insidetextanchor="middle",
+                hovertemplate=f"%{{y}}<br>{verdict}: %{{x}}<extra></extra>",
+            )
+        )
+    height = max(220, 110 + 30 * len(labels))
+    fig.update_layout(
+        barmode="stack",
+        height=height,
+        xaxis_title="tensors / outputs",
+        yaxis={"autorange": "reversed", "type": "category"},
+        # plotly reverses the legend of stacked bars by default; keep it in severity order.
+        legend={
+            "orientation": "h",
+            "yanchor": "bottom",
+            "y": 1.02,
+            "xanchor": "left",
+            "x": 0,
+            "traceorder": "normal",
+        },
+        margin={"t": 60},
+    )
+    if not labels:
+        fig.add_annotation(text="no rows", showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5)
+    return fig

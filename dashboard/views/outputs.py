@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard.figures.common import outputs_figure
+from dashboard.figures.outputs import outputs_figure
 from dashboard.state import metrics_table
 from dashboard.text import inert, literal
 from dashboard.ui import METRIC_COLUMN_CONFIG, check_not_run, csv_download, figure_download, finished_run

@@ -6,8 +6,8 @@ import streamlit as st
 
 from core import report
 from core.engine.pairwise import pair_matrix
-from dashboard.figures.common import environment_table, highlight_differences, verdict_counts_figure
-from dashboard.figures.overview import pairwise_figure, snapshot_sources
+from dashboard.figures.common import environment_table, highlight_differences
+from dashboard.figures.overview import pairwise_figure, snapshot_sources, verdict_counts_figure
 from dashboard.state import metrics_table, result_pages, run_table, view_query
 from dashboard.text import inert, literal, trusted
 from dashboard.ui import METRIC_COLUMN_CONFIG, csv_download, downloads, finished_run

@@ -1,0 +1,252 @@
+"""Adapter checkpoints and configs by name: which adapter type a config is, how checkpoint keys map to
+base-model modules and parameters (PEFT's ``base_model.model.`` prefix, ``modules_to_save`` copies, VeRA's
+shared projections, prompt learning's virtual tokens), the per-module config values the merge rules read,
+and which module of a loaded PEFT model holds which adapters. The ΔW math itself is in `formulas`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+ADAPTER_TYPES = ("lora", "dora", "pissa", "boft", "oft", "ia3", "loha", "lokr", "vera", "adalora")
+"""Adapter types `formulas` knows the merge rule of."""
+PROMPT_LEARNING = ("prompt_tuning", "multitask_prompt_tuning", "p_tuning", "prefix_tuning", "cpt")
+"""Adapter types whose trained tensors are virtual tokens fed with the input (PEFT's prompt learning):
+they change no weight of the base, so there is no ΔW and nothing to merge."""
+VIRTUAL_TOKENS = (
+    "its trained virtual tokens are prepended to the input (prefix tuning: to every layer's keys and values) "
+    "and change no weight of the base"
+)
+"""What a prompt-learning adapter does, in the words the checks that do not apply to it give."""
+PROMPT_KEY = "prompt_embeddings"
+"""The one key prompt learning saves its virtual tokens under (no module path: no dot)."""
+SAVED_MODULE = "modules_to_save"
+"""The role of a module an adapter saves whole (``modules_to_save``: a classifier head, embeddings)."""
+
+# PeftModel.save_pretrained writes keys as "base_model.model.<module path>.<param>"
+# (the adapter name is stripped); injected models without the wrapper have no prefix.
+_PEFT_PREFIX = "base_model.model."
+# Prompt-learning PeftModels hold the transformers model as `base_model` itself: their
+# modules_to_save copies are saved as "base_model.<module path>.<param>".
+_PROMPT_PREFIX = "base_model."
+
+# Parameter names an adapter checkpoint can hold per module, longest first so that
+# "lora_B.bias" is not mistaken for a module named "...lora_B".
+_PARAM_NAMES = (
+    "lora_magnitude_vector",
+    "lora_embedding_A",
+    "lora_embedding_B",
+    "lora_A.weight",
+    "lora_B.weight",
+    "lora_B.bias",
+    # a copy of the base embedding PEFT saves with LoRA on embeddings (save_embedding_layers); it is
+    # the module's base weight, no part of ΔW
+    "base_layer.weight",
+    "oft_R.weight",
+    "boft_R",
+    "boft_s",
+    "ia3_l",
+    # LoHa, LoKr, VeRA and AdaLoRA keep their tensors in ParameterDicts: no ".weight" suffix
+    "hada_w1_a",
+    "hada_w1_b",
+    "hada_w2_a",
+    "hada_w2_b",
+    "hada_t1",
+    "hada_t2",
+    "lokr_w1_a",
+    "lokr_w1_b",
+    "lokr_w2_a",
+    "lokr_w2_b",
+    "lokr_t2",
+    "lokr_w1",
+    "lokr_w2",
+    "vera_lambda_b",
+    "vera_lambda_d",
+    "lora_A",
+    "lora_B",
+    "lora_E",
+)
+
+# VeRA's random projections, one pair shared by every adapted module, saved once at the top level
+# (with save_projection=True, PEFT's default): checkpoint key -> parameter name in each module's keys.
+_SHARED_KEYS = {"base_model.vera_A": "vera_A", "base_model.vera_B": "vera_B"}
+
+
+# --------------------------------------------------------------------------------------------------
+# Config helpers
+# --------------------------------------------------------------------------------------------------
+
+
+def adapter_type(adapter_config: Mapping[str, Any]) -> str:
+    """Classify an ``adapter_config.json`` dict as lora, dora, pissa, boft, oft, ia3, or another peft type.
+
+    LoRA with ``use_dora`` is ``dora``; LoRA whose ``init_lora_weights`` is a string starting with
+    ``pissa`` is ``pissa``; other types are the lowercased ``peft_type``.
+    """
+    peft_type = adapter_config.get("peft_type")
+    if not peft_type:
+        raise ValueError("adapter config has no 'peft_type'; is this an adapter_config.json?")
+    peft_type = str(peft_type).rsplit(".", 1)[-1].upper()  # tolerate "PeftType.LORA"
+    if peft_type == "LORA":
+        if adapter_config.get("use_dora"):
+            return "dora"
+        init = adapter_config.get("init_lora_weights")
+        if isinstance(init, str) and init.lower().startswith("pissa"):
+            return "pissa"
+        return "lora"
+    return peft_type.lower()
+
+
+def _pattern_value(patterns: Mapping[str, Any] | None, module: str, default: Any) -> Any:
+    """Value of the first ``rank_pattern``/``alpha_pattern`` key matching ``module``, else ``default``.
+
+    Same rule as PEFT's ``get_pattern_key``: a key matches when it matches the end of the module
+    path at a dot boundary, as a regular expression; the first matching key in dict order wins.
+    """
+    for key, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def _lora_rank_and_scaling(config: Mapping[str, Any], module: str) -> tuple[int, float]:
+    """LoRA rank and scaling for one module: ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA)."""
+    r = int(_pattern_value(config.get("rank_pattern"), module, config.get("r", 8)))
+    alpha = float(_pattern_value(config.get("alpha_pattern"), module, config.get("lora_alpha", 8)))
+    scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+    return r, scaling
+
+
+def _ia3_is_feedforward(config: Mapping[str, Any], module: str) -> bool:
+    """Whether IA3 treats ``module`` as feedforward (scales the input), as PEFT's IA3 model decides."""
+    ff = config.get("feedforward_modules") or []
+    if isinstance(ff, str):
+        return re.fullmatch(ff, module) is not None
+    return any(module.endswith(name) for name in ff)
+
+
+# --------------------------------------------------------------------------------------------------
+# Checkpoint key mapping
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AdapterModule:
+    """The tensors one adapted module holds in an adapter checkpoint."""
+
+    module: str
+    """Base-model module path, e.g. ``model.layers.0.self_attn.q_proj``."""
+    keys: dict[str, str]
+    """Parameter name (``lora_A.weight``, ``boft_R``, ...) -> key in the checkpoint."""
+
+
+def split_adapter_key(key: str) -> tuple[str, str] | None:
+    """``base_model.model.X.lora_A.weight`` → (``X``, ``lora_A.weight``); None if no adapter parameter."""
+    path = key[len(_PEFT_PREFIX) :] if key.startswith(_PEFT_PREFIX) else key
+    param = next((p for p in _PARAM_NAMES if path.endswith("." + p)), None)
+    if param is None:
+        return None
+    return path[: -len(param) - 1], param
+
+
+def saved_module_names(adapter_config: Mapping[str, Any]) -> tuple[str, ...]:
+    """The ``modules_to_save`` names of an ``adapter_config.json`` dict (PEFT may list one twice)."""
+    names = adapter_config.get("modules_to_save") or ()
+    if isinstance(names, str):
+        names = (names,)
+    return tuple(dict.fromkeys(str(n) for n in names))
+
+
+def split_saved_module_key(key: str, saved_modules: tuple[str, ...] | list[str]) -> tuple[str, str] | None:
+    """``base_model.model.classifier.dense.weight`` → (``classifier``, ``dense.weight``) when
+    ``classifier`` is one of ``saved_modules`` (PEFT's ``modules_to_save``); None otherwise.
+
+    PEFT saves such a module whole, under its own path with the wrapper's
+    ``modules_to_save.<adapter>`` part stripped (kept by older saves: stripped here too). A name matches
+    the module path or its end at a dot boundary, as PEFT matches ``modules_to_save``.
+    """
+    for prefix in (_PEFT_PREFIX, _PROMPT_PREFIX):
+        if key.startswith(prefix):
+            path = key[len(prefix) :]
+            break
+    else:
+        path = key
+    path = re.sub(r"\.modules_to_save\.[^.]+\.", ".", path)
+    parts = path.split(".")
+    for end in range(1, len(parts)):  # the shortest module path that is a saved module
+        module = ".".join(parts[:end])
+        if any(module == n or module.endswith("." + n) for n in saved_modules):
+            return module, ".".join(parts[end:])
+    return None
+
+
+def adapter_module_keys(
+    adapter_tensors: Mapping[str, torch.Tensor], saved_modules: tuple[str, ...] = ()
+) -> dict[str, AdapterModule]:
+    """Group adapter-checkpoint keys by the base-model module they adapt.
+
+    ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` becomes module
+    ``model.layers.0.self_attn.q_proj`` with parameter ``lora_A.weight``. Copies of the modules
+    ``saved_modules`` names (the config's ``modules_to_save``, see :func:`saved_module_names`) are left
+    out: such a module is replaced whole, it has no ΔW formula. Raises ``ValueError`` for other keys
+    that are no known adapter parameter (trainable tokens, ...), because silently leaving them out
+    would report a partial ΔW as the whole one.
+    """
+    modules: dict[str, dict[str, str]] = {}
+    unknown: list[str] = []
+    shared = {_SHARED_KEYS[k]: k for k in adapter_tensors if k in _SHARED_KEYS}
+    for key in adapter_tensors:
+        if key in _SHARED_KEYS or split_saved_module_key(key, saved_modules) is not None:
+            continue
+        split = split_adapter_key(key)
+        if split is None:
+            unknown.append(key)
+            continue
+        modules.setdefault(split[0], {})[split[1]] = key
+    if unknown:
+        shown = ", ".join(sorted(unknown)[:5])
+        more = f" (and {len(unknown) - 5} more)" if len(unknown) > 5 else ""
+        raise ValueError(
+            f"adapter checkpoint has tensors that are no {'/'.join(ADAPTER_TYPES)} parameter: {shown}{more}; "
+            "trainable tokens and modules_to_save copies the config does not list are not covered "
+            "by reference_deltas"
+        )
+    # every module reads the shared projections (VeRA), so each lists their keys as its own
+    return {m: AdapterModule(module=m, keys={**k, **shared}) for m, k in sorted(modules.items())}
+
+
+def _adapter_names(layer: nn.Module) -> list[str]:
+    """Adapter names a tuner layer holds, in insertion order, across its adapter parameter dicts."""
+    names: dict[str, None] = {}
+    for attr in layer.adapter_layer_names:
+        container = getattr(layer, attr, None)
+        if isinstance(container, (nn.ModuleDict, nn.ParameterDict, dict)):
+            names.update(dict.fromkeys(container.keys()))
+    return list(names)
+
+
+def adapted_modules(peft_model: nn.Module) -> dict[str, tuple[nn.Module, list[str]]]:
+    """Map base-module path (as in :func:`reference_deltas`) to ``(PEFT tuner layer, adapter names)``.
+
+    Works on a ``PeftModel`` (the ``base_model.model.`` prefix is stripped) and on a model with
+    adapters injected directly.
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    out: dict[str, tuple[nn.Module, list[str]]] = {}
+    for name, module in peft_model.named_modules():
+        if not isinstance(module, BaseTunerLayer):
+            continue
+        names = _adapter_names(module)
+        if not names:
+            continue
+        path = name[len(_PEFT_PREFIX) :] if name.startswith(_PEFT_PREFIX) else name
+        out[path] = (module, names)
+    return out

@@ -1,0 +1,110 @@
+"""The Outputs page's figure: each target's output metrics per adapter, against the reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+
+from dashboard.figures.common import (
+    _legend_below_title,
+    _numeric,
+    _tensor_hover,
+    _text,
+    _verdict_color,
+    _verdict_symbol,
+    _verdicts_in_order,
+    empty_figure,
+    title_top,
+)
+
+_TARGET_PATTERNS = ("", "/", ".", "x", "\\", "+", "-", "|")
+
+
+def outputs_figure(table: pd.DataFrame) -> go.Figure:
+    """Grouped bars of output (logits) max |Δ| on a log axis: a group per adapter, a bar per target.
+
+    Bar colour is the verdict; the fill pattern tells targets apart (and carries the target legend).
+    ``adapter`` null means the base model and is shown as "base". A log axis cannot draw 0, so
+    bitwise-identical (or NaN) outputs are drawn as a short stub at the bottom, labelled with the
+    verdict symbol; the hover always shows the exact values.
+    """
+    if not len(table):
+        return empty_figure("no output rows")
+    adapters = [_text(a) or "base" for a in table["adapter"]] if "adapter" in table else ["base"] * len(table)
+    if "module" in table:
+        # A bare encoder's second output (its pooled output) gets a group of its own beside the adapter's.
+        adapters = [
+            a if _text(m) in ("", "logits", "last_hidden_state") else f"{a} · {_text(m)}"
+            for a, m in zip(adapters, table["module"], strict=True)
+        ]
+    data = table.assign(_adapter=adapters, _value=_numeric(table["max_abs"]))
+    order = list(dict.fromkeys(data["_adapter"]))
+    if "base" in order:  # the base model is the baseline every adapter group is read against
+        order = ["base"] + [a for a in order if a != "base"]
+
+    positive = data["_value"][np.isfinite(data["_value"]) & (data["_value"] > 0)]
+    floor = float(positive.min()) / 10 if len(positive) else 1e-12
+    ceiling = float(positive.max()) * 10 if len(positive) else 1.0
+
+    fig = go.Figure()
+    targets = [t for t in pd.unique(data["target"].astype(object)) if isinstance(t, str)]
+    for i, target in enumerate(targets):
+        part = data[data["target"] == target]
+        heights = [
+            v if np.isfinite(v) and v > 0 else (ceiling if v == np.inf else floor) for v in part["_value"]
+        ]
+        fig.add_trace(
+            go.Bar(
+                x=part["_adapter"].tolist(),
+                y=heights,
+                name=target,
+                offsetgroup=target,
+                marker={
+                    "color": [_verdict_color(_text(v)) for v in part["verdict"]],
+                    "pattern": {"shape": _TARGET_PATTERNS[i % len(_TARGET_PATTERNS)], "fillmode": "overlay"},
+                    "line": {"width": 0},
+                },
+                text=[_verdict_symbol(_text(v)) for v in part["verdict"]],
+                textposition="outside",
+                hovertext=[_tensor_hover(r) for _, r in part.iterrows()],
+                hovertemplate="%{hovertext}<extra></extra>",
+                showlegend=False,  # its legend swatch would take the first bar's verdict colour
+            )
+        )
+        # The target's legend entry: its pattern on a neutral grey, so it is not read as a verdict.
+        fig.add_trace(
+            go.Bar(
+                x=[None],
+                y=[None],
+                name=target,
+                marker={
+                    "color": "#9ca3af",
+                    "pattern": {"shape": _TARGET_PATTERNS[i % len(_TARGET_PATTERNS)], "fillmode": "overlay"},
+                },
+                legendgroup="targets",
+                hoverinfo="skip",
+            )
+        )
+    # Legend-only swatches so the colour key is visible next to the pattern (target) key.
+    for verdict in _verdicts_in_order(data["verdict"]):
+        fig.add_trace(
+            go.Bar(
+                x=[None],
+                y=[None],
+                name=f"{_verdict_symbol(verdict)} {verdict}",
+                marker={"color": _verdict_color(verdict)},
+                legendgroup="verdicts",
+                hoverinfo="skip",
+            )
+        )
+    fig.update_layout(
+        barmode="group",
+        title=title_top("outputs — max |Δ| of logits vs reference", 440),
+        xaxis={"type": "category", "categoryorder": "array", "categoryarray": order, "title": "adapter"},
+        yaxis={"type": "log", "title": "max |Δ| (log)", "exponentformat": "power"},
+        height=440,
+        legend=_legend_below_title(440),
+        margin={"t": 110},
+    )
+    return fig
