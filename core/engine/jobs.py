@@ -347,9 +347,7 @@ class Engine:
         self.spares = spares
         self.runner.warm(spares)
         if devices is None:
-            devices = (
-                self.runner.devices()
-            )  # a runner of other machines knows theirs (core.engine.ray_runner)
+            devices = self.runner.devices()  # a runner of other machines knows theirs (ray_runner)
         self.devices = devices if devices is not None else discover_devices()
         self._device_locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()

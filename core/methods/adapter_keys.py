@@ -233,7 +233,7 @@ def _adapter_names(layer: nn.Module) -> list[str]:
 
 
 def adapted_modules(peft_model: nn.Module) -> dict[str, tuple[nn.Module, list[str]]]:
-    """Map base-module path (as in :func:`reference_deltas`) to ``(PEFT tuner layer, adapter names)``.
+    """Map base-module path (as in :func:`core.methods.formulas.reference_deltas`) to ``(PEFT tuner layer, adapter names)``.
 
     Works on a ``PeftModel`` (the ``base_model.model.`` prefix is stripped) and on a model with
     adapters injected directly.

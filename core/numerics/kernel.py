@@ -197,7 +197,7 @@ class KernelStats:
 
 
 _KIND = {torch.float64: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
-# (p, e_min) of each format, as metrics._float_format derives them from torch.finfo.
+# (p, e_min) of each format, as tolerance._float_format derives them from torch.finfo.
 _FORMAT = {
     torch.float64: (53, -1021),
     torch.float32: (24, -125),
