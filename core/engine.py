@@ -111,6 +111,28 @@ def next_best_reference(spec: ProbeSpec) -> Target:
     )
 
 
+def capture_passes(spec: ProbeSpec, checks: list) -> list[tuple[str, ...]]:
+    """The shared load loop's checks, per pass over the loaded models (each pass a worker per target).
+
+    A small base (up to CAPTURE_PASSES_UP_TO) is loaded twice: first for the checks compared against
+    the checkpoint files (no forward pass, no reference target), whose rows come first, then for the
+    others. A larger one is loaded once, for all of them.
+    """
+    from core.checkpoint import Checkpoint, CheckpointError
+    from core.spec import CAPTURE_PASSES_UP_TO
+
+    shared = [c for c in checks if not c.own_worker]
+    first = tuple(c.name for c in shared if not c.needs_reference_target)
+    rest = tuple(c.name for c in shared if c.needs_reference_target)
+    if not first or not rest:
+        return [first or rest] if shared else []
+    try:
+        small = Checkpoint.open(spec.base.path).nbytes <= CAPTURE_PASSES_UP_TO
+    except CheckpointError:  # a hub id, or weights transformers finds elsewhere: assume it is large
+        small = False
+    return [first, rest] if small else [first + rest]
+
+
 def _signal_name(code: int) -> str:
     try:
         return signal.Signals(-code).name
@@ -257,6 +279,15 @@ class ProcessRunner(Runner):
 
 
 @dataclass
+class _Group:
+    """Checks compared together before the run ends, once every capture task they read has succeeded."""
+
+    needs: frozenset[str]  # labels of those capture tasks
+    task: Task  # the partial compare task (`Task.partial`)
+    started: bool = False
+
+
+@dataclass
 class TaskProgress:
     """What the UI shows for one target (or the compare step)."""
 
@@ -299,6 +330,8 @@ class Job:
     store_error: str | None = None
     # what runs its tasks: the engine's runner, or the one its submitter chose (the dashboard's Ray choice)
     runner: Runner | None = field(default=None, repr=False)
+    # the checks whose rows are stored while the run goes on (`partial/<check>.parquet`), in order
+    compared: list[str] = field(default_factory=list)
 
     def cancel(self, reason: str | None = None) -> None:
         """Ask every worker of this job to stop at its next stage boundary (`reason` is stored)."""
@@ -328,6 +361,7 @@ class Job:
                 "started": self.started,
                 "finished": self.finished,
                 "tasks": {k: {**asdict(v), "elapsed_s": v.elapsed_s} for k, v in self.tasks.items()},
+                "compared": list(self.compared),
             }
 
 
@@ -425,7 +459,7 @@ class Engine:
         job = Job(run_id=record.run_id, run_dir=record.run_dir, spec=spec, runner=runner or self.runner)
         for task in self._capture_tasks(job):
             job.tasks[task.label] = TaskProgress(name=task.label)
-        job.tasks["compare"] = TaskProgress(name="compare")
+        job.tasks["compare"] = TaskProgress(name="compare")  # a partial compare's is added when it starts
         self._jobs[job.run_id] = job
         threading.Thread(target=self._drive, args=(job,), daemon=True, name=f"job-{job.run_id}").start()
         return job
@@ -438,12 +472,15 @@ class Engine:
         return sorted(self._jobs.values(), key=lambda j: j.created, reverse=True)
 
     def _capture_tasks(self, job: Job) -> list[Task]:
+        """Every capture task of the job, in the order each device runs them: the shared load loop's
+        passes (`capture_passes`), each with the reference first where its checks need it, then the
+        own-worker checks' tasks."""
         from core.checks import get_checks
 
         spec = job.spec
         checks = get_checks(spec.checks)
 
-        def task(target: Target, names: tuple[str, ...], variant: str | None = None) -> Task:
+        def task(target: Target, names: tuple[str, ...], variant: str | None = None, part=False) -> Task:
             return Task(
                 kind="capture",
                 run_dir=str(job.run_dir),
@@ -451,20 +488,43 @@ class Engine:
                 target=str(target),
                 checks=names,
                 variant=variant,
+                part=part,
             )
 
-        shared = tuple(c.name for c in checks if not c.own_worker)
+        by_name = {c.name: c for c in checks}
+        passes = capture_passes(spec, checks)
         # a target imported from a snapshot has its captures in the run folder already
         local = [t for t in spec.targets if t.machine is None]
-        tasks = [task(t, shared) for t in local] if shared else []
+        tasks: list[Task] = []
+        for names in passes:
+            part = len(passes) > 1
+            ref_names = tuple(n for n in names if by_name[n].needs_reference_target)
+            ordered = sorted(local, key=lambda t: t != spec.reference)  # the reference first
+            if ref_names and spec.reference not in spec.targets and spec.reference.machine is None:
+                tasks.append(task(spec.reference, ref_names, part=part))
+            tasks += [task(t, names, part=part) for t in ordered]
         # Checks that load models their own way get a fresh worker per target and variant.
         tasks += [
             task(t, (c.name,), v) for c in checks if c.own_worker for t in local for v in c.variants(spec, t)
         ]
-        ref_checks = tuple(c.name for c in checks if c.needs_reference_target and not c.own_worker)
-        if ref_checks and spec.reference not in spec.targets and spec.reference.machine is None:
-            tasks.append(task(spec.reference, ref_checks))
         return tasks
+
+    def _compare_groups(self, job: Job, tasks: list[Task]) -> list[_Group]:
+        """The run's checks grouped by the capture tasks their rows need (the reference's too), each
+        group compared as soon as those have succeeded."""
+        spec = job.spec
+        needs = {c: frozenset(t.label for t in tasks if c in t.checks) for c in spec.checks}
+        groups: dict[frozenset[str], list[str]] = {}
+        for name, labels in needs.items():
+            groups.setdefault(labels, []).append(name)
+        return [
+            _Group(
+                needs=labels,
+                task=Task(kind="compare", run_dir=str(job.run_dir), spec=spec.to_dict(), checks=tuple(names)),
+            )
+            for labels, names in groups.items()
+            if labels  # imported from snapshots only: nothing to wait for, the final compare has it
+        ]
 
     def _device_lock(self, device: str) -> threading.Lock:
         with self._locks_guard:
@@ -541,11 +601,13 @@ class Engine:
         # core.capture imports torch: not when this module is imported (the CLI starts a worker first)
         from core.capture import capture_folder_name
 
-        folder = (
-            capture_folder_name(Target.parse(task.target).slug, task.own_check or "", task.variant or "")
-            if task.target
-            else "compare"
-        )
+        if task.target:
+            folder = capture_folder_name(
+                Target.parse(task.target).slug, task.own_check or "", task.variant or ""
+            )
+            folder += f"-{'+'.join(task.checks)}" if task.part else ""
+        else:
+            folder = "compare" + (f"-{'+'.join(task.checks)}" if task.checks else "")
         return job.run_dir / "logs" / f"{folder}.log"
 
     def _drive(self, job: Job) -> None:
@@ -554,9 +616,10 @@ class Engine:
                 job.state, job.started = "running", time.time()
             self._persist(job)
             compare = Task(kind="compare", run_dir=str(job.run_dir), spec=job.spec.to_dict())
-            ran = self._run_captures(job, compare)
-            outcomes = [o for _, o in ran]
+            ran, partial = self._run_captures(job, compare)
+            outcomes = [o for _, o in ran] + partial
             failed = [o for t, o in ran if not o.ok and not o.cancelled and not self._reference_only(job, t)]
+            failed += [o for o in partial if not o.ok and not o.cancelled]
             reference_failed = [
                 o for t, o in ran if not o.ok and not o.cancelled and self._reference_only(job, t)
             ]
@@ -595,22 +658,78 @@ class Engine:
             task.variant is None and task.target == str(spec.reference) and spec.reference not in spec.targets
         )
 
-    def _run_captures(self, job: Job, compare: Task) -> list[tuple[Task, Outcome]]:
+    def _run_captures(self, job: Job, compare: Task) -> tuple[list[tuple[Task, Outcome]], list[Outcome]]:
+        """Run every capture task, each device's in order and the devices in parallel, and each group
+        of checks' partial compare as soon as its captures are in while others still run; returns the
+        capture tasks' outcomes and the partial compares'."""
+        tasks = self._capture_tasks(job)
+        groups = self._compare_groups(job, tasks)
+        reference = str(job.spec.reference)
         by_device: dict[str, list[Task]] = {}
-        for task in self._capture_tasks(job):
+        for task in tasks:
             target = Target.parse(task.target)
             # cuda:0 of two Ray nodes are two devices: neither waits for the other
             where = target.device if target.node is None else f"{target.node}/{target.device}"
             by_device.setdefault(where, []).append(task)
         outcomes: list[tuple[Task, Outcome]] = []
+        ended: dict[str, threading.Event] = {t.label: threading.Event() for t in tasks}
+        succeeded: set[str] = set()
+        partial_outcomes: list[Outcome] = []
+        partial_threads: list[threading.Thread] = []
+        groups_lock = threading.Lock()
+        first_checks = {c.name for c in self._checks(job) if c.reference_first}
+
+        def waits_for(task: Task) -> list[str]:
+            """A check whose targets read the reference's capture while they capture (activations):
+            its tasks start once the reference's task with that check has ended."""
+            wanted = first_checks.intersection(task.checks)
+            if not wanted or task.target == reference:
+                return []
+            return [t.label for t in tasks if t.target == reference and wanted.intersection(t.checks)]
+
+        def ready(group: _Group, also: str | None = None) -> bool:
+            return all(label in succeeded or label == also for label in group.needs)
+
+        def starting(task: Task) -> None:
+            """`task` is at work: a partial compare that waits for it alone gets its worker ready."""
+            with groups_lock:
+                due = [g for g in groups if not g.started and task.label in g.needs and ready(g, task.label)]
+            for group in due:
+                if group.task.imports_ahead and not job.cancel_event.is_set():
+                    job.runner.prepare(group.task, self._log_path(job, group.task))
+
+        def ended_ok(task: Task) -> None:
+            """After a capture task succeeded: start the partial compares now due, unless no capture
+            task is left (the final compare then does their checks)."""
+            with groups_lock:
+                succeeded.add(task.label)
+                left = any(not e.is_set() for label, e in ended.items() if label != task.label)
+                due = [g for g in groups if not g.started and ready(g)]
+                for group in due:
+                    group.started = True
+            for group in due:
+                if not left or job.cancel_event.is_set():
+                    job.runner.discard(group.task)
+                    continue
+                thread = threading.Thread(
+                    target=lambda g=group: partial_outcomes.append(self._run_partial(job, g.task)),
+                    daemon=True,
+                    name=f"{job.run_id}-{group.task.label}",
+                )
+                partial_threads.append(thread)
+                thread.start()
 
         def device_queue(device: str, tasks: list[Task]) -> None:
             for i, task in enumerate(tasks):
+                for label in waits_for(task):
+                    while not ended[label].wait(0.1) and not job.cancel_event.is_set():
+                        pass
                 with self._device_lock(device):
                     if job.cancel_event.is_set():
                         with job.lock:
                             job.tasks[task.label].state = "cancelled"
                         outcomes.append((task, Outcome(ok=False, cancelled=True)))
+                        ended[task.label].set()
                         continue
                     # Once this task's worker is at work, the next one (or, after the last, the compare
                     # task's) is started, so its imports overlap this task. Not a memory timeline's:
@@ -619,22 +738,21 @@ class Engine:
                     if not following.imports_ahead:
                         following = None
 
-                    def prepare(following=following) -> None:
+                    def prepare(task=task, following=following) -> None:
                         if following is not None and not job.cancel_event.is_set():
                             job.runner.prepare(following, self._log_path(job, following))
+                        starting(task)
 
                     outcome = self._run_task(job, task, on_start=prepare)
                 outcomes.append((task, outcome))
-                if not outcome.ok and not outcome.cancelled and not self._reference_only(job, task):
+                if outcome.ok:
+                    ended_ok(task)
+                elif not outcome.cancelled and not self._reference_only(job, task):
                     job.cancel_event.set()  # one failed target fails the job: stop the others early
+                ended[task.label].set()
                 if following is not None and job.cancel_event.is_set():
                     job.runner.discard(following)
 
-        # A check whose targets read the reference's capture (activations) has the reference captured
-        # before any other task starts; the others then run in parallel as usual.
-        first = self._reference_first(job, by_device)
-        if first is not None:
-            device_queue(*first)
         threads = [
             threading.Thread(target=device_queue, args=(d, ts), daemon=True, name=f"{job.run_id}-{d}")
             for d, ts in by_device.items()
@@ -644,23 +762,35 @@ class Engine:
             t.start()
         for t in threads:
             t.join()
-        return outcomes
+        for t in list(partial_threads):
+            t.join()
+        return outcomes, partial_outcomes
+
+    def _run_partial(self, job: Job, task: Task) -> Outcome:
+        """One group's partial compare; its checks join `job.compared` when it succeeds."""
+        with job.lock:
+            final = job.tasks.pop("compare", None)
+            job.tasks[task.label] = TaskProgress(name=task.label)
+            if final is not None:
+                job.tasks["compare"] = final  # listed last, as it runs last
+        if job.cancel_event.is_set():
+            job.runner.discard(task)
+            with job.lock:
+                job.tasks[task.label].state = "cancelled"
+            return Outcome(ok=False, cancelled=True)
+        outcome = self._run_task(job, task)
+        if outcome.ok:
+            with job.lock:
+                job.compared.extend(c for c in task.checks if c not in job.compared)
+        elif not outcome.cancelled:
+            job.cancel_event.set()  # a compare that fails now would fail at the end too: stop early
+        return outcome
 
     @staticmethod
-    def _reference_first(job: Job, by_device: dict[str, list[Task]]) -> tuple[str, list[Task]] | None:
-        """(device, [the reference's shared-loop task]) taken out of `by_device` when a check of the run
-        needs the reference's capture while its targets capture; None otherwise."""
+    def _checks(job: Job) -> list:
         from core.checks import get_checks
 
-        if not any(c.reference_first for c in get_checks(job.spec.checks)):
-            return None
-        reference = str(job.spec.reference)
-        for device, tasks in by_device.items():
-            for task in tasks:
-                if task.target == reference and task.variant is None:
-                    tasks.remove(task)
-                    return device, [task]
-        return None
+        return get_checks(job.spec.checks)
 
     def _finish(self, job: Job, state: str, error: str | None) -> None:
         with job.lock:
