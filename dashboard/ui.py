@@ -176,8 +176,10 @@ def check_not_run(record: RunRecord, check: str, page: str, text: str) -> None:
 def still_running(record: RunRecord, check: str) -> None:
     """Say that the run's `check` has not been compared yet (the page fills in when it is); stop the page."""
     st.info(
-        f"The `{literal(check)}` check of this run is still running: this page fills in as soon as its "
-        "captures are compared (progress above).",
+        trusted(  # a check's name from the registry (the page's own constant), not from a file
+            f"The `{check}` check of this run is still running: this page fills in as soon as its "
+            "captures are compared (progress above)."
+        ),
         icon=":material/hourglass_top:",
     )
     st.stop()
