@@ -304,6 +304,12 @@ def _one_run(browser, url: str, home: Path, index: int, timeout_s: float, settle
             if _read_run(run_json).get("status") not in NOT_ENDED:
                 break
         time.sleep(0.5)
+    if rec.get("run_id") and rec["status"] is None:  # timed out: what the run did after all
+        with contextlib.suppress(OSError, ValueError):
+            info = _read_run(run_json)
+            rec["status_after_timeout"] = info.get("status")
+            rec["run_duration_s"] = info.get("duration_s")
+            rec.update(engine_timeline(info))
     return rec
 
 
@@ -340,7 +346,9 @@ def dashboard_table(result: dict[str, Any]) -> str:
         "|---|---|---|---|---|",
     ]
     for r in result["runs"]:
-        status = r.get("status") or "–"
+        status = r.get("status") or (
+            f"{r['status_after_timeout']} after the timeout" if r.get("status_after_timeout") else "–"
+        )
         if r.get("error"):
             status += f" ✗ {r['error'][:120]}"
         elif r.get("status_at_first_heatmap") not in (None, "running"):
