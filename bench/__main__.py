@@ -1,4 +1,5 @@
-"""``python -m bench``: the kernel and end-to-end benchmark of issue 13, in one run.
+"""``python -m bench``: the kernel and end-to-end benchmark of issue 13, and the dashboard's
+click on Run → first heatmap / last page, in one run.
 
 Prints one Markdown table per part, with the date and the machine, and writes everything
 measured (every repeat's summary, RSS timelines, where the run's time went) to a JSON file.
@@ -18,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import e2e, kernel
+from bench import dashboard, e2e, kernel
 from bench.checkpoints import SIZES, STORAGE_DTYPES, cache_dir
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -53,6 +54,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per kernel method (median)")
     p.add_argument("--skip-kernel", action="store_true")
     p.add_argument("--skip-e2e", action="store_true")
+    p.add_argument(
+        "--dashboard-runs",
+        type=int,
+        default=5,
+        metavar="N",
+        help="dashboard part: clicks on Run (demo workspace, real server, workers and headless Chromium)",
+    )
+    p.add_argument("--skip-dashboard", action="store_true")
+    p.add_argument(
+        "--dashboard-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="dashboard part: the longest wait for one run's heatmap, and for its end, seconds",
+    )
     p.add_argument("--targets", nargs="+", default=list(e2e.DEFAULT_TARGETS), metavar="SPEC")
     p.add_argument("--storage-dtype", default="float32", choices=list(STORAGE_DTYPES))
     p.add_argument(
@@ -285,6 +301,12 @@ def main(argv: list[str] | None = None) -> int:
             )
             result["e2e"].append(r)
             failed = failed or not r["run"]["ok"]
+    if not args.skip_dashboard and args.dashboard_runs > 0:
+        result["dashboard"] = dashboard.measure_dashboard(
+            args.dashboard_runs, timeout_s=args.dashboard_timeout, keep_home=args.keep_homes, say=say
+        )
+        d = result["dashboard"]
+        failed = failed or bool(d.get("error")) or d["summary"]["failed"] > 0 or not d["runs"]
     result["machine"]["load_average_at_end"] = list(os.getloadavg())
     result["total_s"] = time.perf_counter() - started
 
@@ -303,6 +325,16 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(e2e_table(result["e2e"]) + "\n")
         print(e2e_notes(result["e2e"]) + "\n")
+    if "dashboard" in result:
+        d = result["dashboard"]
+        print(
+            f"### Dashboard: click on Run → first heatmap and → last page ({len(d['runs'])} runs, "
+            "demo workspace, default form, `python -m dashboard` + headless Chromium)\n"
+        )
+        if d.get("error"):
+            print(f"Failed: {d['error']}\n")
+        print(dashboard.dashboard_table(d) + "\n")
+        print(dashboard.dashboard_notes(d) + "\n")
     print(f"Everything measured: {out_path}")
     return 1 if failed else 0
 

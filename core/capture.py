@@ -158,9 +158,42 @@ class Capture:
         }
         (tmp / "capture.json").write_text(json.dumps(doc, indent=2, sort_keys=True, default=str))
         if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
+            # out of the way in one rename, so a reader (the dashboard's drill-down while the run goes
+            # on) finds the old capture or the new one, not a half-removed folder
+            old = folder.with_name(f".{folder.name}.{secrets.token_hex(4)}.old.tmp")
+            os.replace(folder, old)
+            os.replace(tmp, folder)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, folder)
         return folder
+
+    def join(self, earlier: Capture) -> None:
+        """Take in what an earlier pass on the same target captured into the same folder (other checks:
+        `core.engine` captures a small model's checks in passes), so that saving writes one capture.
+
+        Its tensors, results, sketches, notes and per-check metadata join this capture's; the earlier
+        environment is kept (the same target on the same machine), load timings add up.
+        """
+        if earlier.folder is not None:
+            for key, record in earlier.results.items():
+                if record.get("sketch"):
+                    earlier.sketch(TensorKey.decode(key))  # read now: saving replaces its folder
+        self.tensors = {**earlier.tensors, **self.tensors}
+        self.results = {**earlier.results, **self.results}
+        self.sketches = {**earlier.sketches, **self.sketches}
+        self.notes = list(dict.fromkeys([*earlier.notes, *self.notes]))
+        self.environment = earlier.environment or self.environment
+        meta = {**earlier.meta, **self.meta}
+        notes = {**earlier.meta.get("load_notes", {})}
+        for name, found in self.meta.get("load_notes", {}).items():
+            notes[name] = list(dict.fromkeys([*notes.get(name, []), *found]))
+        if notes:
+            meta["load_notes"] = notes
+        spent = [m.get("timings", {}).get("load_and_capture_s") for m in (earlier.meta, self.meta)]
+        if all(isinstance(s, int | float) for s in spent):
+            meta["timings"] = {"load_and_capture_s": round(sum(spent), 3)}
+        self.meta = meta
 
     @staticmethod
     def load(folder: Path) -> Capture:

@@ -476,8 +476,9 @@ def execute(args, plan=None, after=None) -> int:
     worker is starting, so its checks overlap the worker's imports. `after(record)` runs once the
     run succeeded and returns what to add to the report.
     """
-    from core.engine.jobs import Engine, InProcessRunner
+    from core.engine.jobs import Engine
     from core.engine.ray_runner import make_runner
+    from core.engine.runners import InProcessRunner
 
     runner = InProcessRunner() if args.in_process else make_runner(args.runner, args.ray_address)
     runner.warm()  # the first worker imports its libraries while this process checks the inputs

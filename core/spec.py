@@ -237,6 +237,10 @@ REFERENCE_TARGET = Target(device="cpu", dtype="float64")
 # drill-down is element-wise (the demo's models are well under it); larger ones keep each tensor's
 # metric row and bounded sketch, unless the run asks for `keep_tensors`.
 KEEP_TENSORS_UP_TO = 256 * 1024 * 1024
+# Base checkpoints up to this size are loaded once per pass: the checks compared against the
+# checkpoint first (weights, deltas: their rows come in seconds), then those that run the model, so
+# the first page fills without waiting for the slowest check. A larger base is loaded once for all.
+CAPTURE_PASSES_UP_TO = 256 * 1024 * 1024
 
 
 def normalise_device(device: str, context: str = "") -> str:

@@ -62,18 +62,28 @@ def draw_progress(job: Job, *, compact: bool = False) -> None:
         st.error(f"Run failed: {literal(snap['error'])}")
 
 
-def job_panel(run_id: str) -> None:
-    """The selected run's live progress with a cancel button (polls while the job is active)."""
+def job_panel(run_id: str, *, folded: bool = False) -> None:
+    """The selected run's live progress with a cancel button (polls while the job is active);
+    `folded`: the progress bars in a closed expander (the page shows results above them already)."""
     job = engine().job(run_id)
     if job is None:
         stored_progress(run_id)
         return
     active = job.snapshot()["state"] in ("queued", "running")
 
+    seen = len(job.snapshot()["compared"])  # the checks the page was drawn with
+
     @st.fragment(run_every=POLL_S if active else None)
     def panel() -> None:
-        draw_progress(job)
-        running = job.snapshot()["state"] in ("queued", "running")
+        if folded:
+            with st.expander("Progress of every task"):
+                draw_progress(job)
+        else:
+            draw_progress(job)
+        snap = job.snapshot()
+        running = snap["state"] in ("queued", "running")
+        if running and len(snap["compared"]) > seen:
+            st.rerun(scope="app")  # another check's rows are in: the page shows them
         if running and st.button("Cancel run", key=f"cancel.{run_id}", icon=":material/stop_circle:"):
             job.cancel()
             st.toast(f"Cancelling {literal(run_id)}: workers stop at their next stage.")
@@ -102,10 +112,12 @@ def stored_progress(run_id: str) -> None:
     """Progress of a run another process owns (e.g. the CLI), read from its run.json every second."""
     from dashboard.state import store
 
+    seen = len(store().open(run_id).compared())
+
     @st.fragment(run_every=POLL_S)
     def panel() -> None:
         record = store().open(run_id)
-        if record.status not in ("queued", "running"):
+        if record.status not in ("queued", "running") or len(record.compared()) > seen:
             st.rerun(scope="app")
         owner = record.info.get("owner") or {}
         st.info(

@@ -190,8 +190,8 @@ def run_form(manifest: dict | None) -> None:
     labels = {c.path: c.name if c.name == c.type else f"{c.name} ({c.type})" for c in choices if c.fits}
     labels |= {a.path: a.name for a in recent if a.path not in labels}
     labels |= {c.path: f"{c.name} — not for this base" for c in choices if not c.fits}
+    demo_base = manifest is not None and base == manifest["models"].get(DEMO_BASE)
     if "form.adapters" not in st.session_state:
-        demo_base = manifest is not None and base == manifest["models"].get(DEMO_BASE)
         st.session_state["form.adapters"] = [
             c.path for c in choices if c.fits and (not demo_base or c.name in DEMO_ADAPTERS)
         ]
@@ -232,7 +232,9 @@ def run_form(manifest: dict | None) -> None:
         checks = st.multiselect(
             "Checks",
             list(CHECKS),
-            default=list(DEFAULT_CHECKS),
+            # On the demo every check (each takes seconds there), so one Run fills every page; on a
+            # user's model the quick ones, the others a choice here.
+            default=list(CHECKS) if demo_base else list(DEFAULT_CHECKS),
             key="form.checks",
             help="\n".join(f"- **{name}**: {c.description}" for name, c in CHECKS.items()),
         )

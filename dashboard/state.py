@@ -17,8 +17,10 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from core.engine.jobs import Engine, InProcessRunner, ProcessRunner, Runner
-from core.engine.store import RunRecord, Store, StoreError, table_problem
+from core.engine.jobs import Engine
+from core.engine.runners import InProcessRunner, ProcessRunner, Runner
+from core.engine.store import ACTIVE_STATES, PARTIAL_DIR, RunRecord, Store, StoreError, table_problem
+from core.engine.store import metrics_table as rows_table
 from core.spec import ProbeSpec, SpecError, weightdrift_home
 from dashboard.text import literal
 
@@ -70,11 +72,26 @@ def _table(path: str, mtime: float) -> pd.DataFrame:
     return pd.read_parquet(path)
 
 
+@st.cache_data(show_spinner=False, max_entries=8)
+def _rows_so_far(paths: tuple[str, ...], mtimes: tuple[float, ...]) -> pd.DataFrame:
+    return rows_table([pd.read_parquet(p) for p in paths])
+
+
 def run_table(record: RunRecord, name: str) -> pd.DataFrame:
-    """A table of a finished run (`metrics`, or a check's own such as `memory_timeline`), cached
-    while its file is unchanged; empty when the run has none."""
+    """A table of the run (`metrics`, or a check's own such as `memory_timeline`), cached while its
+    file is unchanged; empty when the run has none. While the run goes on: what is in so far (the
+    metrics of the checks compared, `RunRecord.compared`, and their own tables)."""
     path = record.run_dir / f"{name}.parquet"
-    if record.status != "succeeded" or not path.exists():
+    running = record.status in ACTIVE_STATES
+    if name == "metrics" and running and not path.exists():
+        compared = tuple(record.compared())
+        files = [record.run_dir / PARTIAL_DIR / f"{c}.parquet" for c in compared]
+        try:
+            mtimes = tuple(f.stat().st_mtime for f in files)
+        except OSError:  # the run ended between the two reads: its metrics.parquet is there now
+            return run_table(store().open(record.run_id), name)
+        return _rows_so_far(tuple(map(str, files)), mtimes) if compared else pd.DataFrame()
+    if (record.status != "succeeded" and not running) or not path.exists():
         return pd.DataFrame()
     problem = table_problem(path)  # metrics.parquet is checked when the run is read; a check's own here
     if problem is not None:

@@ -80,8 +80,20 @@ def run_header(record: RunRecord) -> bool:
             f"checks {literal(', '.join(spec.checks))}"
         )
     if record.status in ("queued", "running"):
-        job_panel(record.run_id)
-        return False
+        compared = record.compared()
+        if not compared:
+            job_panel(record.run_id)
+            return False
+        # Rows of some checks are in: the page shows them, and the progress folds away above them.
+        waiting = [c for c in (spec.checks if spec is not None else ()) if c not in compared]
+        st.info(
+            f"Run {literal(record.run_id)} is still running. In so far: {literal(', '.join(compared))}"
+            + (f"; still to come: {literal(', '.join(waiting))}" if waiting else "")
+            + ". Pages fill in as their checks finish.",
+            icon=":material/progress_activity:",
+        )
+        job_panel(record.run_id, folded=True)
+        return True
     if record.status == "failed":
         st.error(f"Run {literal(record.run_id)} failed: {literal(record.error)}", icon=":material/error:")
         return False
@@ -145,7 +157,10 @@ def finished_run(check: str | None = None, page: str | None = None) -> RunRecord
 
 def check_not_run(record: RunRecord, check: str, page: str, text: str) -> None:
     """Say (`text`) that the run shown did not run `check`; offer, in plain sight, the same selection
-    with this check (one click) and the page's demo scenarios; then stop the page."""
+    with this check (one click) and the page's demo scenarios; then stop the page. A run still going
+    on that has `check` to come says so instead."""
+    if record.status in ("queued", "running") and record.spec is not None and check in record.spec.checks:
+        still_running(record, check)
     st.info(trusted(text))
     if record.spec is not None and st.button(
         trusted(f"Run {check} on this run's selection"),
@@ -156,6 +171,18 @@ def check_not_run(record: RunRecord, check: str, page: str, text: str) -> None:
     ):
         start_run(replace(record.spec, checks=(check,)), page)
     scenario_buttons(page, plain=True)
+    st.stop()
+
+
+def still_running(record: RunRecord, check: str) -> None:
+    """Say that the run's `check` has not been compared yet (the page fills in when it is); stop the page."""
+    st.info(
+        trusted(  # a check's name from the registry (the page's own constant), not from a file
+            f"The `{check}` check of this run is still running: this page fills in as soon as its "
+            "captures are compared (progress above)."
+        ),
+        icon=":material/hourglass_top:",
+    )
     st.stop()
 
 

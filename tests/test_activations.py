@@ -18,7 +18,8 @@ from core.checks.activations import (
     first_tensor,
     module_role,
 )
-from core.engine.jobs import Engine, InProcessRunner
+from core.engine.jobs import Engine
+from core.engine.runners import InProcessRunner
 from core.numerics import metrics
 from core.spec import AdapterRef, ModelRef, ProbeSpec, Target
 

@@ -250,7 +250,8 @@ def test_conversion_pairs(ws):
 
 def run_check(tmp_path, manifest, adapters, strategies, scenario=None):
     from core.demo.scenarios import demo_spec, scenario_spec
-    from core.engine.jobs import Engine, InProcessRunner
+    from core.engine.jobs import Engine
+    from core.engine.runners import InProcessRunner
 
     engine = Engine(tmp_path, runner=InProcessRunner())
     if scenario:

@@ -18,7 +18,8 @@ from tiny_models import ARCHITECTURES, quiet
 from core.checks.deltas import REPLACED
 from core.checks.merge import SAVED_NOTE
 from core.cli import main
-from core.engine.jobs import Engine, InProcessRunner
+from core.engine.jobs import Engine
+from core.engine.runners import InProcessRunner
 from core.engine.store import RunRecord
 from core.methods import adapter_keys
 from core.spec import AdapterRef, ModelRef, ProbeInputs, ProbeSpec, Target, ToleranceOverride

@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 from apptest import make_app, no_exceptions, shown, texts
 
+from core.checks import CHECKS
 from core.demo.build import build_demo, load_manifest
-from core.engine.jobs import Engine, InProcessRunner
+from core.engine.jobs import Engine
+from core.engine.runners import InProcessRunner
 from core.engine.store import Store
 from core.spec import AdapterRef, ModelRef, ProbeSpec, Target
 
@@ -422,3 +424,39 @@ def test_a_page_whose_check_did_not_run_offers_it_and_its_scenarios_in_plain_sig
     no_exceptions(at)
     stored = Store(home).open(run_id).spec
     assert submitted == [(replace(stored, checks=(page,)), page)]
+
+
+RESULT_PAGES = ("overview", "drift", "outputs", "activations", "merge", "memory", "adapters")
+
+
+def test_one_press_of_run_on_a_fresh_home_fills_every_result_page(tmp_path, monkeypatch):
+    # The demo's default selection runs every check; one press of Run, and every result page shows
+    # its chart and its finding, none a "did not run" message.
+    at = make_app(tmp_path, monkeypatch)
+    at.run()
+    assert set(at.sidebar.multiselect(key="form.checks").value) == set(CHECKS)
+    store = Store(tmp_path)
+    at.sidebar.button(key="form.run").click().run()
+    no_exceptions(at)
+    (record,) = store.list_runs()
+    deadline = time.time() + 240
+    while store.open(record.run_id).status in ("queued", "running") and time.time() < deadline:
+        time.sleep(0.5)
+    record = store.open(record.run_id)
+    assert record.status == "succeeded", record.error
+    assert record.spec.checks == tuple(CHECKS)
+    assert len(record.spec.adapters) == 6
+    at.query_params["run"] = record.run_id
+    for page in RESULT_PAGES:
+        at.switch_page(f"views/{page}.py").run()
+        no_exceptions(at)
+        assert at.get("plotly_chart"), f"{page}: no chart"
+        said = texts(at)
+        assert "did not run" not in said and "still running" not in said, f"{page}: {said[:400]}"
+    # each page's finding, as the pages word it
+    at.switch_page("views/activations.py").run()
+    assert "parts from the reference at" in texts(at)
+    at.switch_page("views/merge.py").run()
+    assert "Output residual per stage" in texts(at)
+    at.switch_page("views/memory.py").run()
+    assert "Where each parameter and buffer lives" in texts(at)

@@ -13,7 +13,8 @@ from apptest import make_app, texts
 
 from core.demo.build import build_demo
 from core.demo.scenarios import demo_spec
-from core.engine.jobs import Engine, InProcessRunner
+from core.engine.jobs import Engine
+from core.engine.runners import InProcessRunner
 from core.engine.store import Store
 from core.models import memory
 

@@ -12,7 +12,8 @@ from tiny_models import ARCHITECTURES
 
 from core.demo.build import build_demo
 from core.demo.scenarios import demo_spec
-from core.engine.jobs import Engine, InProcessRunner
+from core.engine.jobs import Engine
+from core.engine.runners import InProcessRunner
 
 
 @pytest.fixture(scope="module")

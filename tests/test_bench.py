@@ -188,3 +188,84 @@ def test_stage_timeline_parses_the_cli_progress_lines() -> None:
     assert stage_timeline(text) == [
         {"task": "cpu/float32", "step": 3, "of": 6, "stage": "load base", "t": 12.5}
     ]
+
+
+def _rep(index: int, heatmap: float | None, last: float | None, ready: float | None, ok: bool = True) -> dict:
+    return {
+        "index": index,
+        "run_id": f"20261123-1200{index:02d}-abcdef",
+        "ok": ok,
+        "status": "succeeded" if ok else "failed",
+        "error": None if ok else "run ended failed: boom",
+        "first_heatmap_s": heatmap,
+        "last_page_s": last,
+        "weights_deltas_ready_s": ready,
+        "run_started_after_click_s": 0.2,
+        "status_at_first_heatmap": "running",
+    }
+
+
+def test_dashboard_summary_takes_medians_of_the_runs_that_succeeded() -> None:
+    from bench.dashboard import dashboard_table, summarize
+
+    runs = [
+        _rep(1, 4.0, 30.0, 2.0),
+        _rep(2, 6.0, 20.0, 3.0),
+        _rep(3, 5.0, 25.0, 2.5),
+        _rep(4, 5.5, None, 2.2),
+    ]
+    runs.append(_rep(5, 1.0, 1.0, 0.5, ok=False))  # a failed repetition counts as failed, not in the medians
+    s = summarize(runs)
+    assert (s["runs"], s["succeeded"], s["failed"]) == (5, 4, 1)
+    assert s["first_heatmap_s"] == {"median": 5.25, "min": 4.0, "max": 6.0, "n": 4}
+    assert s["last_page_s"] == {
+        "median": 25.0,
+        "min": 20.0,
+        "max": 30.0,
+        "n": 3,
+    }  # a missing value is skipped
+    assert s["weights_deltas_ready_s"]["median"] == 2.35
+    assert summarize([])["first_heatmap_s"] is None
+
+    table = dashboard_table({"runs": runs, "summary": s}).splitlines()
+    assert len(table) == 2 + 5 + 1  # header, one row per repetition, the median row
+    assert table[-1].startswith("| median (min–max) of 4 | **5.2** (4.0–6.0) | **25.0** (20.0–30.0) |")
+    assert "4/5 succeeded" in table[-1]
+    assert "✗ run ended failed: boom" in table[-2]
+
+
+def test_dashboard_engine_timeline_finds_the_heatmaps_compare_task() -> None:
+    from bench.dashboard import engine_timeline
+
+    info = {
+        "started": 1000.0,
+        "targets": {
+            "cpu/float32": {"started": 1000.1, "finished": 1004.0},
+            "compare · weights, deltas": {"started": 1006.0, "finished": 1007.5},
+            "compare · outputs, merge, activations": {"started": 1010.0, "finished": 1012.0},
+            "compare": {"started": 1020.0, "finished": None},
+        },
+    }
+    t = engine_timeline(info)
+    assert t["weights_deltas_ready_s"] == 7.5
+    assert list(t["task_finished_s"]) == [
+        "cpu/float32",
+        "compare · weights, deltas",
+        "compare · outputs, merge, activations",
+    ]
+    assert engine_timeline({"started": None, "targets": {}})["weights_deltas_ready_s"] is None
+
+
+def test_bench_parser_has_the_dashboard_options() -> None:
+    from bench.__main__ import build_parser
+
+    args = build_parser().parse_args([])
+    assert (args.dashboard_runs, args.skip_dashboard) == (5, False)
+    args = build_parser().parse_args(["--skip-kernel", "--skip-e2e", "--dashboard-runs", "3"])
+    assert (args.dashboard_runs, args.skip_dashboard, args.skip_kernel, args.skip_e2e) == (
+        3,
+        False,
+        True,
+        True,
+    )
+    assert build_parser().parse_args(["--skip-dashboard"]).skip_dashboard

@@ -9,7 +9,8 @@ from tiny_models import ARCHITECTURES
 from core.capture import BASE, Capture, TensorKey
 from core.checks import CHECKS, get_checks
 from core.checks.base import Reference
-from core.engine.jobs import Engine, InProcessRunner
+from core.engine.jobs import Engine
+from core.engine.runners import InProcessRunner
 from core.spec import AdapterRef, ModelRef, ProbeSpec, SpecError, Target, ToleranceOverride
 
 

@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from core.capture import BASE, Capture, TensorKey
 from core.engine.diffmap import _elementwise, as_2d, element_diff
-from core.engine.jobs import Engine, InProcessRunner
+from core.engine.jobs import Engine
+from core.engine.runners import InProcessRunner
 from core.engine.store import Store
 from core.numerics import metrics
 from core.spec import AdapterRef, ModelRef, ProbeSpec, SpecError, Target

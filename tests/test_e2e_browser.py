@@ -49,6 +49,8 @@ DRILL_TARGET = "cpu/bfloat16"
 HEALTH_TIMEOUT_S = 60
 FORM_TIMEOUT_S = 120  # first launch builds the demo workspace before the form appears
 RUN_TIMEOUT_S = 180
+# the demo's first run runs every check: its last page comes a minute or more after its first heatmap
+RUN_END_TIMEOUT_S = 600
 STEP_TIMEOUT_S = 60  # one rerun after a widget change
 QUIET_S = 6.0  # longer than the sidebar's idle poll (dashboard/jobs.py IDLE_POLL_S = 5 s)
 RUN_ID = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{6}$")
@@ -302,7 +304,8 @@ def test_first_launch_run_drilldown_and_shared_link(server: Server, capsys: pyte
     with capsys.disabled():
         print(
             f"\ne2e: first launch → run form: {timings['first_launch_to_form_s']:.1f} s · "
-            f"click Run → first heatmap: {timings['click_run_to_first_heatmap_s']:.1f} s "
+            f"click Run → first heatmap: {timings['click_run_to_first_heatmap_s']:.1f} s, "
+            f"→ last page: {timings['click_run_to_last_page_s']:.1f} s "
             f"(run {timings['run_id']}, {os.cpu_count()} CPUs); drilled into {timings['drilldown']}"
         )
 
@@ -350,7 +353,18 @@ def _scenario(browser, server: Server, timings: dict) -> None:
     if not heatmap.is_visible():
         pytest.fail("the run failed:\n" + "\n".join(failed.all_inner_texts()) + "\n" + _main_text(page))
     timings["click_run_to_first_heatmap_s"] = round(t_heatmap, 2)
-    status = json.loads((server.home / "runs" / run_id / "run.json").read_text()).get("status")
+    # The default selection runs every check: the heatmap comes while the others still run.
+    run_json = server.home / "runs" / run_id / "run.json"
+    if json.loads(run_json.read_text()).get("status") == "running":
+        _shot(page, "02-first-heatmap-while-running.png")
+    _wait_for(
+        lambda: json.loads(run_json.read_text()).get("status") not in ("queued", "running"),
+        RUN_END_TIMEOUT_S,
+        f"run {run_id} to end",
+        page,
+    )
+    timings["click_run_to_last_page_s"] = round(time.monotonic() - t_click, 2)
+    status = json.loads(run_json.read_text()).get("status")
     assert status == "succeeded", f"run {run_id} is {status}"
 
     # The job's end reruns the app (more than once: the page's and the sidebar's progress fragments);
@@ -483,6 +497,17 @@ def _scenario(browser, server: Server, timings: dict) -> None:
     assert run_id in _selected(page, "widget.run")
     _shot(page, "08-outputs.png")
 
+    # The same first run filled every other result page too (the demo's default selection runs every check).
+    for path, heading, shot in DEFAULT_RUN_PAGES:
+        page.goto(f"{server.url}/{path}?run={run_id}")
+        page.get_by_role("heading", name=heading, exact=True).wait_for(timeout=STEP_TIMEOUT_S * 1000)
+        page.locator(f"{MAIN} {CHART}").first.wait_for(timeout=STEP_TIMEOUT_S * 1000)
+        _wait_idle(page)
+        _no_exception(page, heading)
+        text = _main_text(page)
+        assert "did not run" not in text and "still running" not in text, f"{heading}: {text[:500]}"
+        _shot(page, shot)
+
     # 8. A second run, cancelled from its progress panel: the job ends as cancelled, the page says so.
     page.locator(RUN_BUTTON).click()
     _wait_for(
@@ -506,6 +531,15 @@ def _scenario(browser, server: Server, timings: dict) -> None:
     _no_exception(page, "cancelled run")
     _shot(page, "09-cancelled.png")
     colleague.close()
+
+
+# The result pages of the first run besides Drift, Overview and Outputs: (url_path, heading, screenshot).
+DEFAULT_RUN_PAGES = (
+    ("activations", "Activations", "08a-run-activations.png"),
+    ("merge", "Merge residuals", "08b-run-merge.png"),
+    ("memory", "Memory placement", "08c-run-memory.png"),
+    ("adapters", "Adapter consistency", "08d-run-adapters.png"),
+)
 
 
 # --- the scenario pages (merge residuals, memory placement, adapter consistency) ------------------

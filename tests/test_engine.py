@@ -8,7 +8,8 @@ import time
 import psutil
 import pytest
 
-from core.engine.jobs import Engine, InProcessRunner, Outcome, ProcessRunner, Runner
+from core.engine.jobs import Engine
+from core.engine.runners import InProcessRunner, Outcome, ProcessRunner, Runner
 from core.models.targets import Device
 from core.spec import AdapterRef, ModelRef, ProbeSpec, SpecError, Target
 

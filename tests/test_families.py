@@ -23,7 +23,8 @@ from safetensors import safe_open
 from tiny_models import ARCHITECTURES, METHODS, save_method, save_with_lora
 
 from core import report
-from core.engine.jobs import Engine, InProcessRunner
+from core.engine.jobs import Engine
+from core.engine.runners import InProcessRunner
 from core.engine.store import RunRecord
 from core.models.checkpoint import LoadError
 from core.models.loading import (

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from core.engine.jobs import Engine, ProcessRunner
+from core.engine.jobs import Engine
+from core.engine.runners import ProcessRunner
 from core.spec import AdapterRef, ModelRef, ProbeSpec, Target
 
 pytestmark = [

@@ -346,7 +346,7 @@ def test_variants_groups_and_stage_count(demo_workspace):
 
 def test_memory_check_in_process_writes_its_tables_and_rows(tmp_path, demo_workspace):
     from core.checks.memory import MemoryCheck
-    from core.engine.jobs import InProcessRunner
+    from core.engine.runners import InProcessRunner
 
     spec = memory_spec(demo_workspace, ["lora", "dora"])
     record, snap = run_memory(tmp_path, spec, InProcessRunner())
@@ -378,7 +378,7 @@ def test_memory_check_in_process_writes_its_tables_and_rows(tmp_path, demo_works
 
 
 def test_pissa_on_a_float64_target_loads_through_float32_with_a_note(tmp_path, demo_workspace):
-    from core.engine.jobs import InProcessRunner
+    from core.engine.runners import InProcessRunner
 
     # PEFT refuses to initialise PiSSA in float64: the load goes through float32, as in every strategy
     spec = memory_spec(demo_workspace, ["pissa"], target="cpu/float64")
@@ -391,7 +391,7 @@ def test_pissa_on_a_float64_target_loads_through_float32_with_a_note(tmp_path, d
 def test_a_misplaced_load_is_flagged_at_the_stage_it_appeared(tmp_path, demo_workspace, monkeypatch):
     """As if the target were cuda:1: every tensor on the CPU is on a device nobody asked for."""
     from core.checks import memory as memory_check
-    from core.engine.jobs import InProcessRunner
+    from core.engine.runners import InProcessRunner
 
     monkeypatch.setattr(memory_check, "requested_devices", lambda target, variant: ["cuda:1"])
     spec = memory_spec(demo_workspace, ["lora"])
@@ -456,7 +456,7 @@ def test_tables_have_the_required_columns_first():
 def test_rss_timeline_of_a_fresh_worker_process_is_real(tmp_path, demo_workspace):
     """A real `python -m core.engine.worker` process: process start and import torch come from the worker,
     and after the base load RSS exceeds the process-start figure by at least the model's bytes."""
-    from core.engine.jobs import ProcessRunner
+    from core.engine.runners import ProcessRunner
 
     record, snap = run_memory(tmp_path, memory_spec(demo_workspace, []), ProcessRunner())
     assert set(snap["tasks"]) == {"cpu/float32 · memory", "compare"}

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from core.demo.scenarios import demo_spec
-from core.engine.jobs import Engine, ProcessRunner
+from core.engine.jobs import Engine
+from core.engine.runners import ProcessRunner
 from core.models import memory
 
 pytestmark = [

@@ -16,7 +16,8 @@ from core.capture import Capture
 from core.checks.base import CaptureContext
 from core.checks.merge import MergeCheck
 from core.demo.scenarios import demo_spec
-from core.engine.jobs import Engine, InProcessRunner
+from core.engine.jobs import Engine
+from core.engine.runners import InProcessRunner
 from core.methods import adapter_keys, formulas
 from core.models import merging
 from core.models.checkpoint import read_checkpoint

@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import load_file
 from tiny_models import ARCHITECTURES, quiet
 
-from core.engine.jobs import Engine, InProcessRunner
+from core.engine.jobs import Engine
+from core.engine.runners import InProcessRunner
 from core.engine.store import RunRecord
 from core.methods import adapter_keys, formulas
 from core.spec import AdapterRef, ModelRef, ProbeInputs, ProbeSpec, Target

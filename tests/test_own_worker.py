@@ -13,7 +13,8 @@ from core import checks as checks_module
 from core.capture import Capture, TensorKey, capture_folder_name
 from core.checks.base import Check, Reference
 from core.demo.scenarios import SCENARIOS, scenario_spec
-from core.engine.jobs import Engine, InProcessRunner
+from core.engine.jobs import Engine
+from core.engine.runners import InProcessRunner
 from core.models.targets import Device
 from core.spec import ModelRef, ProbeSpec, SpecError, Target
 

@@ -51,7 +51,8 @@ def test_archive_round_trip_and_unsafe_paths(tmp_path):
 
 
 def test_node_flag_parses_and_the_local_runner_refuses_it(tmp_path, demo_workspace):
-    from core.engine.jobs import Engine, InProcessRunner
+    from core.engine.jobs import Engine
+    from core.engine.runners import InProcessRunner
     from core.models.targets import Device
 
     t = Target.parse("cuda:0/float32+tf32+node=gpu-a6000")
@@ -130,7 +131,8 @@ def _wait_for(predicate, timeout: float, what: str):
 def test_demo_gives_the_process_runners_metrics_table(ray_engine, demo_workspace, tmp_path):
     import pandas as pd
 
-    from core.engine.jobs import Engine, ProcessRunner
+    from core.engine.jobs import Engine
+    from core.engine.runners import ProcessRunner
 
     spec = _spec(demo_workspace, ["cpu/float32"])
     local = Engine(tmp_path, runner=ProcessRunner())

@@ -10,7 +10,8 @@ import pandas as pd
 import pytest
 
 from core.engine import store as store_module
-from core.engine.jobs import Engine, InProcessRunner
+from core.engine.jobs import Engine
+from core.engine.runners import InProcessRunner
 from core.engine.store import Store, StoreError, atomic_write_json
 from core.spec import ModelRef, ProbeSpec, Target
 

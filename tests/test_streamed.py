@@ -10,7 +10,8 @@ import pytest
 
 from core.capture import Capture, TensorKey
 from core.engine.diffmap import ElementDiff, SketchedDiff, element_diff
-from core.engine.jobs import Engine, InProcessRunner
+from core.engine.jobs import Engine
+from core.engine.runners import InProcessRunner
 from core.engine.store import Store
 from core.spec import AdapterRef, ModelRef, ProbeSpec, Target
 

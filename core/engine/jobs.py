@@ -3,9 +3,9 @@
 A job is one run. Its driver thread starts one capture task per target (plus the cpu/float64
 reference where a check needs it), then one compare task that writes the metrics table.
 Targets on different devices run in parallel; work on one device is serialised by a lock per
-device that all jobs share. The runner decides where a task runs: `ProcessRunner` spawns a
-fresh `python -m core.engine.worker` per task (numerics flags are process-global and a CUDA error
-poisons a process); `InProcessRunner` runs it in this process, for unit tests.
+device that all jobs share. A small base's checks are captured in passes, and each group of checks
+is compared as soon as its captures are in (`capture_passes`, partial compares), so pages fill
+while the run goes on. The runner (`core.engine.runners`) decides where a task runs.
 
 Worker threads never touch a UI: the dashboard polls `Job.snapshot()` or the store.
 """
@@ -13,89 +13,17 @@ Worker threads never touch a UI: the dashboard polls `Job.snapshot()` or the sto
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from core.engine.runners import Outcome, ProcessRunner, Runner
 from core.engine.store import Store, StoreError, write_reference_fallback
-from core.engine.worker import EXIT_CANCELLED, PREIMPORT_ENV, Cancelled, Task, run_task, task_json
+from core.engine.worker import Task
 from core.spec import ProbeSpec, SpecError, Target
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-@dataclass
-class Outcome:
-    """How a task ended: ok, cancelled, or failed with a reason (the engine adds where it stopped)."""
-
-    ok: bool
-    cancelled: bool = False
-    error: str | None = None
-    stderr_tail: str = ""
-
-
-class Runner(ABC):
-    """Runs one task; reports events through `on_event` and stops when `cancel` is set."""
-
-    # Whether this runner can place a target on a named machine (`node=NAME`, core.engine.ray_runner).
-    places_nodes = False
-
-    @abstractmethod
-    def run(
-        self, task: Task, on_event: Callable[[dict], None], cancel: threading.Event, log_path: Path
-    ) -> Outcome: ...
-
-    def prepare(self, task: Task, log_path: Path) -> None:
-        """Get ready for `task` while another task still runs (a runner with workers starts one)."""
-        return None
-
-    def discard(self, task: Task) -> None:
-        """Give up what `prepare` got ready for `task`, which will not run."""
-        return None
-
-    def kill_all(self) -> None:
-        """Kill every worker this runner started that is still alive (the process is going away)."""
-        return None
-
-    def devices(self) -> list | None:
-        """The devices targets may name where this runner runs them; None: this machine's."""
-        return None
-
-    def warm(self, count: int = 1) -> None:
-        """Have `count` workers ready for whatever task comes next (a runner with workers starts them
-        now, so that their imports overlap what the caller does before its first task)."""
-        return None
-
-
-class InProcessRunner(Runner):
-    """Runs tasks in the calling process (unit tests). Flags it applies stay applied, but for the
-    thread count, which each task gets back as it found it."""
-
-    def run(self, task, on_event, cancel, log_path) -> Outcome:
-        import torch
-
-        # A `threads=N` target would leave N threads to every later task in this process (the
-        # float64 reference, PiSSA's SVD): give each task the count a fresh worker would start with.
-        threads = torch.get_num_threads()
-        try:
-            run_task(task, on_event, cancel.is_set)
-        except Cancelled:
-            return Outcome(ok=False, cancelled=True)
-        except Exception as e:
-            return Outcome(ok=False, error=str(e))
-        finally:
-            torch.set_num_threads(threads)
-        return Outcome(ok=True)
-
 
 # How close a dtype's results come to float64's, for the next-best reference: float16 keeps more
 # mantissa bits than bfloat16.
@@ -111,149 +39,35 @@ def next_best_reference(spec: ProbeSpec) -> Target:
     )
 
 
-def _signal_name(code: int) -> str:
+def capture_passes(spec: ProbeSpec, checks: list) -> list[tuple[str, ...]]:
+    """The shared load loop's checks, per pass over the loaded models (each pass a worker per target).
+
+    A small base (up to CAPTURE_PASSES_UP_TO) is loaded twice: first for the checks compared against
+    the checkpoint files (no forward pass, no reference target), whose rows come first, then for the
+    others. A larger one is loaded once, for all of them.
+    """
+    from core.models.checkpoint import Checkpoint, CheckpointError
+    from core.spec import CAPTURE_PASSES_UP_TO
+
+    shared = [c for c in checks if not c.own_worker]
+    first = tuple(c.name for c in shared if not c.needs_reference_target)
+    rest = tuple(c.name for c in shared if c.needs_reference_target)
+    if not first or not rest:
+        return [first or rest] if shared else []
     try:
-        return signal.Signals(-code).name
-    except ValueError:
-        return f"signal {-code}"
+        small = Checkpoint.open(spec.base.path).nbytes <= CAPTURE_PASSES_UP_TO
+    except CheckpointError:  # a hub id, or weights transformers finds elsewhere: assume it is large
+        small = False
+    return [first, rest] if small else [first + rest]
 
 
-def tail(path: Path, lines: int = 12) -> str:
-    """The last lines of a log file ('' if it does not exist)."""
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return ""
-    return "\n".join(text.rstrip().splitlines()[-lines:])
+@dataclass
+class _Group:
+    """Checks compared together before the run ends, once every capture task they read has succeeded."""
 
-
-class ProcessRunner(Runner):
-    """Runs each task in a fresh spawned worker process; stderr goes to the run's log."""
-
-    def __init__(self, grace_s: float = 10.0, python: str | None = None):
-        self.grace_s = grace_s
-        self.python = python or sys.executable
-        self._prepared: dict[tuple[str, str], subprocess.Popen] = {}
-        # started ahead of any task (`warm`): libraries imported, waiting for a task and its log
-        self._spares: list[subprocess.Popen] = []
-        self._live: set[subprocess.Popen] = set()  # every worker started and not yet reaped
-        self._lock = threading.Lock()
-        self._live_lock = threading.Lock()  # apart: _spawn runs under _lock in prepare
-
-    def kill_all(self) -> None:
-        with self._lock:
-            self._prepared.clear()
-            self._spares.clear()
-        with self._live_lock:
-            procs = list(self._live)
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-
-    def warm(self, count: int = 1) -> None:
-        with self._lock:
-            self._spares = [p for p in self._spares if p.poll() is None]
-            while len(self._spares) < count:
-                self._spares.append(self._spawn_worker(None, preimport=True))
-
-    def _take_spare(self, task: Task) -> subprocess.Popen | None:
-        """A live spare worker for `task` (not a memory timeline's: its process must start with its task)."""
-        if not task.imports_ahead:
-            return None
-        while self._spares:
-            proc = self._spares.pop(0)
-            if proc.poll() is None:
-                return proc
-        return None
-
-    def prepare(self, task: Task, log_path: Path) -> None:
-        """Get `task`'s worker ready now: a spare if there is one, else a new worker that imports
-        torch, transformers, PEFT and this package's task code and then waits for its task, so those
-        seconds overlap the task before it on the same device."""
-        with self._lock:
-            if (task.run_dir, task.label) not in self._prepared:
-                proc = self._take_spare(task)
-                self._prepared[(task.run_dir, task.label)] = proc or self._spawn(task, log_path)
-
-    def discard(self, task: Task) -> None:
-        with self._lock:
-            proc = self._prepared.pop((task.run_dir, task.label), None)
-        if proc is not None:
-            proc.kill()
-            proc.wait()
-
-    def _spawn(self, task: Task, log_path: Path) -> subprocess.Popen:
-        return self._spawn_worker(log_path, preimport=task.imports_ahead)
-
-    def _spawn_worker(self, log_path: Path | None, preimport: bool) -> subprocess.Popen:
-        """A worker process; its stderr goes to `log_path` (a spare's: nowhere until its task names its log)."""
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-        env[PREIMPORT_ENV] = "1" if preimport else ""
-        if log_path is not None:
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path if log_path is not None else os.devnull, "ab") as log:
-            proc = subprocess.Popen(
-                [self.python, "-m", "core.engine.worker"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                cwd=str(REPO_ROOT),
-                env=env,
-                start_new_session=True,  # a Ctrl-C in the terminal goes to us, not straight to workers
-            )
-        with self._live_lock:
-            self._live = {p for p in self._live if p.poll() is None} | {proc}
-        return proc
-
-    def run(self, task, on_event, cancel, log_path) -> Outcome:
-        log_path.parent.mkdir(parents=True, exist_ok=True)  # a spare worker opens it itself
-        with self._lock:
-            proc = self._prepared.pop((task.run_dir, task.label), None) or self._take_spare(task)
-        if proc is None or proc.poll() is not None:
-            proc = self._spawn(task, log_path)
-        last: dict[str, Any] = {"final": None}
-
-        def read_events():
-            assert proc.stdout is not None
-            for raw in proc.stdout:
-                try:
-                    event = json.loads(raw)
-                except json.JSONDecodeError:
-                    continue
-                if event.get("type") in ("error", "cancelled", "done"):
-                    last["final"] = event
-                on_event(event)
-
-        reader = threading.Thread(target=read_events, daemon=True, name=f"events-{task.label}")
-        reader.start()
-        assert proc.stdin is not None
-        try:
-            proc.stdin.write(task_json(task, str(log_path)).encode())
-            proc.stdin.close()
-        except BrokenPipeError:
-            pass
-        terminated_at = None
-        while proc.poll() is None:
-            if cancel.is_set():
-                if terminated_at is None:
-                    proc.send_signal(signal.SIGTERM)  # cooperative: the worker stops at the next stage
-                    terminated_at = time.monotonic()
-                elif time.monotonic() - terminated_at > self.grace_s:
-                    proc.kill()
-            time.sleep(0.05)
-        reader.join(timeout=5)
-        code = proc.returncode
-        final = last["final"] or {}
-        if code == 0 and final.get("type") == "done":
-            return Outcome(ok=True)
-        if cancel.is_set() and (code == EXIT_CANCELLED or code < 0):
-            return Outcome(ok=False, cancelled=True)
-        if final.get("type") == "error":
-            return Outcome(ok=False, error=final["message"])
-        how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
-        return Outcome(ok=False, error=f"worker process {how}", stderr_tail=tail(log_path))
+    needs: frozenset[str]  # labels of those capture tasks
+    task: Task  # the partial compare task (`Task.partial`)
+    started: bool = False
 
 
 @dataclass
@@ -299,6 +113,8 @@ class Job:
     store_error: str | None = None
     # what runs its tasks: the engine's runner, or the one its submitter chose (the dashboard's Ray choice)
     runner: Runner | None = field(default=None, repr=False)
+    # the checks whose rows are stored while the run goes on (`partial/<check>.parquet`), in order
+    compared: list[str] = field(default_factory=list)
 
     def cancel(self, reason: str | None = None) -> None:
         """Ask every worker of this job to stop at its next stage boundary (`reason` is stored)."""
@@ -328,6 +144,7 @@ class Job:
                 "started": self.started,
                 "finished": self.finished,
                 "tasks": {k: {**asdict(v), "elapsed_s": v.elapsed_s} for k, v in self.tasks.items()},
+                "compared": list(self.compared),
             }
 
 
@@ -425,7 +242,7 @@ class Engine:
         job = Job(run_id=record.run_id, run_dir=record.run_dir, spec=spec, runner=runner or self.runner)
         for task in self._capture_tasks(job):
             job.tasks[task.label] = TaskProgress(name=task.label)
-        job.tasks["compare"] = TaskProgress(name="compare")
+        job.tasks["compare"] = TaskProgress(name="compare")  # a partial compare's is added when it starts
         self._jobs[job.run_id] = job
         threading.Thread(target=self._drive, args=(job,), daemon=True, name=f"job-{job.run_id}").start()
         return job
@@ -438,12 +255,15 @@ class Engine:
         return sorted(self._jobs.values(), key=lambda j: j.created, reverse=True)
 
     def _capture_tasks(self, job: Job) -> list[Task]:
+        """Every capture task of the job, in the order each device runs them: the shared load loop's
+        passes (`capture_passes`), each with the reference first where its checks need it, then the
+        own-worker checks' tasks."""
         from core.checks import get_checks
 
         spec = job.spec
         checks = get_checks(spec.checks)
 
-        def task(target: Target, names: tuple[str, ...], variant: str | None = None) -> Task:
+        def task(target: Target, names: tuple[str, ...], variant: str | None = None, part=False) -> Task:
             return Task(
                 kind="capture",
                 run_dir=str(job.run_dir),
@@ -451,20 +271,43 @@ class Engine:
                 target=str(target),
                 checks=names,
                 variant=variant,
+                part=part,
             )
 
-        shared = tuple(c.name for c in checks if not c.own_worker)
+        by_name = {c.name: c for c in checks}
+        passes = capture_passes(spec, checks)
         # a target imported from a snapshot has its captures in the run folder already
         local = [t for t in spec.targets if t.machine is None]
-        tasks = [task(t, shared) for t in local] if shared else []
+        tasks: list[Task] = []
+        for names in passes:
+            part = len(passes) > 1
+            ref_names = tuple(n for n in names if by_name[n].needs_reference_target)
+            ordered = sorted(local, key=lambda t: t != spec.reference)  # the reference first
+            if ref_names and spec.reference not in spec.targets and spec.reference.machine is None:
+                tasks.append(task(spec.reference, ref_names, part=part))
+            tasks += [task(t, names, part=part) for t in ordered]
         # Checks that load models their own way get a fresh worker per target and variant.
         tasks += [
             task(t, (c.name,), v) for c in checks if c.own_worker for t in local for v in c.variants(spec, t)
         ]
-        ref_checks = tuple(c.name for c in checks if c.needs_reference_target and not c.own_worker)
-        if ref_checks and spec.reference not in spec.targets and spec.reference.machine is None:
-            tasks.append(task(spec.reference, ref_checks))
         return tasks
+
+    def _compare_groups(self, job: Job, tasks: list[Task]) -> list[_Group]:
+        """The run's checks grouped by the capture tasks their rows need (the reference's too), each
+        group compared as soon as those have succeeded."""
+        spec = job.spec
+        needs = {c: frozenset(t.label for t in tasks if c in t.checks) for c in spec.checks}
+        groups: dict[frozenset[str], list[str]] = {}
+        for name, labels in needs.items():
+            groups.setdefault(labels, []).append(name)
+        return [
+            _Group(
+                needs=labels,
+                task=Task(kind="compare", run_dir=str(job.run_dir), spec=spec.to_dict(), checks=tuple(names)),
+            )
+            for labels, names in groups.items()
+            if labels  # imported from snapshots only: nothing to wait for, the final compare has it
+        ]
 
     def _device_lock(self, device: str) -> threading.Lock:
         with self._locks_guard:
@@ -541,11 +384,13 @@ class Engine:
         # core.capture imports torch: not when this module is imported (the CLI starts a worker first)
         from core.capture import capture_folder_name
 
-        folder = (
-            capture_folder_name(Target.parse(task.target).slug, task.own_check or "", task.variant or "")
-            if task.target
-            else "compare"
-        )
+        if task.target:
+            folder = capture_folder_name(
+                Target.parse(task.target).slug, task.own_check or "", task.variant or ""
+            )
+            folder += f"-{'+'.join(task.checks)}" if task.part else ""
+        else:
+            folder = "compare" + (f"-{'+'.join(task.checks)}" if task.checks else "")
         return job.run_dir / "logs" / f"{folder}.log"
 
     def _drive(self, job: Job) -> None:
@@ -554,9 +399,10 @@ class Engine:
                 job.state, job.started = "running", time.time()
             self._persist(job)
             compare = Task(kind="compare", run_dir=str(job.run_dir), spec=job.spec.to_dict())
-            ran = self._run_captures(job, compare)
-            outcomes = [o for _, o in ran]
+            ran, partial = self._run_captures(job, compare)
+            outcomes = [o for _, o in ran] + partial
             failed = [o for t, o in ran if not o.ok and not o.cancelled and not self._reference_only(job, t)]
+            failed += [o for o in partial if not o.ok and not o.cancelled]
             reference_failed = [
                 o for t, o in ran if not o.ok and not o.cancelled and self._reference_only(job, t)
             ]
@@ -595,22 +441,78 @@ class Engine:
             task.variant is None and task.target == str(spec.reference) and spec.reference not in spec.targets
         )
 
-    def _run_captures(self, job: Job, compare: Task) -> list[tuple[Task, Outcome]]:
+    def _run_captures(self, job: Job, compare: Task) -> tuple[list[tuple[Task, Outcome]], list[Outcome]]:
+        """Run every capture task, each device's in order and the devices in parallel, and each group
+        of checks' partial compare as soon as its captures are in while others still run; returns the
+        capture tasks' outcomes and the partial compares'."""
+        tasks = self._capture_tasks(job)
+        groups = self._compare_groups(job, tasks)
+        reference = str(job.spec.reference)
         by_device: dict[str, list[Task]] = {}
-        for task in self._capture_tasks(job):
+        for task in tasks:
             target = Target.parse(task.target)
             # cuda:0 of two Ray nodes are two devices: neither waits for the other
             where = target.device if target.node is None else f"{target.node}/{target.device}"
             by_device.setdefault(where, []).append(task)
         outcomes: list[tuple[Task, Outcome]] = []
+        ended: dict[str, threading.Event] = {t.label: threading.Event() for t in tasks}
+        succeeded: set[str] = set()
+        partial_outcomes: list[Outcome] = []
+        partial_threads: list[threading.Thread] = []
+        groups_lock = threading.Lock()
+        first_checks = {c.name for c in self._checks(job) if c.reference_first}
+
+        def waits_for(task: Task) -> list[str]:
+            """A check whose targets read the reference's capture while they capture (activations):
+            its tasks start once the reference's task with that check has ended."""
+            wanted = first_checks.intersection(task.checks)
+            if not wanted or task.target == reference:
+                return []
+            return [t.label for t in tasks if t.target == reference and wanted.intersection(t.checks)]
+
+        def ready(group: _Group, also: str | None = None) -> bool:
+            return all(label in succeeded or label == also for label in group.needs)
+
+        def starting(task: Task) -> None:
+            """`task` is at work: a partial compare that waits for it alone gets its worker ready."""
+            with groups_lock:
+                due = [g for g in groups if not g.started and task.label in g.needs and ready(g, task.label)]
+            for group in due:
+                if group.task.imports_ahead and not job.cancel_event.is_set():
+                    job.runner.prepare(group.task, self._log_path(job, group.task))
+
+        def ended_ok(task: Task) -> None:
+            """After a capture task succeeded: start the partial compares now due, unless no capture
+            task is left (the final compare then does their checks)."""
+            with groups_lock:
+                succeeded.add(task.label)
+                left = any(not e.is_set() for label, e in ended.items() if label != task.label)
+                due = [g for g in groups if not g.started and ready(g)]
+                for group in due:
+                    group.started = True
+            for group in due:
+                if not left or job.cancel_event.is_set():
+                    job.runner.discard(group.task)
+                    continue
+                thread = threading.Thread(
+                    target=lambda g=group: partial_outcomes.append(self._run_partial(job, g.task)),
+                    daemon=True,
+                    name=f"{job.run_id}-{group.task.label}",
+                )
+                partial_threads.append(thread)
+                thread.start()
 
         def device_queue(device: str, tasks: list[Task]) -> None:
             for i, task in enumerate(tasks):
+                for label in waits_for(task):
+                    while not ended[label].wait(0.1) and not job.cancel_event.is_set():
+                        pass
                 with self._device_lock(device):
                     if job.cancel_event.is_set():
                         with job.lock:
                             job.tasks[task.label].state = "cancelled"
                         outcomes.append((task, Outcome(ok=False, cancelled=True)))
+                        ended[task.label].set()
                         continue
                     # Once this task's worker is at work, the next one (or, after the last, the compare
                     # task's) is started, so its imports overlap this task. Not a memory timeline's:
@@ -619,22 +521,21 @@ class Engine:
                     if not following.imports_ahead:
                         following = None
 
-                    def prepare(following=following) -> None:
+                    def prepare(task=task, following=following) -> None:
                         if following is not None and not job.cancel_event.is_set():
                             job.runner.prepare(following, self._log_path(job, following))
+                        starting(task)
 
                     outcome = self._run_task(job, task, on_start=prepare)
                 outcomes.append((task, outcome))
-                if not outcome.ok and not outcome.cancelled and not self._reference_only(job, task):
+                if outcome.ok:
+                    ended_ok(task)
+                elif not outcome.cancelled and not self._reference_only(job, task):
                     job.cancel_event.set()  # one failed target fails the job: stop the others early
+                ended[task.label].set()
                 if following is not None and job.cancel_event.is_set():
                     job.runner.discard(following)
 
-        # A check whose targets read the reference's capture (activations) has the reference captured
-        # before any other task starts; the others then run in parallel as usual.
-        first = self._reference_first(job, by_device)
-        if first is not None:
-            device_queue(*first)
         threads = [
             threading.Thread(target=device_queue, args=(d, ts), daemon=True, name=f"{job.run_id}-{d}")
             for d, ts in by_device.items()
@@ -644,23 +545,35 @@ class Engine:
             t.start()
         for t in threads:
             t.join()
-        return outcomes
+        for t in list(partial_threads):
+            t.join()
+        return outcomes, partial_outcomes
+
+    def _run_partial(self, job: Job, task: Task) -> Outcome:
+        """One group's partial compare; its checks join `job.compared` when it succeeds."""
+        with job.lock:
+            final = job.tasks.pop("compare", None)
+            job.tasks[task.label] = TaskProgress(name=task.label)
+            if final is not None:
+                job.tasks["compare"] = final  # listed last, as it runs last
+        if job.cancel_event.is_set():
+            job.runner.discard(task)
+            with job.lock:
+                job.tasks[task.label].state = "cancelled"
+            return Outcome(ok=False, cancelled=True)
+        outcome = self._run_task(job, task)
+        if outcome.ok:
+            with job.lock:
+                job.compared.extend(c for c in task.checks if c not in job.compared)
+        elif not outcome.cancelled:
+            job.cancel_event.set()  # a compare that fails now would fail at the end too: stop early
+        return outcome
 
     @staticmethod
-    def _reference_first(job: Job, by_device: dict[str, list[Task]]) -> tuple[str, list[Task]] | None:
-        """(device, [the reference's shared-loop task]) taken out of `by_device` when a check of the run
-        needs the reference's capture while its targets capture; None otherwise."""
+    def _checks(job: Job) -> list:
         from core.checks import get_checks
 
-        if not any(c.reference_first for c in get_checks(job.spec.checks)):
-            return None
-        reference = str(job.spec.reference)
-        for device, tasks in by_device.items():
-            for task in tasks:
-                if task.target == reference and task.variant is None:
-                    tasks.remove(task)
-                    return device, [task]
-        return None
+        return get_checks(job.spec.checks)
 
     def _finish(self, job: Job, state: str, error: str | None) -> None:
         with job.lock:

@@ -43,7 +43,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from core.engine.jobs import Outcome, ProcessRunner, Runner
+from core.engine.runners import Outcome, ProcessRunner, Runner
 from core.engine.worker import Cancelled, Task
 from core.spec import SpecError, Target
 
@@ -519,7 +519,7 @@ class RayRunner(Runner):
             return Outcome(ok=True)
         if final.get("type") == "cancelled" or cancel.is_set():
             return Outcome(ok=False, cancelled=True)
-        from core.engine.jobs import tail
+        from core.engine.runners import tail
 
         return Outcome(
             ok=False,

@@ -6,6 +6,8 @@
     <run_id>/captures/<target>@<check>-<variant>/   the same, for a check run in its own worker
     <run_id>/logs/<target>.log         worker stderr
     <run_id>/metrics.parquet           the metrics table
+    <run_id>/partial/<check>.parquet   while the run goes on: the rows of each check compared so far
+                                       (removed once metrics.parquet holds them all)
     <run_id>/<name>.parquet            a check's own tables (memory_timeline, placement, …)
 
 Every file is written to a temporary name and renamed into place, so a reader sees either the
@@ -47,6 +49,7 @@ from core.spec import ProbeSpec
 ACTIVE_STATES = ("queued", "running")
 STATES = (*ACTIVE_STATES, "succeeded", "failed", "cancelled")
 DAMAGED = "damaged"  # read back only: the folder does not hold a readable run
+PARTIAL_DIR = "partial"  # per-check rows written while a run goes on (`Store.write_partial`)
 LOCK_NAME = ".owner.lock"
 # Leftovers (temporary files, half-made run folders) younger than this may belong to a write in
 # progress in a process that does not hold the run's lock (a worker): the sweep leaves them.
@@ -230,6 +233,25 @@ def reference_fallback_note(fallback: dict[str, str]) -> str:
     )
 
 
+def metrics_table(rows: list[dict[str, Any]] | list):
+    """The long-format metrics table with the design's columns first, in a fixed order: from rows, or
+    from the tables of several checks (each made by this function) one after another."""
+    from core.checks.base import METRIC_COLUMNS
+
+    if rows and all(isinstance(r, pd.DataFrame) for r in rows):
+        # as records, not pd.concat: a column one check lacks reads NaN in a float column, as from rows
+        rows = [record for frame in rows for record in frame.to_dict(orient="records")]
+    table = pd.DataFrame(rows)
+    for col in METRIC_COLUMNS:
+        if col not in table.columns:
+            table[col] = None
+    rest = [c for c in table.columns if c not in METRIC_COLUMNS]
+    table = table[list(METRIC_COLUMNS) + rest]
+    if "layer" in table:
+        table["layer"] = table["layer"].astype("Int64")
+    return table
+
+
 @dataclass
 class RunRecord:
     """A stored run as read back: its spec, its status and where it lives."""
@@ -248,8 +270,23 @@ class RunRecord:
         return self.info.get("error")
 
     def metrics(self) -> pd.DataFrame:
-        """The metrics table (empty if the run has none); StoreError if it does not open."""
-        return self.table("metrics")
+        """The metrics table (empty if the run has none); StoreError if it does not open.
+
+        While the run goes on: the rows of the checks compared so far (`compared`), in the run's
+        check order."""
+        if (self.run_dir / "metrics.parquet").exists() or self.status not in ACTIVE_STATES:
+            return self.table("metrics")
+        frames = [self.table(f"{PARTIAL_DIR}/{name}") for name in self.compared()]
+        return metrics_table(frames) if frames else pd.DataFrame()
+
+    def compared(self) -> list[str]:
+        """The checks whose rows are in: every check of a finished run's table; while the run goes on,
+        those its partial compares have written (`partial/<check>.parquet`), in the run's order."""
+        if (self.run_dir / "metrics.parquet").exists():
+            return list(self.spec.checks) if self.spec is not None else []
+        done = {p.stem for p in (self.run_dir / PARTIAL_DIR).glob("*.parquet")}
+        order = list(self.spec.checks) if self.spec is not None else sorted(done)
+        return [c for c in order if c in done]
 
     def table(self, name: str) -> pd.DataFrame:
         """A table of the run, `<name>.parquet` (empty if the run has none); StoreError, naming the
@@ -377,11 +414,28 @@ class Store:
         """Store the metrics table as Parquet (atomically)."""
         return self.write_table(run_id, "metrics", table)
 
+    def write_partial(self, run_id: str, check: str, table: pd.DataFrame) -> Path:
+        """Store one check's rows before the run ends (`partial/<check>.parquet`), for pages to show
+        while the other checks go on."""
+        (self.runs_dir / run_id / PARTIAL_DIR).mkdir(exist_ok=True)
+        return self.write_table(run_id, f"{PARTIAL_DIR}/{check}", table)
+
+    def read_partial(self, run_id: str, check: str) -> pd.DataFrame | None:
+        """One check's rows as its partial compare wrote them; None when it has none (or it does not open)."""
+        path = self.runs_dir / run_id / PARTIAL_DIR / f"{check}.parquet"
+        if not path.exists() or table_problem(path) is not None:
+            return None
+        return pd.read_parquet(path)
+
+    def drop_partials(self, run_id: str) -> None:
+        """Remove the partial tables once metrics.parquet holds every row."""
+        shutil.rmtree(self.runs_dir / run_id / PARTIAL_DIR, ignore_errors=True)
+
     def write_table(self, run_id: str, name: str, table: pd.DataFrame) -> Path:
         """Store a table of the run as `<name>.parquet` (atomically, with page checksums so that a
         damaged file is found when read)."""
         path = self.runs_dir / run_id / f"{name}.parquet"
-        tmp = path.with_name(f".{name}.{secrets.token_hex(4)}.tmp")
+        tmp = path.with_name(f".{path.stem}.{secrets.token_hex(4)}.tmp")
         try:
             table.to_parquet(tmp, index=False, write_page_checksum=True)
             os.replace(tmp, path)

@@ -47,6 +47,10 @@ class Task:
     target: str | None = None
     checks: tuple[str, ...] = ()
     variant: str | None = None  # set for an own-worker check's task (then `checks` is that one check)
+    # A shared-loop task that captures part of the run's checks (a small model's are captured in
+    # passes, `core.engine.capture_passes`): its checks, named in its label. A compare task with
+    # `checks` compares those alone, before the run ends (`partial`).
+    part: bool = False
 
     @property
     def own_check(self) -> str | None:
@@ -60,11 +64,16 @@ class Task:
         return self.own_check != "memory"
 
     @property
+    def partial(self) -> bool:
+        """A compare task for some checks only, while the run goes on (`metrics.parquet` comes later)."""
+        return self.kind == "compare" and bool(self.checks)
+
+    @property
     def label(self) -> str:
         if self.target is None:
-            return "compare"
+            return "compare" + (f" · {', '.join(self.checks)}" if self.checks else "")
         if self.variant is None:
-            return self.target
+            return self.target + (f" · {', '.join(self.checks)}" if self.part else "")
         return f"{self.target} · {self.checks[0]}" + (f":{self.variant}" if self.variant else "")
 
 
@@ -163,7 +172,10 @@ def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
     if "input_ids" in probe:
         capture.meta["input_ids"] = probe["input_ids"].tolist()
     progress("write capture")
-    capture.save(run_dir / "captures" / capture_folder_name(target.slug, own.name if own else "", variant))
+    folder = run_dir / "captures" / capture_folder_name(target.slug, own.name if own else "", variant)
+    if task.part and (folder / "capture.json").exists():
+        capture.join(Capture.load(folder))  # an earlier pass's checks on this target: one capture
+    capture.save(folder)
 
 
 def _comparator(spec, target, checks) -> Callable:
@@ -187,22 +199,35 @@ def _comparator(spec, target, checks) -> Callable:
 
 
 def run_compare(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> None:
-    """Turn the run's captures into the metrics table (`metrics.parquet`) and the checks' own tables."""
+    """Turn the run's captures into the metrics table (`metrics.parquet`) and the checks' own tables.
+
+    A partial task (`task.checks`) compares those checks alone as soon as their captures are in,
+    and writes their rows to `partial/<check>.parquet` and their own tables, for the pages to show
+    while the run goes on; the final task takes those rows as they are and compares the rest.
+    """
+    import pandas as pd
+
     from core.capture import Capture
     from core.checks import get_checks
     from core.checks.base import add_note
-    from core.engine.store import Store, read_reference_fallback, reference_fallback_note
+    from core.engine.store import Store, metrics_table, read_reference_fallback, reference_fallback_note
     from core.spec import ProbeSpec, Target
 
     run_dir = Path(task.run_dir)
     store = Store(run_dir.parent.parent)
     spec = ProbeSpec.from_dict(task.spec)
-    checks = get_checks(spec.checks)
+    done = {} if task.partial else {c: store.read_partial(run_dir.name, c) for c in spec.checks}
+    checks = get_checks(task.checks or spec.checks)
+    todo = [c for c in checks if done.get(c.name) is None]
     captures_dir = run_dir / "captures"
     shared = [c for c in checks if not c.own_worker]
-    shared_captures = [Capture.load(captures_dir / t.slug) for t in spec.targets] if shared else []
+    # the final task reads them for the pairwise table even when every check's rows are in
+    loads_shared = bool(shared) and (
+        any(not c.own_worker for c in todo) or (not task.partial and len(spec.targets) > 1)
+    )
+    shared_captures = [Capture.load(captures_dir / t.slug) for t in spec.targets] if loads_shared else []
     by_check: dict[str, list[Capture]] = {}
-    for check in checks:
+    for check in todo:
         if not check.own_worker:
             by_check[check.name] = shared_captures
             continue
@@ -211,30 +236,42 @@ def run_compare(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
             for t in spec.targets
             for folder in _own_folders(captures_dir, spec, check, t)
         ]
-    total = sum(c.compare_steps(by_check[c.name]) for c in checks) + 1
+    total = sum(c.compare_steps(by_check[c.name]) for c in todo) + 1
     progress = Progress(emit, should_cancel, total=total, target=None)
     fallback = read_reference_fallback(run_dir)
     if fallback is not None:  # the reference did not run: another target stands in (the engine chose it)
         spec = replace(spec, reference=Target.parse(fallback["reference"]))
     ref_folder = captures_dir / spec.reference.slug
-    reference_capture = Capture.load(ref_folder) if ref_folder.exists() else None
-    rows: list[dict[str, Any]] = []
+    needs_reference = any(c.needs_reference_target for c in todo)
+    reference_capture = Capture.load(ref_folder) if needs_reference and ref_folder.exists() else None
+    frames: list[pd.DataFrame] = []
     tables = {}
     for check in checks:
-        rows.extend(check.compare(spec, by_check[check.name], reference_capture, progress))
+        if done.get(check.name) is not None:  # compared while the run went on; its tables are written
+            frames.append(done[check.name])
+            continue
+        rows = check.compare(spec, by_check[check.name], reference_capture, progress)
         tables.update(check.tables(spec, by_check[check.name]))
-    if fallback is not None:
-        for row in rows:
-            if row.get("reference") == fallback["reference"]:
-                add_note(row, reference_fallback_note(fallback))
-    if len(shared_captures) > 1:  # every target against every other (core.engine.pairwise)
+        if fallback is not None:
+            for row in rows:
+                if row.get("reference") == fallback["reference"]:
+                    add_note(row, reference_fallback_note(fallback))
+        frames.append(metrics_table(rows))
+    if (
+        not task.partial and len(shared_captures) > 1
+    ):  # every target against every other (core.engine.pairwise)
         from core.engine.pairwise import pairwise_table
 
         tables["pairwise"] = pairwise_table(spec, shared, shared_captures)
     progress("write metrics")
     for name, table in tables.items():
         store.write_table(run_dir.name, name, table)
-    store.write_metrics(run_dir.name, metrics_table(rows))
+    if task.partial:
+        for check, frame in zip(checks, frames, strict=True):
+            store.write_partial(run_dir.name, check.name, frame)
+        return
+    store.write_metrics(run_dir.name, metrics_table(frames))
+    store.drop_partials(run_dir.name)
 
 
 def _own_folders(captures_dir: Path, spec, check, target) -> list[Path]:
@@ -251,23 +288,6 @@ def _own_folders(captures_dir: Path, spec, check, target) -> list[Path]:
     found = [p for p in captures_dir.iterdir() if p.name == prefix or p.name.startswith(prefix + "-")]
     order = [capture_folder_name(target.slug, check.name, v) for v in check.variants(spec, target.local)]
     return sorted(found, key=lambda p: (order.index(p.name) if p.name in order else len(order), p.name))
-
-
-def metrics_table(rows: list[dict[str, Any]]):
-    """The long-format metrics table with the design's columns first, in a fixed order."""
-    import pandas as pd
-
-    from core.checks.base import METRIC_COLUMNS
-
-    table = pd.DataFrame(rows)
-    for col in METRIC_COLUMNS:
-        if col not in table.columns:
-            table[col] = None
-    rest = [c for c in table.columns if c not in METRIC_COLUMNS]
-    table = table[list(METRIC_COLUMNS) + rest]
-    if "layer" in table:
-        table["layer"] = table["layer"].astype("Int64")
-    return table
 
 
 def main() -> int:

@@ -14,7 +14,14 @@ from dashboard.figures.common import (
 )
 from dashboard.state import bound_select, metrics_table, set_view, view
 from dashboard.text import literal
-from dashboard.ui import clickable_heatmap, downloads, element_diff_view, finished_run, verdict_box
+from dashboard.ui import (
+    clickable_heatmap,
+    downloads,
+    element_diff_view,
+    finished_run,
+    still_running,
+    verdict_box,
+)
 
 BASE = "base model"
 # The checks whose rows are one tensor each, drawn here; merge, memory and adapters have their pages.
@@ -25,6 +32,10 @@ record = finished_run()
 table = metrics_table(record)
 per_tensor = [c for c in dict.fromkeys(table["check"]) if c in DRIFT_CHECKS] if len(table) else []
 if not per_tensor:
+    if record.status in ("queued", "running") and record.spec is not None:
+        coming = [c for c in DRIFT_CHECKS if c in record.spec.checks]
+        if coming:
+            still_running(record, coming[0])
     st.info("This run has no per-tensor checks (weights, deltas); its other checks have their own pages.")
     st.stop()
 
