@@ -522,9 +522,9 @@ class Engine:
                         following = None
 
                     def prepare(task=task, following=following) -> None:
+                        starting(task)  # first: a partial compare due now brings a page its rows
                         if following is not None and not job.cancel_event.is_set():
                             job.runner.prepare(following, self._log_path(job, following))
-                        starting(task)
 
                     outcome = self._run_task(job, task, on_start=prepare)
                 outcomes.append((task, outcome))
