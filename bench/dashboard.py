@@ -7,7 +7,7 @@ check, the demo's adapters, ``cpu/float32`` + ``cpu/bfloat16``).
 
 Per repetition: ``/`` is opened in a fresh browser context (a new Streamlit session), the app is let
 go idle and then left alone for ``settle_s`` seconds (a user who opened the page, then clicked: by
-then the server's spare worker has imported its libraries, as it has for a user), Run is clicked, and
+then the server's spare workers have imported their libraries, as it has for a user), Run is clicked, and
 
 - ``first_heatmap_s``: click → the Drift page's first heatmap is visible;
 - ``last_page_s``: click → the run's ``run.json`` says it ended (its last check compared: every
@@ -58,7 +58,7 @@ DEMO_TARGETS = ("cpu/float32", "cpu/bfloat16")
 HEALTH_TIMEOUT_S = 60.0
 FORM_TIMEOUT_S = 120.0  # first launch builds the demo workspace before the form appears
 STEP_TIMEOUT_S = 60.0  # a page load, a rerun, Run → the Drift page's URL
-SETTLE_S = 8.0  # idle page → click: the spare worker (started with the server, and after each run) is ready
+SETTLE_S = 8.0  # idle page → click: the spare workers (started with the server, and after each run) are ready
 STOP_TIMEOUT_S = 20.0  # SIGINT → the server has cancelled its jobs and exited; then SIGKILL
 RUN_ID = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{6}$")
 NOT_ENDED = ("queued", "running")  # statuses of a run that has not ended
