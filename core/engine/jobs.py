@@ -284,7 +284,9 @@ class Engine:
             ref_names = tuple(n for n in names if by_name[n].needs_reference_target)
             ordered = sorted(local, key=lambda t: t != spec.reference)  # the reference first
             if ref_names and spec.reference not in spec.targets and spec.reference.machine is None:
-                tasks.append(task(spec.reference, ref_names, part=part))
+                # the reference (not a target) has one pass only, the one whose checks need it: its
+                # label stays `cpu/float64`
+                tasks.append(task(spec.reference, ref_names))
             tasks += [task(t, names, part=part) for t in ordered]
         # Checks that load models their own way get a fresh worker per target and variant.
         tasks += [
