@@ -82,12 +82,14 @@ SUMMARY_FIELDS = ("first_heatmap_s", "last_page_s", "weights_deltas_ready_s", "r
 
 
 def free_port() -> int:
+    """A TCP port free on localhost now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _healthy(url: str) -> bool:
+def healthy(url: str) -> bool:
+    """Whether the Streamlit server at `url` answers its health check."""
     try:
         with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
             return r.read().decode().strip() == "ok"
@@ -116,7 +118,7 @@ def start_server(home: Path, log: Path, port: int | None = None) -> tuple[subpro
         )
     url = f"http://localhost:{port}"
     deadline = time.monotonic() + HEALTH_TIMEOUT_S
-    while not _healthy(url):
+    while not healthy(url):
         if proc.poll() is not None:
             raise RuntimeError(f"the dashboard exited with {proc.returncode}:\n{_tail(log)}")
         if time.monotonic() > deadline:
@@ -178,11 +180,12 @@ def log_problems(log: Path, limit: int = 20) -> list[str]:
 # --- the browser --------------------------------------------------------------------------------
 
 
-def _query(url: str) -> dict[str, str]:
+def query_params(url: str) -> dict[str, str]:
+    """The query parameters of `url`, one value each."""
     return {k: v[0] for k, v in parse_qs(urlsplit(url).query).items()}
 
 
-def _wait_idle(page, timeout_s: float = STEP_TIMEOUT_S) -> None:
+def wait_idle(page, timeout_s: float = STEP_TIMEOUT_S) -> None:
     """Wait until Streamlit shows no rerun in progress (the status widget) and no stale elements."""
     page.wait_for_function(
         """() => !document.querySelector('[data-testid="stStatusWidget"]')
@@ -242,23 +245,23 @@ def _one_run(browser, url: str, home: Path, index: int, timeout_s: float, settle
     try:
         page.goto(f"{url}/")
         page.locator(RUN_BUTTON).wait_for(state="visible", timeout=FORM_TIMEOUT_S * 1000)
-        _wait_idle(page)
+        wait_idle(page)
         field = page.locator(TARGETS_FIELD)
         chosen = field.locator('[data-baseweb="tag"]').all_inner_texts() or [field.inner_text()]
         rec["form_targets"] = [t for t in DEMO_TARGETS if any(t in c for c in chosen)]
         page.wait_for_timeout(settle_s * 1000)
-        _wait_idle(page)
+        wait_idle(page)
         rec["load_average_at_click"] = list(os.getloadavg())
         page.locator(RUN_BUTTON).click()
         t_click, click_epoch = time.monotonic(), time.time()
         _poll(
             page,
-            lambda: "/drift" in page.url and bool(RUN_ID.match(_query(page.url).get("run", ""))),
+            lambda: "/drift" in page.url and bool(RUN_ID.match(query_params(page.url).get("run", ""))),
             STEP_TIMEOUT_S,
             "Run to switch to the Drift page of the new run",
         )
         rec["url_switch_s"] = round(time.monotonic() - t_click, 3)
-        run_id = rec["run_id"] = _query(page.url)["run"]
+        run_id = rec["run_id"] = query_params(page.url)["run"]
         run_json = home / "runs" / run_id / "run.json"
         heatmap, failed = page.locator(FIRST_HEATMAP).first, page.locator(RUN_ERROR).first
         heatmap.or_(failed).first.wait_for(state="visible", timeout=timeout_s * 1000)

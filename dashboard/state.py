@@ -19,7 +19,7 @@ import streamlit as st
 
 from core.engine.jobs import Engine
 from core.engine.runners import InProcessRunner, ProcessRunner, Runner
-from core.engine.store import ACTIVE_STATES, PARTIAL_DIR, RunRecord, Store, StoreError, table_problem
+from core.engine.store import ACTIVE_STATES, RunRecord, Store, StoreError, table_problem
 from core.engine.store import metrics_table as rows_table
 from core.spec import ProbeSpec, SpecError, weightdrift_home
 from dashboard.text import literal
@@ -86,13 +86,12 @@ def run_table(record: RunRecord, name: str) -> pd.DataFrame:
     path = record.run_dir / f"{name}.parquet"
     running = record.status in ACTIVE_STATES
     if name == "metrics" and running and not path.exists():
-        compared = tuple(record.compared())
-        files = [record.run_dir / PARTIAL_DIR / f"{c}.parquet" for c in compared]
+        files = record.partial_tables()
         try:
             mtimes = tuple(f.stat().st_mtime for f in files)
         except OSError:  # the run ended between the two reads: its metrics.parquet is there now
             return run_table(store().open(record.run_id), name)
-        return _rows_so_far(tuple(map(str, files)), mtimes) if compared else pd.DataFrame()
+        return _rows_so_far(tuple(map(str, files)), mtimes) if files else pd.DataFrame()
     if (record.status != "succeeded" and not running) or not path.exists():
         return pd.DataFrame()
     problem = table_problem(path)  # metrics.parquet is checked when the run is read; a check's own here

@@ -14,56 +14,52 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import parse_qs, urlencode, urlsplit
+from urllib.parse import urlencode, urlsplit
 
 import pytest
 
-# Our own waits (form 120 s, run 180 s, each step 60 s) should fail first, with their messages.
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(480)]
+from bench.dashboard import (
+    CHART,
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    DEMO_TARGETS,
+    EXCEPTION,
+    FORM_TIMEOUT_S,
+    HEALTH_TIMEOUT_S,
+    HEATMAP,
+    MAIN,
+    RUN_BUTTON,
+    RUN_ID,
+    STEP_TIMEOUT_S,
+    TARGETS_FIELD,
+    VIEWPORT,
+    free_port,
+    healthy,
+    query_params,
+    wait_idle,
+)
+
+# Our own waits (form 120 s, first heatmap 180 s, the run's end 600 s, each step 60 s) should fail
+# first, with their messages.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "tests" / "artifacts"
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-VIEWPORT = {"width": 1600, "height": 1000}
-DEMO_TARGETS = ("cpu/float32", "cpu/bfloat16")
 DRILL_TARGET = "cpu/bfloat16"
 
-HEALTH_TIMEOUT_S = 60
-FORM_TIMEOUT_S = 120  # first launch builds the demo workspace before the form appears
 RUN_TIMEOUT_S = 180
 # the demo's first run runs every check: its last page comes a minute or more after its first heatmap
 RUN_END_TIMEOUT_S = 600
-STEP_TIMEOUT_S = 60  # one rerun after a widget change
 QUIET_S = 6.0  # longer than the sidebar's idle poll (dashboard/jobs.py IDLE_POLL_S = 5 s)
-RUN_ID = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{6}$")
 
-# Streamlit gives a widget with key `a.b` the class `st-key-a-b`.
-SIDEBAR = '[data-testid="stSidebar"]'
-RUN_BUTTON = f"{SIDEBAR} .st-key-form-run button"
-TARGETS_FIELD = f"{SIDEBAR} .st-key-form-targets"
-CHART = '[data-testid="stPlotlyChart"]'
-HEATMAP = ".st-key-drift-heatmap"
+# Streamlit gives a widget with key `a.b` the class `st-key-a-b` (more selectors: bench/dashboard.py).
 DIFF_CHART = ".st-key-drift-diff"
-EXCEPTION = '[data-testid="stException"]'
-MAIN = '[data-testid="stMain"]'
 
 
 # --- the server ---------------------------------------------------------------------------------
@@ -81,20 +77,6 @@ class Server:
         except OSError as e:
             return f"(no server log: {e})"
         return "\n".join(lines[-n:])
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
-            return r.read().decode().strip() == "ok"
-    except OSError:
-        return False
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -117,7 +99,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     for old in [*ARTIFACTS.glob("[0-9][0-9]-*.png"), ARTIFACTS / "timings.json"]:
         old.unlink(missing_ok=True)  # this test's artifacts of an earlier run
-    port = _free_port()
+    port = free_port()
     home = tmp_path_factory.mktemp("weightdrift-home")
     env = dict(os.environ)
     env.pop("WEIGHTDRIFT_RUNNER", None)  # real worker processes
@@ -142,7 +124,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     srv = Server(url=f"http://localhost:{port}", log=log, home=home)
     try:
         deadline = time.monotonic() + HEALTH_TIMEOUT_S
-        while not _healthy(srv.url):
+        while not healthy(srv.url):
             if proc.poll() is not None:
                 pytest.fail(f"streamlit exited with {proc.returncode}:\n{srv.log_tail()}")
             if time.monotonic() > deadline:
@@ -171,15 +153,6 @@ def _no_exception(page, where: str) -> None:
     shown = page.locator(EXCEPTION)
     if shown.count():
         pytest.fail(f"{where}: the page shows an exception:\n" + "\n---\n".join(shown.all_inner_texts()))
-
-
-def _wait_idle(page, timeout_s: float = STEP_TIMEOUT_S) -> None:
-    """Wait until Streamlit shows no rerun in progress (the status widget) and no stale elements."""
-    page.wait_for_function(
-        """() => !document.querySelector('[data-testid="stStatusWidget"]')
-                 && !document.querySelector('[data-stale="true"]')""",
-        timeout=timeout_s * 1000,
-    )
 
 
 def _combo(page, key: str):
@@ -230,10 +203,6 @@ def _wait_for(predicate, timeout_s: float, what: str, page) -> None:
             )
         # Not time.sleep: Playwright's sync API takes in navigations (page.url) only while it runs.
         page.wait_for_timeout(250)
-
-
-def _query(url: str) -> dict[str, str]:
-    return {k: v[0] for k, v in parse_qs(urlsplit(url).query).items()}
 
 
 def _settle_url(page, quiet_s: float = QUIET_S, timeout_s: float = STEP_TIMEOUT_S) -> list[str]:
@@ -319,7 +288,7 @@ def _scenario(browser, server: Server, timings: dict) -> None:
     page.locator(RUN_BUTTON).wait_for(state="visible", timeout=FORM_TIMEOUT_S * 1000)
     timings["first_launch_to_form_s"] = round(time.monotonic() - t0, 2)
     assert (server.home / "demo" / "manifest.json").exists(), "the demo workspace was not built"
-    _wait_idle(page)
+    wait_idle(page)
     _no_exception(page, "first launch")
     _shot(page, "01-first-launch.png")
 
@@ -334,12 +303,12 @@ def _scenario(browser, server: Server, timings: dict) -> None:
     page.locator(RUN_BUTTON).click()
     t_click = time.monotonic()
     _wait_for(
-        lambda: "/drift" in page.url and RUN_ID.match(_query(page.url).get("run", "")),
+        lambda: "/drift" in page.url and RUN_ID.match(query_params(page.url).get("run", "")),
         STEP_TIMEOUT_S,
         "Run to switch to the Drift page of the new run",
         page,
     )
-    run_id = _query(page.url)["run"]
+    run_id = query_params(page.url)["run"]
     timings["run_id"] = run_id
     heatmap = page.locator(CHART).first
     failed = page.locator(f'{MAIN} [data-testid="stAlertContentError"]')
@@ -370,10 +339,10 @@ def _scenario(browser, server: Server, timings: dict) -> None:
     # The job's end reruns the app (more than once: the page's and the sidebar's progress fragments);
     # through all of that the URL must keep naming this run, or a link copied then opens another one.
     seen = _settle_url(page)
-    runs_in_url = {_query(u).get("run") for u in seen}
+    runs_in_url = {query_params(u).get("run") for u in seen}
     assert runs_in_url == {run_id}, f"after the run ended the URL named other runs: {seen}"
     assert "/drift" in page.url, f"Run should land on the Drift page, got {page.url}"
-    _wait_idle(page)
+    wait_idle(page)
     _no_exception(page, "Drift after the run")
 
     # The heatmap has one panel per target.
@@ -387,21 +356,21 @@ def _scenario(browser, server: Server, timings: dict) -> None:
     _shot(page, "03-drift.png")
 
     # Choosing a cell by clicking it: a cell of the first panel (cpu/float32) moves the drill-down there.
-    before = _query(page.url)
+    before = query_params(page.url)
     assert before.get("target") == "cpu/bfloat16", before  # the page opens on the worst target
     cell = page.locator(HEATMAP).locator(".scatterlayer .trace .points path").first
     box = cell.bounding_box()
     page.mouse.click(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
     _wait_for(
         lambda: (
-            _query(page.url).get("target") == DEMO_TARGETS[0]
+            query_params(page.url).get("target") == DEMO_TARGETS[0]
             and _selected(page, "widget.target") == DEMO_TARGETS[0]
         ),
         STEP_TIMEOUT_S,
         f"a click on a {DEMO_TARGETS[0]} cell to select that target in the URL and the picker",
         page,
     )
-    _wait_idle(page)
+    wait_idle(page)
 
     # 4. Drill into one tensor: the target picker (away from the default and to cpu/bfloat16), then the
     #    second-worst tensor, so neither is just what the page opened on.
@@ -411,7 +380,7 @@ def _scenario(browser, server: Server, timings: dict) -> None:
         _choose(page, "widget.target", text=target)
         _wait_for(
             lambda target=target: (
-                _query(page.url).get("target") == target
+                query_params(page.url).get("target") == target
                 and _selected(page, "widget.target") == target
                 and target in _selected(page, "widget.tensor") + " ".join(_svg_texts(page, DIFF_CHART))
             ),
@@ -419,23 +388,26 @@ def _scenario(browser, server: Server, timings: dict) -> None:
             f"target {target} in the picker, the URL and the diff chart",
             page,
         )
-        _wait_idle(page)
-    default_tensor = _query(page.url).get("tensor")
+        wait_idle(page)
+    default_tensor = query_params(page.url).get("tensor")
     option = _choose(page, "widget.tensor", index=1)
     _wait_for(
-        lambda: (tensor := _query(page.url).get("tensor")) not in (None, default_tensor) and tensor in option,
+        lambda: (
+            (tensor := query_params(page.url).get("tensor")) not in (None, default_tensor)
+            and tensor in option
+        ),
         STEP_TIMEOUT_S,
         f"the URL to name the tensor of option {option!r}",
         page,
     )
-    tensor = _query(page.url)["tensor"]
+    tensor = query_params(page.url)["tensor"]
     _wait_for(
         lambda: any(tensor in t and DRILL_TARGET in t for t in _svg_texts(page, DIFF_CHART)),
         STEP_TIMEOUT_S,
         f"the element-wise diff chart of {tensor} on {DRILL_TARGET}",
         page,
     )
-    _wait_idle(page)
+    wait_idle(page)
     _no_exception(page, "Drift drill-down")
     assert tensor in _selected(page, "widget.tensor")
     page.get_by_role("heading", name="Inspect one tensor").evaluate("e => e.scrollIntoView({block: 'start'})")
@@ -443,7 +415,7 @@ def _scenario(browser, server: Server, timings: dict) -> None:
 
     timings["drilldown"] = {"targets_chosen": visited, "target": DRILL_TARGET, "tensor": tensor}
     shared = page.url
-    query = _query(shared)
+    query = query_params(shared)
     assert "/drift" in urlsplit(shared).path, shared
     assert query.get("run") == run_id, shared
     assert query.get("target") == DRILL_TARGET, shared
@@ -455,14 +427,14 @@ def _scenario(browser, server: Server, timings: dict) -> None:
     page = colleague.new_page()
     page.goto(shared)
     page.locator(DIFF_CHART).locator(CHART).wait_for(state="visible", timeout=STEP_TIMEOUT_S * 1000)
-    _wait_idle(page)
+    wait_idle(page)
     _no_exception(page, "shared link")
     assert run_id in _selected(page, "widget.run"), _selected(page, "widget.run")
     assert _selected(page, "widget.target") == DRILL_TARGET, _selected(page, "widget.target")
     assert tensor in _selected(page, "widget.tensor"), _selected(page, "widget.tensor")
     assert page.locator(HEATMAP).locator(CHART).is_visible()
     assert any(tensor in t and DRILL_TARGET in t for t in _svg_texts(page, DIFF_CHART))
-    assert _query(page.url).get("tensor") == tensor, page.url
+    assert query_params(page.url).get("tensor") == tensor, page.url
     page.get_by_role("heading", name="Inspect one tensor").evaluate("e => e.scrollIntoView({block: 'start'})")
     _shot(page, "05-shared-link.png")
 
@@ -470,7 +442,7 @@ def _scenario(browser, server: Server, timings: dict) -> None:
     page.goto(f"{server.url}/overview?run={run_id}")
     page.get_by_role("heading", name="Overview", exact=True).wait_for(timeout=STEP_TIMEOUT_S * 1000)
     page.locator('[data-testid="stMetricLabel"]').first.wait_for(timeout=STEP_TIMEOUT_S * 1000)
-    _wait_idle(page)
+    wait_idle(page)
     _no_exception(page, "Overview")
     text = _main_text(page)
     assert "rows are beyond tolerance" in text or "are identical or within tolerance" in text, text
@@ -483,7 +455,7 @@ def _scenario(browser, server: Server, timings: dict) -> None:
     page.goto(f"{server.url}/runs")
     page.get_by_role("heading", name="Runs", exact=True).wait_for(timeout=STEP_TIMEOUT_S * 1000)
     page.locator(f'{MAIN} [data-testid="stDataFrame"]').first.wait_for(timeout=STEP_TIMEOUT_S * 1000)
-    _wait_idle(page)
+    wait_idle(page)
     _no_exception(page, "Runs")
     # The history grid draws on a canvas; the caption above it names the newest run.
     assert f"newest {run_id} (succeeded)" in page.locator(MAIN).inner_text()
@@ -492,7 +464,7 @@ def _scenario(browser, server: Server, timings: dict) -> None:
     page.goto(f"{server.url}/outputs?run={run_id}")
     page.get_by_role("heading", name="Outputs", exact=True).wait_for(timeout=STEP_TIMEOUT_S * 1000)
     page.locator(f"{MAIN} {CHART}").first.wait_for(timeout=STEP_TIMEOUT_S * 1000)
-    _wait_idle(page)
+    wait_idle(page)
     _no_exception(page, "Outputs")
     assert run_id in _selected(page, "widget.run")
     _shot(page, "08-outputs.png")
@@ -502,7 +474,7 @@ def _scenario(browser, server: Server, timings: dict) -> None:
         page.goto(f"{server.url}/{path}?run={run_id}")
         page.get_by_role("heading", name=heading, exact=True).wait_for(timeout=STEP_TIMEOUT_S * 1000)
         page.locator(f"{MAIN} {CHART}").first.wait_for(timeout=STEP_TIMEOUT_S * 1000)
-        _wait_idle(page)
+        wait_idle(page)
         _no_exception(page, heading)
         text = _main_text(page)
         assert "did not run" not in text and "still running" not in text, f"{heading}: {text[:500]}"
@@ -511,12 +483,12 @@ def _scenario(browser, server: Server, timings: dict) -> None:
     # 8. A second run, cancelled from its progress panel: the job ends as cancelled, the page says so.
     page.locator(RUN_BUTTON).click()
     _wait_for(
-        lambda: "/drift" in page.url and _query(page.url).get("run") not in (None, run_id),
+        lambda: "/drift" in page.url and query_params(page.url).get("run") not in (None, run_id),
         STEP_TIMEOUT_S,
         "a second Run to switch to the Drift page of a new run",
         page,
     )
-    second = _query(page.url)["run"]
+    second = query_params(page.url)["run"]
     cancel = page.locator(MAIN).get_by_role("button", name="Cancel run")
     cancel.wait_for(state="visible", timeout=STEP_TIMEOUT_S * 1000)
     cancel.click()
@@ -579,9 +551,9 @@ def _run_scenario(
 
     page.goto(f"{server.url}/{path}")
     page.get_by_role("heading", name=heading, exact=True).wait_for(timeout=FORM_TIMEOUT_S * 1000)
-    _wait_idle(page)
+    wait_idle(page)
     button = page.locator(f"{MAIN} .st-key-scenario-{scenario} button").first
-    before = _query(page.url).get("run")
+    before = query_params(page.url).get("run")
     # The scenarios sit in an expander that may keep the state a page before left it in (folded):
     # open it when the button is hidden, and again if a rerun folds it between the check and the click.
     for attempt in range(3):
@@ -594,15 +566,15 @@ def _run_scenario(
         except PlaywrightTimeoutError:
             if attempt == 2:
                 raise
-            _wait_idle(page)
+            wait_idle(page)
     t_click = time.monotonic()
     _wait_for(
-        lambda: f"/{path}" in page.url and _query(page.url).get("run") not in (None, before),
+        lambda: f"/{path}" in page.url and query_params(page.url).get("run") not in (None, before),
         STEP_TIMEOUT_S,
         f"the {scenario} button to open /{path} on a new run",
         page,
     )
-    run_id = _query(page.url)["run"]
+    run_id = query_params(page.url)["run"]
     run_json = server.home / "runs" / run_id / "run.json"
     _wait_for(
         lambda: json.loads(run_json.read_text()).get("status") not in ("queued", "running"),
@@ -615,9 +587,9 @@ def _run_scenario(
     page.locator(f"{MAIN} {CHART}").first.wait_for(state="visible", timeout=STEP_TIMEOUT_S * 1000)
     elapsed = time.monotonic() - t_click
     _settle_url(page)
-    _wait_idle(page)
+    wait_idle(page)
     _no_exception(page, f"/{path} after {scenario}")
-    assert _query(page.url).get("run") == run_id, page.url
+    assert query_params(page.url).get("run") == run_id, page.url
     assert expect in _main_text(page), f"/{path} after {scenario} should show {expect!r}"
     page.mouse.move(5, 5)  # no button tooltip over the result
     # Fold the scenario buttons away so the screenshot opens on the result.
@@ -625,7 +597,7 @@ def _run_scenario(
         page.locator(MAIN).get_by_text("Demo scenarios").first.click()
         button.wait_for(state="hidden", timeout=STEP_TIMEOUT_S * 1000)
     page.wait_for_timeout(1000)
-    _wait_idle(page)
+    wait_idle(page)
     _shot(page, shot)
     return elapsed
 
@@ -678,7 +650,7 @@ def test_a_crafted_run_url_and_run_folder_show_their_text_literally(server: Serv
                     repr(expect),
                     page,
                 )
-            _wait_idle(page)
+            wait_idle(page)
             _no_exception(page, f"/{path} with crafted text")
             main = page.locator(MAIN)
             assert main.locator('a[href*="evil.example"]').count() == 0
@@ -736,7 +708,7 @@ def test_large_model_drift_from_sketches(server: Server, capsys: pytest.CaptureF
         page.goto(f"{server.url}/drift?run={run_id}&target={LARGE_TARGET}&check=weights&tensor={tensor}")
         page.locator(HEATMAP).locator(CHART).wait_for(state="visible", timeout=STEP_TIMEOUT_S * 1000)
         page.locator(DIFF_CHART).locator(CHART).wait_for(state="visible", timeout=STEP_TIMEOUT_S * 1000)
-        _wait_idle(page)
+        wait_idle(page)
         _no_exception(page, "Drift page of a sketched run")
         titles = " ".join(_svg_texts(page, DIFF_CHART))
         assert "sketch (tensors not kept)" in titles and "block max over" in titles, titles
@@ -785,7 +757,7 @@ def test_an_imported_comparison_shows_its_machines_and_environment_diff(
         page.locator(".st-key-overview-pairwise").locator(CHART).wait_for(
             state="visible", timeout=STEP_TIMEOUT_S * 1000
         )
-        _wait_idle(page)
+        wait_idle(page)
         _no_exception(page, "Overview of an imported comparison")
         text = _main_text(page)
         assert "Every target against every other" in text and "Imported from snapshots" in text

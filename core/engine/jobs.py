@@ -447,6 +447,8 @@ class Engine:
         """Run every capture task, each device's in order and the devices in parallel, and each group
         of checks' partial compare as soon as its captures are in while others still run; returns the
         capture tasks' outcomes and the partial compares'."""
+        from core.checks import get_checks
+
         tasks = self._capture_tasks(job)
         groups = self._compare_groups(job, tasks)
         reference = str(job.spec.reference)
@@ -462,7 +464,7 @@ class Engine:
         partial_outcomes: list[Outcome] = []
         partial_threads: list[threading.Thread] = []
         groups_lock = threading.Lock()
-        first_checks = {c.name for c in self._checks(job) if c.reference_first}
+        first_checks = {c.name for c in get_checks(job.spec.checks) if c.reference_first}
 
         def waits_for(task: Task) -> list[str]:
             """A check whose targets read the reference's capture while they capture (activations):
@@ -570,12 +572,6 @@ class Engine:
         elif not outcome.cancelled:
             job.cancel_event.set()  # a compare that fails now would fail at the end too: stop early
         return outcome
-
-    @staticmethod
-    def _checks(job: Job) -> list:
-        from core.checks import get_checks
-
-        return get_checks(job.spec.checks)
 
     def _finish(self, job: Job, state: str, error: str | None) -> None:
         with job.lock:

@@ -252,6 +252,11 @@ def metrics_table(rows: list[dict[str, Any]] | list):
     return table
 
 
+def partial_path(run_dir: Path, check: str) -> Path:
+    """Where a check's rows wait while the run goes on (`Store.write_partial`)."""
+    return run_dir / PARTIAL_DIR / f"{check}.parquet"
+
+
 @dataclass
 class RunRecord:
     """A stored run as read back: its spec, its status and where it lives."""
@@ -276,8 +281,12 @@ class RunRecord:
         check order."""
         if (self.run_dir / "metrics.parquet").exists() or self.status not in ACTIVE_STATES:
             return self.table("metrics")
-        frames = [self.table(f"{PARTIAL_DIR}/{name}") for name in self.compared()]
+        frames = [self.table(f"{PARTIAL_DIR}/{path.stem}") for path in self.partial_tables()]
         return metrics_table(frames) if frames else pd.DataFrame()
+
+    def partial_tables(self) -> list[Path]:
+        """While the run goes on: the files of the checks compared so far (`compared`), in its order."""
+        return [partial_path(self.run_dir, check) for check in self.compared()]
 
     def compared(self) -> list[str]:
         """The checks whose rows are in: every check of a finished run's table; while the run goes on,
@@ -422,7 +431,7 @@ class Store:
 
     def read_partial(self, run_id: str, check: str) -> pd.DataFrame | None:
         """One check's rows as its partial compare wrote them; None when it has none (or it does not open)."""
-        path = self.runs_dir / run_id / PARTIAL_DIR / f"{check}.parquet"
+        path = partial_path(self.runs_dir / run_id, check)
         if not path.exists() or table_problem(path) is not None:
             return None
         return pd.read_parquet(path)
