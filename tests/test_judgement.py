@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from bench.judgement import perturbing
 from core import cli
 from core.engine.store import Store
 from core.judgement import (
@@ -223,41 +224,21 @@ def test_a_clean_cpu_run_has_no_anomaly_and_its_groups_partition_its_targets(dem
     assert "drift as expected for bfloat16:" in text
 
 
-def _perturbing(monkeypatch, target: str, module: str, scale: float = 1e-4) -> None:
-    """Test-only: on `target`, `module`'s output is multiplied by (1 + scale) in every loaded model."""
-    from core.models import loading
-
-    isolated = loading.STRATEGIES["isolated"]
-
-    def load(base, adapters, t, stage=lambda s: None):
-        for loaded in isolated.load(base, adapters, t, stage):
-            if str(t) == target:
-                for name, m in loaded.model.named_modules():
-                    if name.endswith(module):
-                        m.register_forward_hook(lambda mod, args, out: out * (1 + scale))
-                        break
-                else:
-                    raise AssertionError(f"no module {module}")
-            yield loaded
-
-    monkeypatch.setitem(loading.STRATEGIES, "isolated", loading.Strategy(load=load, stages=isolated.stages))
-
-
-def test_a_perturbed_module_is_an_anomaly_on_its_target_only(demo_workspace, tmp_path, capfd, monkeypatch):
-    _perturbing(monkeypatch, PERTURBED, PERTURBED_MODULE)
-    code, out, err = _cli(
-        capfd,
-        "run",
-        *_lora(demo_workspace),
-        "--target",
-        PERTURBED,
-        "cpu/bfloat16",
-        "--check",
-        "outputs",
-        "activations",
-        "--home",
-        str(tmp_path),
-    )
+def test_a_perturbed_module_is_an_anomaly_on_its_target_only(demo_workspace, tmp_path, capfd):
+    with perturbing(PERTURBED, PERTURBED_MODULE, 1e-4):  # a test-only hook on that module's output
+        code, out, err = _cli(
+            capfd,
+            "run",
+            *_lora(demo_workspace),
+            "--target",
+            PERTURBED,
+            "cpu/bfloat16",
+            "--check",
+            "outputs",
+            "activations",
+            "--home",
+            str(tmp_path),
+        )
     assert out["status"] == "succeeded", err
     found = {(a["target"], a["check"], a["tensor"]) for a in out["anomalies"]}
     assert {a["target"] for a in out["anomalies"]} == {PERTURBED}
@@ -274,20 +255,20 @@ def test_a_perturbed_module_is_an_anomaly_on_its_target_only(demo_workspace, tmp
     assert out["groups"]["outputs"] == [[PERTURBED], ["cpu/bfloat16"], ["cpu/float32"]]
 
 
-def test_no_peers_adds_none_and_judges_nothing(demo_workspace, tmp_path, capfd, monkeypatch):
-    _perturbing(monkeypatch, PERTURBED, PERTURBED_MODULE)
-    code, out, err = _cli(
-        capfd,
-        "run",
-        *_lora(demo_workspace),
-        "--target",
-        PERTURBED,
-        "--check",
-        "outputs",
-        "--no-peers",
-        "--home",
-        str(tmp_path),
-    )
+def test_no_peers_adds_none_and_judges_nothing(demo_workspace, tmp_path, capfd):
+    with perturbing(PERTURBED, PERTURBED_MODULE, 1e-4):
+        code, out, err = _cli(
+            capfd,
+            "run",
+            *_lora(demo_workspace),
+            "--target",
+            PERTURBED,
+            "--check",
+            "outputs",
+            "--no-peers",
+            "--home",
+            str(tmp_path),
+        )
     assert out["status"] == "succeeded", err
     assert out["anomalies"] == [] and out["groups"] == {"outputs": [[PERTURBED]]}
     record = Store(tmp_path).open(out["run_id"])
