@@ -120,13 +120,14 @@ def models(work: Path, families: list[str]) -> list[dict[str, Any]]:
     from tiny_models import ARCHITECTURES, save_with_lora
 
     from core.demo.build import build_demo
+    from core.demo.workspace import demo_selection
 
-    demo = build_demo(work / "demo-home")
+    base, adapters = demo_selection(build_demo(work / "demo-home"))
     out = [
         {
-            "name": "demo tiny-llama (all adapters)",
-            "base": demo["models"]["tiny-llama"],
-            "adapters": [(a["path"], n) for n, a in demo["adapters"].items() if n not in ("lora_nan",)],
+            "name": "demo tiny-llama (one adapter per method)",
+            "base": base,
+            "adapters": [(a.path, a.name) for a in adapters],
             "perturb": "model.layers.1.mlp.down_proj",
         }
     ]
