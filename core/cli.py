@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -472,9 +471,7 @@ def cmd_compare(args) -> int:
             raise UsageError(
                 "--target names a target of this machine (DEVICE/DTYPE[+FLAG…]), without a machine"
             )
-        spec, install = comparison(snapshots, targets, base, adapters)
-        # the snapshots' own peers are among their targets; one is added here only where none is
-        return replace(spec, peers=not args.no_peers, added_peers=()), install
+        return comparison(snapshots, targets, base, adapters, peers=not args.no_peers)
 
     def sources(record) -> dict[str, Any]:
         return {"snapshots": record.imported()}

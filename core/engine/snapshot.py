@@ -328,13 +328,15 @@ def comparison(
     local_targets: Sequence[Target] = (),
     base: ModelRef | None = None,
     adapters: Sequence[AdapterRef] | None = None,
+    peers: bool = True,
 ) -> tuple[ProbeSpec, Callable[[Path], None]]:
     """The spec of a run comparing `snapshots` (and `local_targets`, run here), and the function
     that puts the snapshots' captures into its run folder (`Engine.submit`'s `install`).
 
     Local targets need the base and adapters here: `base`/`adapters`, or the paths the first
     snapshot recorded; their files must hash as the snapshot's did. Without local targets nothing is
-    loaded here, and the model files need not be here at all.
+    loaded here, and the model files need not be here at all. `peers`: judge targets against their
+    peers (`ProbeSpec.peers`).
     """
     if not snapshots:
         raise SnapshotError("no snapshot given")
@@ -365,6 +367,9 @@ def comparison(
         adapters=spec_adapters,
         targets=(*targets, *local_targets),
         reference=reference,
+        # the snapshots' peers are among their targets; `Engine.submit` adds one only where none is
+        peers=peers,
+        added_peers=(),
     )
 
     def install(run_dir: Path) -> None:
