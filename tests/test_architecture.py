@@ -1,6 +1,6 @@
-"""The layering (README, "Where things live"): core/ and the figure builders never import Streamlit,
-each package imports only the packages below it (ALLOWED), and no folder or file grows past what a
-reader can hold."""
+"""The layering (docs/architecture.md, "Where things live"): core/ and the figure builders never import
+Streamlit, each package imports only the packages below it (ALLOWED), and no folder or file grows past
+what a reader can hold."""
 
 from __future__ import annotations
 

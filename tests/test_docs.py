@@ -39,6 +39,17 @@ def test_the_reference_names_every_command_and_option():
     assert "--in-process" not in page  # a test-only option, hidden from --help too
 
 
+def test_readme_is_short_and_leads_with_the_two_commands_ci_runs_the_second():
+    text = README.read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 200
+    first, second = _bash_blocks(text)[:2]
+    assert first == (
+        "python3 -m venv .venv && .venv/bin/pip install -q -r requirements.txt && .venv/bin/python -m dashboard"
+    )
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").rstrip().splitlines()
+    assert ci[-1] == second
+
+
 def test_relative_links_in_readme_and_docs_lead_to_files():
     pages = [README, *sorted((ROOT / "docs").glob("*.md"))]
     broken = []
