@@ -30,6 +30,7 @@ from core.spec import (
 )
 
 EXIT_OK, EXIT_DRIFT, EXIT_ERROR = 0, 1, 2
+HOME_HELP = "WeightDrift home (default $WEIGHTDRIFT_HOME or ~/.cache/weightdrift)"
 
 
 class UsageError(Exception):
@@ -74,7 +75,7 @@ def build_parser() -> ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
 
     demo = sub.add_parser("demo", help="build (or find) the demo workspace")
-    demo.add_argument("--home", help="WeightDrift home (default $WEIGHTDRIFT_HOME or ~/.cache/weightdrift)")
+    demo.add_argument("--home", help=HOME_HELP)
     demo.add_argument("--json", action="store_true", help="print the workspace's models and adapters as JSON")
 
     run = sub.add_parser("run", help="run checks on targets and print a verdict summary")
@@ -134,21 +135,21 @@ def build_parser() -> ArgumentParser:
     add_runner_options(compare)
     add_peer_option(compare)
     compare.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
-    compare.add_argument("--home")
+    compare.add_argument("--home", help=HOME_HELP)
     compare.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     compare.add_argument(
         "--top", type=int, default=10, help="how many worst rows to report (3 per check in text)"
     )
 
     runs = sub.add_parser("runs", help="list stored runs")
-    runs.add_argument("--home")
-    runs.add_argument("--json", action="store_true")
+    runs.add_argument("--home", help=HOME_HELP)
+    runs.add_argument("--json", action="store_true", help="print the runs as JSON")
 
     scenarios = sub.add_parser("scenarios", help="list the demo scenarios")
-    scenarios.add_argument("--json", action="store_true")
+    scenarios.add_argument("--json", action="store_true", help="print the scenarios as JSON")
 
     devices = sub.add_parser("devices", help="print the devices and the environment")
-    devices.add_argument("--json", action="store_true")
+    devices.add_argument("--json", action="store_true", help="print devices and environment as JSON")
     return p
 
 
@@ -182,7 +183,14 @@ def add_peer_option(p: ArgumentParser) -> None:
 def add_run_options(run: ArgumentParser) -> None:
     """The options of `run`, shared with `snapshot` (the same inputs, the same checks)."""
     run.add_argument("--base", help="base model folder or hub id")
-    run.add_argument("--adapter", action="extend", nargs="+", default=[], metavar="PATH[=NAME]")
+    run.add_argument(
+        "--adapter",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="PATH[=NAME]",
+        help="adapter folders or hub ids, each named NAME (default: its folder's name), loaded in this order",
+    )
     run.add_argument(
         "--target",
         action="extend",
@@ -192,7 +200,14 @@ def add_run_options(run: ArgumentParser) -> None:
         help="DEVICE/DTYPE[+tf32|+deterministic|+threads=N|+matmul=P|+node=NAME], e.g. cpu/bfloat16 "
         "(node=NAME: that Ray node's device, with --runner ray)",
     )
-    run.add_argument("--check", action="extend", nargs="+", default=[], metavar="NAME")
+    run.add_argument(
+        "--check",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help=f"checks to run (default: {' '.join(DEFAULT_CHECKS)}); docs/metrics.md describes each",
+    )
     run.add_argument(
         "--strategy",
         action="extend",
@@ -239,7 +254,7 @@ def add_run_options(run: ArgumentParser) -> None:
     add_runner_options(run)
     add_peer_option(run)
     run.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
-    run.add_argument("--home")
+    run.add_argument("--home", help=HOME_HELP)
     run.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     run.add_argument(
         "--top", type=int, default=10, help="how many worst rows to report (3 per check in text)"

@@ -90,11 +90,11 @@ def main() -> None:
     sync_view_with_url()
     with st.sidebar:
         if st.get_option("server.address") in (None, "", "0.0.0.0", "::"):
-            # dashboard/.streamlit/config.toml pins localhost whatever the working directory; only an
-            # explicit flag or STREAMLIT_SERVER_ADDRESS gets here, and this app starts jobs on this machine.
+            # The launcher applies .streamlit/config.toml (localhost) whatever the working directory; only
+            # an explicit flag or STREAMLIT_SERVER_ADDRESS gets here, and this app starts jobs on this machine.
             st.warning(
                 "This server listens on all network interfaces (--server.address or "
-                "STREAMLIT_SERVER_ADDRESS overrides dashboard/.streamlit/config.toml): anyone who can reach "
+                "STREAMLIT_SERVER_ADDRESS overrides .streamlit/config.toml): anyone who can reach "
                 "this machine can start jobs on it.",
                 icon=":material/lan:",
             )

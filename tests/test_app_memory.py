@@ -9,7 +9,7 @@ import time
 
 import pandas as pd
 import pytest
-from apptest import make_app, texts
+from apptest import make_app, shown, texts
 
 from core.demo.build import build_demo
 from core.demo.scenarios import demo_spec
@@ -120,3 +120,36 @@ def test_scenario_button_runs_the_memory_scenario(memory_home, monkeypatch):
     while store.open(new[0].run_id).status in ("queued", "running") and time.time() < deadline:
         time.sleep(0.3)
     assert store.open(new[0].run_id).status == "succeeded"
+
+
+def _in_order(node):
+    yield node
+    for child in getattr(node, "children", {}).values():
+        yield from _in_order(child)
+
+
+def test_library_warnings_fold_into_one_expander_after_the_finding(memory_home, monkeypatch):
+    home, run_id = memory_home
+    store = Store(home)
+    metrics = store.open(run_id).metrics()
+    warning = (
+        "lora: PEFT warned: Failed to load the CUDA extension: CUDA_HOME environment variable is not set"
+    )
+    noted = metrics.assign(note=metrics["note"].fillna("").map(lambda n: f"{n}; {warning}" if n else warning))
+    store.write_metrics(run_id, noted)
+    try:
+        at = make_app(home, monkeypatch, run=run_id)
+        at.switch_page("views/memory.py").run()
+        assert not at.exception, [e.value for e in at.exception]
+        assert [e.label for e in at.expander if e.label.startswith("warnings")] == [
+            "warnings while loading (1)"
+        ]
+        folded = next(e for e in at.expander if e.label.startswith("warnings"))
+        assert [shown(c) for c in folded.caption] == [warning]
+        assert "CUDA_HOME" not in "\n".join(shown(c) for c in at.caption if c not in folded.caption)
+        # the page's elements in order: the finding comes before the folded warnings
+        order = [(getattr(n, "type", ""), getattr(n, "label", "")) for n in _in_order(at.main)]
+        finding = next(i for i, (kind, _) in enumerate(order) if kind == "success")
+        assert order.index(("expander", "warnings while loading (1)")) > finding
+    finally:
+        store.write_metrics(run_id, metrics)

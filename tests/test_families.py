@@ -1,6 +1,6 @@
 """Every supported model family and PEFT method, on tiny random models built here (tests/tiny_models.py)
 with an adapter made by PEFT, run through the engine (in process) on `cpu/float32 cpu/bfloat16` with the
-default checks and the merge check; README's "Supported models and methods" table is this module's
+default checks and the merge check; docs/supported.md's "Supported models and methods" tables are this module's
 parameter lists (a test below keeps them equal).
 
 Each family's probe (pixel values; audio features with decoder ids; token ids) is what its model
@@ -242,16 +242,16 @@ def test_every_method_runs_every_check_on_a_decoder_and_an_encoder(
             }, target
 
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+SUPPORTED = Path(__file__).resolve().parent.parent / "docs" / "supported.md"
 GENERATED = (
     "<!-- generated from tests/test_families.py (ARCHITECTURES, METHODS): edit those, then paste what "
-    "test_readme_lists_what_this_module_runs prints -->",
+    "test_supported_page_lists_what_this_module_runs prints -->",
     "<!-- end of generated tables -->",
 )
 
 
 def supported_tables() -> str:
-    """README's tables of the families and methods this module runs, rendered from its parameter lists."""
+    """docs/supported.md's tables of the families and methods this module runs, from its parameter lists."""
     lines = [
         "| model | transformers class | adapter `task_type` | LoRA target modules |",
         "|---|---|---|---|",
@@ -279,13 +279,13 @@ def supported_tables() -> str:
     return "\n".join([GENERATED[0], *lines, GENERATED[1]])
 
 
-def test_readme_lists_what_this_module_runs() -> None:
-    """README's supported families and methods are this module's parameter lists, neither more nor less."""
-    text = README.read_text()
+def test_supported_page_lists_what_this_module_runs() -> None:
+    """docs/supported.md's families and methods are this module's parameter lists, neither more nor less."""
+    text = SUPPORTED.read_text()
     start, end = text.find(GENERATED[0]), text.find(GENERATED[1])
-    assert 0 <= start < end, f"README lacks the generated tables; add:\n{supported_tables()}"
+    assert 0 <= start < end, f"docs/supported.md lacks the generated tables; add:\n{supported_tables()}"
     assert text[start : end + len(GENERATED[1])] == supported_tables(), (
-        f"README's tables differ from this module's lists; replace them with:\n{supported_tables()}"
+        f"docs/supported.md's tables differ from this module's lists; replace them with:\n{supported_tables()}"
     )
 
 

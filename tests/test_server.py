@@ -1,6 +1,6 @@
-"""The dashboard server's safe defaults hold whatever the working directory: it listens on loopback
-only, refuses a browser session whose Host header is not a loopback name (DNS rebinding), and
-`python -m dashboard` stops cleanly on SIGHUP."""
+"""The dashboard server's safe defaults (the one `.streamlit/config.toml`, applied by the launcher) hold
+whatever the working directory: it listens on loopback only, refuses a browser session whose Host header
+is not a loopback name (DNS rebinding), and `python -m dashboard` stops cleanly on SIGHUP."""
 
 from __future__ import annotations
 
@@ -86,9 +86,10 @@ def _session_status(port: int, host: str) -> int:
 def test_started_elsewhere_it_listens_on_loopback_only_and_refuses_foreign_hosts(tmp_path):
     port = _free_port()
     elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    app = str(ROOT / "dashboard" / "app.py")
-    proc = _start([sys.executable, "-m", "streamlit", "run", app], elsewhere, tmp_path / "home", port)
+    # a config in the working directory that would open the server to the network: the launcher's wins
+    (elsewhere / ".streamlit").mkdir(parents=True)
+    (elsewhere / ".streamlit" / "config.toml").write_text('[server]\naddress = "0.0.0.0"\n')
+    proc = _start([sys.executable, "-m", "dashboard"], elsewhere, tmp_path / "home", port)
     try:
         assert _listening(proc.pid, port) == {"127.0.0.1"}
         assert _session_status(port, f"localhost:{port}") == 101
@@ -107,3 +108,25 @@ def test_python_m_dashboard_serves_and_stops_on_sighup(tmp_path):
         assert proc.wait(30) == 0
     finally:
         _stop(proc)
+
+
+def test_the_launcher_passes_the_one_config_file_as_flags_leaving_set_variables_to_them(tmp_path):
+    from dashboard.__main__ import CONFIG_PLACES, config_file, config_flags
+
+    assert config_file() == ROOT / ".streamlit" / "config.toml" == CONFIG_PLACES[0]
+    assert not (ROOT / "dashboard" / ".streamlit").exists()  # one config file, not two
+    config = tmp_path / "config.toml"
+    config.write_text(
+        '[server]\naddress = "localhost"\nallowedHosts = ["localhost", "::1"]\nheadless = true\n'
+        '[theme.light]\nprimaryColor = "#1d4ed8"\n'
+    )
+    assert config_flags(config, {}) == [
+        "--server.address=localhost",
+        "--server.allowedHosts=localhost",
+        "--server.allowedHosts=::1",
+        "--server.headless=true",
+        "--theme.light.primaryColor=#1d4ed8",
+    ]
+    assert config_flags(config, {"STREAMLIT_SERVER_ADDRESS": "0.0.0.0"})[:1] == [
+        "--server.allowedHosts=localhost"
+    ]

@@ -2,7 +2,7 @@
 LoRA PEFT makes on each: the one place tests get an architecture's fixture model from.
 
 `ARCHITECTURES` is the supported-families table: its rows are what tests/test_families.py runs
-through every check, and what README's "Supported models and methods" section lists (a test keeps
+through every check, and what docs/supported.md lists (a test keeps
 the two equal). Each row names the transformers model class, the config class and its (tiny)
 fields, and the LoRA target modules where PEFT has no default for that model type (None: PEFT's
 own default, as a user who names no target modules gets).
@@ -21,7 +21,7 @@ import torch
 class Architecture:
     """One row of the table: how to build the model and which LoRA goes on it."""
 
-    label: str  # what README calls it
+    label: str  # what docs/supported.md calls it
     model_class: str  # transformers class
     config_class: str
     config: dict = field(default_factory=dict)
@@ -270,7 +270,7 @@ def save_with_lora(name: str, root: Path, seed: int, lora=None) -> tuple[Path, P
 
 @dataclass(frozen=True)
 class Method:
-    """A PEFT method as the tests make it: its README label and its config on given modules."""
+    """A PEFT method as the tests make it: its label in docs/supported.md and its config on given modules."""
 
     label: str
     config_class: str

@@ -70,7 +70,8 @@ def find_adapters(
     fit; those made for another base come last with the reason.
     """
     from core.methods.adapter_keys import adapter_type
-    from core.models.validate import InputError, read_adapter_config, validate_adapter, validate_model
+    from core.models.checkpoint import check_adapter_config
+    from core.models.validate import InputError, validate_adapter, validate_model
 
     base_path = Path(base).expanduser()
     roots = [*extra_roots]
@@ -97,7 +98,7 @@ def find_adapters(
                 continue
             ref = AdapterRef(path=str(folder), name=folder.name)
             try:
-                kind = adapter_type(read_adapter_config(ref))
+                kind = adapter_type(check_adapter_config(ref))
             except InputError:
                 continue  # not an adapter config PEFT can load (a JSON list, an unknown peft_type, …)
             try:

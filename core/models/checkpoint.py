@@ -17,6 +17,7 @@ target fits in memory), with LoadError, the loaders' one-line error.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -24,12 +25,13 @@ import threading
 import warnings
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from core.models import validate
-from core.spec import AdapterRef, ModelRef
+from core.spec import AdapterRef, ModelRef, SpecError
 
 __all__ = ["Checkpoint", "CheckpointError", "TensorInfo", "SAFETENSORS_DTYPES"]
 
@@ -476,11 +478,78 @@ def float64_offload_dtype(model: ModelRef) -> torch.dtype | None:
     return max((t.dtype for t in floating), key=lambda d: d.itemsize)
 
 
-def read_adapter_config(adapter: AdapterRef) -> dict:
-    """The adapter's `adapter_config.json` (`core.models.validate` checks it); LoadError saying what is wrong."""
+class InputError(SpecError):
+    """An input file or folder that cannot be used, with the reason."""
+
+
+# What a JSON value is called in a message ("holds a JSON list"), by its Python type.
+_JSON_KINDS = {
+    list: "list",
+    str: "string",
+    int: "number",
+    float: "number",
+    bool: "true/false",
+    type(None): "null",
+}
+
+
+def read_json_object(path: Path, owner: str, holds: str) -> dict[str, Any]:
+    """The JSON object in `path`; InputError naming `owner` and the file when it is not one.
+
+    `holds` says what the object should hold, for the message (e.g. "the model's settings").
+    """
     try:
-        return validate.read_adapter_config(adapter)
-    except validate.InputError as e:
+        value = json.loads(path.read_bytes())
+    except OSError as e:
+        raise InputError(f"{owner}: {path.name} cannot be read ({e.strerror or e})") from e
+    except ValueError as e:  # not JSON, or not UTF-8 text
+        raise InputError(f"{owner}: {path.name} is not valid JSON ({e})") from e
+    if not isinstance(value, dict):
+        kind = _JSON_KINDS.get(type(value), type(value).__name__)
+        raise InputError(f"{owner}: {path.name} holds a JSON {kind}; expected a JSON object of {holds}")
+    return value
+
+
+@functools.cache
+def peft_types() -> tuple[str, ...]:
+    """Every `peft_type` the installed PEFT can load (the values of its `PeftType`)."""
+    from peft import PeftType
+
+    return tuple(t.value for t in PeftType)
+
+
+def check_adapter_config(adapter: AdapterRef) -> dict[str, Any]:
+    """The adapter's `adapter_config.json`, which must be a JSON object naming a PEFT method PEFT knows.
+
+    PEFT looks `peft_type` up as written (`LORA`, not `lora`), so the same spelling is required here.
+    """
+    path = Path(adapter.path).expanduser()
+    if not path.is_dir():
+        raise InputError(f"adapter {adapter.name}: no such folder {adapter.path}")
+    config_path = path / "adapter_config.json"
+    if not config_path.exists():
+        raise InputError(
+            f"adapter {adapter.name}: not an adapter folder (no adapter_config.json in {adapter.path})"
+        )
+    owner = f"adapter {adapter.name} ({adapter.path})"
+    config = read_json_object(config_path, owner, "the adapter's settings, as PEFT saves them")
+    known = peft_types()
+    expected = f"one of {', '.join(known)} (the methods PEFT {metadata.version('peft')} loads)"
+    if "peft_type" not in config:
+        raise InputError(f"{owner}: adapter_config.json has no peft_type field; expected {expected}")
+    if config["peft_type"] not in known:
+        raise InputError(
+            f"{owner}: adapter_config.json field peft_type is {json.dumps(config['peft_type'])[:80]}; "
+            f"expected {expected}"
+        )
+    return config
+
+
+def read_adapter_config(adapter: AdapterRef) -> dict:
+    """The adapter's `adapter_config.json` as `check_adapter_config` reads it, for the loaders: LoadError saying what is wrong."""
+    try:
+        return check_adapter_config(adapter)
+    except InputError as e:
         raise LoadError(str(e)) from e
 
 

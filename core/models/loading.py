@@ -482,6 +482,10 @@ STRATEGIES: dict[str, Strategy] = {"isolated": Strategy(load=load_isolated, stag
 # adapters share the base, not in where PEFT puts them.
 
 
+# Every note made from a library warning says so (after the adapter's name): pages fold them away.
+PEFT_WARNED = "PEFT warned"
+
+
 def _peft_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
     """PEFT's own warnings from one load, first sentence each: they name stacking and missing keys."""
     notes = []
@@ -492,9 +496,9 @@ def _peft_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
         keys = re.findall(r"'([^']+)'", message.partition("missing adapter keys")[2])
         if keys:
             # PEFT names the keys of every adapter the modules hold; usually an earlier, stacked one
-            note = f"PEFT warned of {len(keys)} missing adapter keys while loading (e.g. {keys[0]})"
+            note = f"{PEFT_WARNED} of {len(keys)} missing adapter keys while loading (e.g. {keys[0]})"
         else:
-            note = "PEFT warned: " + message.split(". ")[0].rstrip(".")[:300]
+            note = f"{PEFT_WARNED}: " + message.split(". ")[0].rstrip(".")[:300]
         if note not in notes:
             notes.append(note)
     return notes

@@ -7,90 +7,27 @@ Workers still report anything these miss as a failed job with its reason.
 
 from __future__ import annotations
 
-import functools
-import json
 from collections.abc import Sequence
-from importlib import metadata
 from pathlib import Path
-from typing import Any
 
-from core.spec import AdapterRef, ModelRef, ProbeSpec, SpecError, ToleranceOverride
-
-
-class InputError(SpecError):
-    """An input file or folder that cannot be used, with the reason."""
-
+from core.models.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    InputError,
+    LoadError,
+    adapters_task_type,
+    check_adapter_config,
+    load_config,
+    read_json_object,
+)
+from core.spec import AdapterRef, ModelRef, ProbeSpec, ToleranceOverride
 
 # Input embeddings that a tied `lm_head` shares its storage with (Llama/Mistral, GPT-2, BERT, GPT-NeoX).
 TIED_EMBEDDING_NAMES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
 
 
-# What a JSON value is called in a message ("holds a JSON list"), by its Python type.
-_JSON_KINDS = {
-    list: "list",
-    str: "string",
-    int: "number",
-    float: "number",
-    bool: "true/false",
-    type(None): "null",
-}
-
-
-def read_json_object(path: Path, owner: str, holds: str) -> dict[str, Any]:
-    """The JSON object in `path`; InputError naming `owner` and the file when it is not one.
-
-    `holds` says what the object should hold, for the message (e.g. "the model's settings").
-    """
-    try:
-        value = json.loads(path.read_bytes())
-    except OSError as e:
-        raise InputError(f"{owner}: {path.name} cannot be read ({e.strerror or e})") from e
-    except ValueError as e:  # not JSON, or not UTF-8 text
-        raise InputError(f"{owner}: {path.name} is not valid JSON ({e})") from e
-    if not isinstance(value, dict):
-        kind = _JSON_KINDS.get(type(value), type(value).__name__)
-        raise InputError(f"{owner}: {path.name} holds a JSON {kind}; expected a JSON object of {holds}")
-    return value
-
-
-@functools.cache
-def peft_types() -> tuple[str, ...]:
-    """Every `peft_type` the installed PEFT can load (the values of its `PeftType`)."""
-    from peft import PeftType
-
-    return tuple(t.value for t in PeftType)
-
-
-def read_adapter_config(adapter: AdapterRef) -> dict[str, Any]:
-    """The adapter's `adapter_config.json`, which must be a JSON object naming a PEFT method PEFT knows.
-
-    PEFT looks `peft_type` up as written (`LORA`, not `lora`), so the same spelling is required here.
-    """
-    path = Path(adapter.path).expanduser()
-    if not path.is_dir():
-        raise InputError(f"adapter {adapter.name}: no such folder {adapter.path}")
-    config_path = path / "adapter_config.json"
-    if not config_path.exists():
-        raise InputError(
-            f"adapter {adapter.name}: not an adapter folder (no adapter_config.json in {adapter.path})"
-        )
-    owner = f"adapter {adapter.name} ({adapter.path})"
-    config = read_json_object(config_path, owner, "the adapter's settings, as PEFT saves them")
-    known = peft_types()
-    expected = f"one of {', '.join(known)} (the methods PEFT {metadata.version('peft')} loads)"
-    if "peft_type" not in config:
-        raise InputError(f"{owner}: adapter_config.json has no peft_type field; expected {expected}")
-    if config["peft_type"] not in known:
-        raise InputError(
-            f"{owner}: adapter_config.json field peft_type is {json.dumps(config['peft_type'])[:80]}; "
-            f"expected {expected}"
-        )
-    return config
-
-
 def weight_shapes(folder: Path, prefix: str = "") -> dict[str, tuple[int, ...]]:
     """Tensor name → shape from the checkpoint's headers (`core.models.checkpoint`); InputError when unreadable."""
-    from core.models.checkpoint import Checkpoint, CheckpointError
 
     try:
         checkpoint = Checkpoint.open(folder, prefix=prefix)
@@ -107,7 +44,6 @@ def loaded_shapes(folder: Path, file_shapes: dict[str, tuple[int, ...]]) -> dict
     them. Worked out from a model built on the meta device from the config (no weights read); where
     transformers cannot build one here (an architecture it does not know, remote code), the file's own names.
     """
-    from core.models.checkpoint import Checkpoint
     from core.models.conversion import for_folder
 
     shapes = for_folder(folder, Checkpoint.open(folder)).loaded_shapes()
@@ -141,7 +77,7 @@ def validate_adapter(adapter: AdapterRef, base_shapes: dict[str, tuple[int, ...]
     """The adapter folder is intact and its modules exist in the base with fitting shapes."""
     from core.methods.adapter_keys import split_adapter_key
 
-    config = read_adapter_config(adapter)
+    config = check_adapter_config(adapter)
     shapes = weight_shapes(Path(adapter.path).expanduser(), prefix="adapter_model")
     if shapes is None or base_shapes is None:
         return
@@ -241,7 +177,6 @@ def validate_inputs(spec: ProbeSpec) -> None:
 def validate_family(spec: ProbeSpec) -> None:
     """The model's class (from its config and the adapters' task head) and its probe input, from the
     config alone: a model the tool cannot run is refused here, not after loading it."""
-    from core.models.checkpoint import LoadError, adapters_task_type, load_config
     from core.models.loading import model_class, probe_inputs
 
     try:

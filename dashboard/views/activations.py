@@ -41,11 +41,8 @@ scenario_buttons("activations")
 
 adapters = [a for a in dict.fromkeys(rows["adapter"].dropna())]
 choices = ([BASE] if rows["adapter"].isna().any() else []) + adapters
-c1, c2, c3 = st.columns([2, 3, 2])
+c1, c3 = st.columns(2)
 adapter = bound_select("Adapter", "adapter", choices, default=choices[0], container=c1)
-drift = bound_select(
-    "Drift", "drift", list(DRIFTS), default=ACCUMULATED, container=c2, format_func=DRIFTS.get, horizontal=True
-)
 metric = bound_select(
     "Colour by",
     "metric",
@@ -53,6 +50,10 @@ metric = bound_select(
     default="rel_l2",
     container=c3,
     format_func=lambda m: METRIC_LABELS[m],
+)
+# a row of its own: in a column beside the others, its options' labels were cut at 1280 px
+drift = bound_select(
+    "Drift", "drift", list(DRIFTS), default=ACCUMULATED, format_func=DRIFTS.get, horizontal=True
 )
 shown = rows[rows["adapter"].isna()] if adapter == BASE else rows[rows["adapter"] == adapter]
 

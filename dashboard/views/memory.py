@@ -7,6 +7,7 @@ import pandas as pd
 import streamlit as st
 
 from core.checks.memory import VARIANTS
+from core.models.loading import PEFT_WARNED
 from core.models.memory import PEFT_PREFIX, adapter_device_summary
 from dashboard.figures.memory import (
     CUDA_METRICS,
@@ -53,11 +54,6 @@ if variants:
         "Load strategies: "
         + " · ".join(f"**{literal(v or 'base only')}**: {literal(VARIANTS.get(v, v))}" for v in variants)
     )
-notes = [n for n in dict.fromkeys("; ".join(rows["note"].dropna()).split("; ")) if n] if len(rows) else []
-for note in notes:
-    if note not in VARIANTS.values():
-        st.caption(f"Note: {literal(note)}")
-
 flags = flags_table(table)
 if len(flags):
     st.error(
@@ -70,6 +66,17 @@ else:
         "left after cleanup.",
         icon=":material/check_circle:",
     )
+# After the finding: the run's own notes, then what the libraries printed while loading, folded away
+# (PEFT's "Failed to load the CUDA extension: CUDA_HOME …" says nothing about placement).
+notes = [n for n in dict.fromkeys("; ".join(rows["note"].dropna()).split("; ")) if n] if len(rows) else []
+notes = [n for n in notes if n not in VARIANTS.values()]
+for note in (n for n in notes if PEFT_WARNED not in n):
+    st.caption(f"Note: {literal(note)}")
+warned = [n for n in notes if PEFT_WARNED in n]
+if warned:
+    with st.expander(f"warnings while loading ({len(warned)})"):
+        for note in warned:
+            st.caption(literal(note))
 
 st.subheader("Memory per load stage and device")
 metric = "driver_used"

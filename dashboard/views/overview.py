@@ -73,8 +73,10 @@ for col, verdict in zip(cols, report.VERDICT_ORDER, strict=True):
     col.metric(trusted(verdict.capitalize()), counts[verdict])
 
 pages = result_pages(list(dict.fromkeys(table["check"])))
-for col, (path, title, icon) in zip(st.columns(max(len(pages), 1)), pages, strict=False):
-    col.page_link(f"views/{path}.py", label=f"Open {trusted(title)}", icon=icon, query_params=view_query())
+# one row that wraps, each link as wide as its label: equal columns cut "Open Adapter consistency" at 1280 px
+links = st.container(horizontal=True)
+for path, title, icon in pages:
+    links.page_link(f"views/{path}.py", label=f"Open {trusted(title)}", icon=icon, query_params=view_query())
 
 st.subheader("Verdicts per check and target")
 by = report.verdicts_by_check_target(table)
