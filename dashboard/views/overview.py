@@ -28,7 +28,17 @@ if judgement is not None:
     # the answer first: which targets agree, which are more than their dtype's rounding
     st.subheader("Which targets agree")
     gtable = groups_table(judgement.groups)
-    st.dataframe(gtable, hide_index=True, key="overview.groups")
+    st.dataframe(
+        gtable,
+        hide_index=True,
+        key="overview.groups",
+        column_config={
+            "check": st.column_config.TextColumn("check", width="small"),
+            "group": st.column_config.NumberColumn("group", width="small"),
+            "targets": st.column_config.TextColumn("targets", width="medium"),
+            "how it differs": st.column_config.TextColumn("how it differs", width="large"),
+        },
+    )
     csv_download(gtable, f"{record.run_id}-groups", key="overview.groups.csv")
     if record.spec is not None and record.spec.added_peers:
         st.caption(
