@@ -648,7 +648,7 @@ def cmd_runs(args) -> int:
     runs = store.list_runs()
     if args.json:
         print(
-            json.dumps([{"run_id": r.run_id, "run_dir": str(r.run_dir), **r.info} for r in runs], default=str)
+            json.dumps([{**r.info, "run_id": r.run_id, "run_dir": str(r.run_dir)} for r in runs], default=str)
         )
         return EXIT_OK
     if not runs:
@@ -661,6 +661,8 @@ def cmd_runs(args) -> int:
         line = f"{r.run_id}  {r.status:10s} {created}  {'' if dur is None else f'{dur:.1f} s':>8s}  {targets}"
         if r.error:
             line += f"  — {r.error.splitlines()[0]}"
+        if r.id_note:
+            line += f"  — note: {r.id_note}"
         print(line)
     return EXIT_OK
 
