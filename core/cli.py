@@ -458,7 +458,7 @@ def cmd_compare(args) -> int:
             raise UsageError(
                 "--target names a target of this machine (DEVICE/DTYPE[+FLAG…]), without a machine"
             )
-        return comparison(snapshots, targets, base, adapters)
+        return comparison(snapshots, targets, base, adapters, home=home)
 
     def sources(record) -> dict[str, Any]:
         return {"snapshots": record.imported()}
