@@ -346,3 +346,18 @@ def test_the_runs_page_shows_a_refused_snapshot_as_text(good, tmp_path, monkeypa
     # the sentence as text: the Markdown in the file's and the member's names is escaped, not rendered
     assert [e.value for e in at.error] == [literal(refused.value)]
     assert not (home / "runs").exists() or not any((home / "runs").iterdir())
+
+
+def test_a_refused_upload_is_not_kept_in_the_home(good, tmp_path, monkeypatch):
+    """The dashboard keeps an upload under <home>/snapshots/ to read it; refused, it is removed."""
+    from dashboard import state
+    from dashboard.text import literal
+
+    shown = []
+    monkeypatch.setenv("WEIGHTDRIFT_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(state.st, "error", lambda body, **kwargs: shown.append(body))
+    data = _zip(tmp_path / "extra.wdsnap", {**_members(good), "readme.txt": b""}).read_bytes()
+    state.start_comparison([], [("sent.wdsnap", data)])
+    (message,) = shown
+    assert message.endswith(literal("member readme.txt is not in the manifest" + DAMAGED_TAIL))  # as text
+    assert [p for p in (tmp_path / "home").rglob("*") if p.is_file()] == []
