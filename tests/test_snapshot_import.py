@@ -117,17 +117,22 @@ def _deflate(data: bytes) -> bytes:
     return c.compress(data) + c.flush()
 
 
-@pytest.fixture(scope="module")
-def zeros() -> tuple[int, int, bytes]:
-    """(crc, size, raw deflate stream) of 2 GiB of zero bytes, made from one 64 MiB block: after a full
-    flush the compressor starts afresh, so the block's stream repeats (about 2 MB in all)."""
+def _zeros(chunks: int) -> tuple[int, int, bytes]:
+    """(crc, size, raw deflate stream) of `chunks` × 64 MiB of zero bytes, made from one block: after a
+    full flush the compressor starts afresh, so the block's stream repeats (about 64 KB a block)."""
     chunk = bytes(64 * 2**20)
     c = zlib.compressobj(9, zlib.DEFLATED, -15)
     block = c.compress(chunk) + c.flush(zlib.Z_FULL_FLUSH)
     crc = 0
-    for _ in range(GIB2 // len(chunk)):
+    for _ in range(chunks):
         crc = zlib.crc32(chunk, crc)
-    return crc, GIB2, block * (GIB2 // len(chunk)) + c.flush()
+    return crc, chunks * len(chunk), block * chunks + c.flush()
+
+
+@pytest.fixture(scope="module")
+def zeros() -> tuple[int, int, bytes]:
+    """2 GiB of zero bytes as a deflated member: about 2 MB."""
+    return _zeros(GIB2 // (64 * 2**20))
 
 
 def _refused(capfd, tmp_path, path: Path) -> str:
@@ -205,6 +210,31 @@ def test_an_honest_but_huge_member_is_refused_by_the_ceiling(good, zeros, tmp_pa
     assert why == (
         f"cannot be used: member {SKETCHES} declares {GIB2} bytes, more than {MAX_RATIO} × the snapshot's own "
         f"{size} bytes (a compression ratio no capture reaches)" + DAMAGED_TAIL
+    )
+
+
+def test_members_each_under_the_ceiling_are_refused_by_their_sum(good, tmp_path, capfd):
+    members = _members(good)
+    manifest = _manifest(members)
+    block = _zeros(1)  # 64 MiB of zeros in ~64 KB: 18 of them make a file of ~1.2 MB
+    folders = [f"c{i}" for i in range(6)]
+    manifest["captures"] = [
+        {"folder": f, "target": "cpu/float32", "check": "", "variant": ""} for f in folders
+    ]
+    names = [
+        f"captures/{f}/{n}"
+        for f in folders
+        for n in ("capture.json", "tensors.safetensors", "sketches.safetensors")
+    ]
+    manifest["members"] = {name: {"size": block[1], "xxh3_128": "0" * 32} for name in names}
+    text = json.dumps(manifest).encode()
+    bad = _zip(tmp_path / "sum.wdsnap", {"snapshot.json": text}, dict.fromkeys(names, block))
+    size = bad.stat().st_size
+    assert block[1] <= MAX_RATIO * size < len(names) * block[1]
+    assert _refused(capfd, tmp_path, bad) == (
+        f"cannot be used: its members unpack to {len(names) * block[1] + len(text)} bytes in all, more than "
+        f"{MAX_RATIO} × its own {size} bytes (the largest, member {names[0]}, {block[1]} bytes)"
+        + DAMAGED_TAIL
     )
 
 
