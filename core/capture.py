@@ -16,7 +16,7 @@ import json
 import os
 import secrets
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,62 @@ def capture_folder_name(target_slug: str, check: str = "", variant: str = "") ->
     if not check:
         return target_slug
     return f"{target_slug}@{check}" + (f"-{variant}" if variant else "")
+
+
+# What capture.json holds (as `Capture.save` writes it), each key with its JSON type.
+_DOC_FIELDS: dict[str, type] = {
+    "target": str,
+    "check": str,
+    "variant": str,
+    "environment": dict,
+    "notes": list,
+    "meta": dict,
+    "results": dict,
+}
+_SKETCH_FIELDS = ("shape", "rows", "cols", "n_zero", "n_nonfinite")
+
+
+def capture_problem(doc: Any, tensors: Collection[str], sketch_arrays: Collection[str]) -> str | None:
+    """Why a capture folder's files do not make a capture (None when they do): `doc` is its parsed
+    capture.json, `tensors` and `sketch_arrays` the tensor names its tensors.safetensors and
+    sketches.safetensors hold. A capture made on another machine is read as it is by the checks, so
+    its shape is checked before it is stored: every row names a tensor key, and the sketch arrays
+    are exactly those its rows' sketches need."""
+    if not isinstance(doc, dict):
+        return f"capture.json holds a JSON {type(doc).__name__}, not an object"
+    if doc.get("format") != FORMAT:
+        return f"capture.json is in format {doc.get('format')!r}, this version reads {FORMAT!r}"
+    for name, kind in _DOC_FIELDS.items():
+        if not isinstance(doc.get(name), kind):
+            return f"capture.json's {name!r} is {doc.get(name)!r:.80}, not a JSON {kind.__name__}"
+    needed = set()
+    for key, record in doc["results"].items():
+        if key.count(SEP) < 2:
+            return (
+                f"capture.json names row {key!r:.120}, which is not a tensor key (check{SEP}adapter{SEP}name)"
+            )
+        if not isinstance(record, dict) or not isinstance(record.get("row"), dict):
+            return f"capture.json's row {key!r:.120} is not an object with a 'row' object"
+        sketch = record.get("sketch")
+        if sketch is None:
+            continue
+        if not isinstance(sketch, dict) or any(
+            not isinstance(sketch.get(f), list if f == "shape" else int) for f in _SKETCH_FIELDS
+        ):
+            return f"capture.json's row {key!r:.120} has a sketch without its {', '.join(_SKETCH_FIELDS)}"
+        needed.update(f"{key}{SKETCH_SEP}{part}" for part in Sketch.ARRAY_PARTS)
+    unnamed = sorted(set(sketch_arrays) - needed)
+    if unnamed:
+        return f"sketches.safetensors holds {unnamed[0]!r:.160}, which no row of capture.json names"
+    missing = sorted(needed - set(sketch_arrays))
+    if missing:
+        return f"sketches.safetensors lacks {missing[0]!r:.160}, which a row of capture.json needs"
+    bad = next((k for k in tensors if k.count(SEP) < 2), None)
+    if bad is not None:
+        return (
+            f"tensors.safetensors holds {bad!r:.120}, which is not a tensor key (check{SEP}adapter{SEP}name)"
+        )
+    return None
 
 
 @dataclass(frozen=True)

@@ -462,7 +462,7 @@ def cmd_compare(args) -> int:
             raise UsageError(
                 "--target names a target of this machine (DEVICE/DTYPE[+FLAG…]), without a machine"
             )
-        return comparison(snapshots, targets, base, adapters, peers=not args.no_peers)
+        return comparison(snapshots, targets, base, adapters, home=home, peers=not args.no_peers)
 
     def sources(record) -> dict[str, Any]:
         return {"snapshots": record.imported()}
@@ -607,7 +607,7 @@ def cmd_runs(args) -> int:
     runs = store.list_runs()
     if args.json:
         print(
-            json.dumps([{"run_id": r.run_id, "run_dir": str(r.run_dir), **r.info} for r in runs], default=str)
+            json.dumps([{**r.info, "run_id": r.run_id, "run_dir": str(r.run_dir)} for r in runs], default=str)
         )
         return EXIT_OK
     if not runs:
@@ -620,6 +620,8 @@ def cmd_runs(args) -> int:
         line = f"{r.run_id}  {r.status:10s} {created}  {'' if dur is None else f'{dur:.1f} s':>8s}  {targets}"
         if r.error:
             line += f"  — {r.error.splitlines()[0]}"
+        if r.id_note:
+            line += f"  — note: {r.id_note}"
         print(line)
     return EXIT_OK
 

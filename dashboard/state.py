@@ -277,15 +277,20 @@ def start_comparison(paths: Sequence[Path], uploads: Sequence[tuple[str, bytes]]
     new run (`core.engine.snapshot`) and open its Overview.
 
     A file that is damaged, of another base or not a snapshot, or an upload that cannot be kept, is
-    shown as an error where the caller drew its widgets; nothing stored is touched.
+    shown as an error where the caller drew its widgets; nothing stored is touched, and the uploads
+    kept for it are removed.
     """
     from core.engine.snapshot import comparison, read_snapshot
 
+    saved: list[Path] = []
     try:
-        paths = [*paths, *(save_upload(name, data) for name, data in uploads)]
-        spec, install = comparison([read_snapshot(p) for p in paths])
+        for name, data in uploads:
+            saved.append(save_upload(name, data))
+        spec, install = comparison([read_snapshot(p) for p in [*paths, *saved]], home=home())
         job = engine().submit(spec, install=install)
     except (SpecError, StoreError, OSError) as e:
+        for path in saved:
+            path.unlink(missing_ok=True)
         st.error(literal(e), icon=":material/error:")
         return
     for name in VIEW_KEYS:

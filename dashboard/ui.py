@@ -79,6 +79,8 @@ def run_header(record: RunRecord) -> bool:
             f"Base {literal(spec.base.path)} · adapters {literal(adapters)} · targets {literal(targets)} · "
             f"checks {literal(', '.join(spec.checks))}"
         )
+    if record.id_note is not None:  # a copied or renamed folder: it is this folder's run all the same
+        st.caption(f"Run {literal(record.run_id)}: {literal(record.id_note)}")
     if record.status in ("queued", "running"):
         compared = record.compared()
         if not compared:

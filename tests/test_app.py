@@ -473,3 +473,20 @@ def test_one_press_of_run_on_a_fresh_home_fills_every_result_page(tmp_path, monk
     assert "Output residual per stage" in texts(at)
     at.switch_page("views/memory.py").run()
     assert "Where each parameter and buffer lives" in texts(at)
+
+
+def test_a_copied_run_is_listed_and_opened_as_its_folder_with_a_note(run_home, monkeypatch):
+    home, good = run_home
+    store = Store(home)
+    copy = _damaged_copy(store, good, lambda d: None)  # copied, not damaged: its run.json names `good`
+    note = f"its run.json names run {good}: this folder was copied or renamed, and is the run {copy} here"
+    at = make_app(home, monkeypatch, run=copy)
+    at.switch_page("views/runs.py").run()
+    no_exceptions(at)
+    table = at.dataframe(key="runs.table").value
+    assert list(table[table["run"].isin([copy, good])]["note"]) == [note, ""]
+    at.switch_page("views/overview.py").run()
+    no_exceptions(at)
+    assert [shown(c) for c in at.caption if shown(c).startswith(f"Run {copy}")] == [f"Run {copy}: {note}"]
+    store.delete(copy)
+    assert good in [r.run_id for r in store.list_runs()]

@@ -107,6 +107,29 @@ def test_corrupt_files_name_the_file(tmp_path):
         Checkpoint.open(tmp_path)
 
 
+def test_a_header_whose_byte_ranges_overlap_is_refused(tmp_path):
+    """Two tensors said to share bytes (and the file's last bytes owned by none): what safetensors
+    itself refuses, and what a lying header in a snapshot would be."""
+    header = {
+        "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+        "b": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+    }
+    text = json.dumps(header).encode()
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(len(text).to_bytes(8, "little") + text + bytes(16))
+    start = 8 + len(text)
+    with pytest.raises(CheckpointError) as e:
+        Checkpoint.open(tmp_path)
+    assert str(e.value) == (
+        f"{path}: corrupt: tensor 'b' starts at byte {start}, where the tensors before it end at byte "
+        f"{start + 8} (its header's byte ranges overlap or leave a gap)"
+    )
+    header["b"]["data_offsets"] = [8, 16]  # the same file, told the truth
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + bytes(16))
+    assert sorted(Checkpoint.open(tmp_path).names()) == ["a", "b"]
+
+
 def test_bin_weights_only(tmp_path):
     tensors = {"a": torch.randn(3, 3), "b": torch.arange(4)}
     torch.save(tensors, tmp_path / "pytorch_model.bin")

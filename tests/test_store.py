@@ -306,3 +306,40 @@ def test_a_run_owned_by_another_live_process_cannot_be_deleted_and_a_dead_owner_
     assert store.open(run_id).status == "failed" and "interrupted" in store.open(run_id).error
     store.delete(run_id)
     assert store.list_runs() == []
+
+
+def test_a_copied_run_folder_lists_opens_and_deletes_as_itself(tmp_path, capsys):
+    """The folder's name is the run's identity: a copy keeps the original's id in its run.json."""
+    import shutil
+
+    from core import cli
+
+    store = Store(tmp_path)
+    original = store.create_run(SPEC)
+    store.write_metrics(original.run_id, pd.DataFrame({"verdict": ["identical"]}))
+    store.update(original.run_id, status="succeeded")
+    store.release(original.run_id)
+    copy = "20991231-000000-c0c0c0"  # newer than the original: listed first
+    shutil.copytree(original.run_dir, tmp_path / "runs" / copy)
+    store.write_metrics(copy, pd.DataFrame({"verdict": ["drift"]}))  # the copy changed after copying
+    assert json.loads((tmp_path / "runs" / copy / "run.json").read_text())["run_id"] == original.run_id
+    listed = store.list_runs()
+    assert [(r.run_id, r.info["run_id"], r.run_dir.name) for r in listed] == [
+        (copy, copy, copy),
+        (original.run_id, original.run_id, original.run_id),
+    ]
+    note = f"its run.json names run {original.run_id}: this folder was copied or renamed, and is the run {copy} here"
+    assert [r.id_note for r in listed] == [note, None]
+    opened = store.open(copy)
+    assert opened.status == "succeeded" and opened.run_dir == tmp_path / "runs" / copy
+    assert list(opened.metrics()["verdict"]) == ["drift"]
+    assert list(store.open(original.run_id).metrics()["verdict"]) == ["identical"]
+    assert cli.main(["runs", "--home", str(tmp_path), "--json"]) == 0
+    assert [r["run_id"] for r in json.loads(capsys.readouterr().out)] == [copy, original.run_id]
+    assert cli.main(["runs", "--home", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"{copy}  succeeded") and lines[0].endswith(f"  — note: {note}")
+    assert lines[1].startswith(f"{original.run_id}  succeeded") and "note" not in lines[1]
+    store.delete(copy)
+    assert [r.run_id for r in store.list_runs()] == [original.run_id]
+    assert list(store.open(original.run_id).metrics()["verdict"]) == ["identical"]

@@ -13,6 +13,13 @@ A zip because it is one file a bug report takes, every member carries a CRC (a t
 damaged file is found before anything is stored), and the capture folders go in unchanged: a
 snapshot's capture is read by the same code as a local one.
 
+A snapshot is a file someone sent, so `read_snapshot` treats it as untrusted: the manifest records
+every member's size and xxh3-128 content hash, and before a run is made each member's declared size
+must match it and stay under a ceiling relative to the file's own size (`MAX_RATIO`), each member is
+read once to check its CRC and hash, and is parsed as what it claims to be (JSON of a capture's
+shape, safetensors headers whose byte ranges fit, sketch arrays that are the ones the rows name).
+See docs/snapshots.md.
+
 Comparing snapshots makes an ordinary run whose targets are the snapshots' captures, each named by
 its machine (`gpu-box/cuda:0/float32`, label `gpu-box/cuda:0·fp32`), plus any local targets: the
 engine runs only the local ones, and the compare step is the one every run has. Checkpoint
@@ -26,16 +33,19 @@ import json
 import os
 import platform
 import secrets
+import shutil
 import socket
 import time
 import zipfile
+import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from core.capture import FORMAT as CAPTURE_FORMAT
-from core.capture import capture_folder_name
+from core.capture import Capture, capture_folder_name, capture_problem
+from core.models.checkpoint import CheckpointError, read_header
 from core.spec import AdapterRef, ModelRef, ProbeSpec, SpecError, Target, valid_machine
 
 FORMAT = "weightdrift-snapshot/1"
@@ -47,21 +57,47 @@ HASHED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 HASHED_NAMES = ("config.json", "adapter_config.json", "generation_config.json")
 # In an imported run's captures folder: where each imported capture came from.
 IMPORTED = "imported.json"
+# The most a snapshot's members may unpack to, as a multiple of the file's own size, each and all
+# together. Deflate reaches ~1000:1 on zeros; captures do not compress much: measured on demo snapshots,
+# whole files unpack to 1.24–1.67× their size, and the best-compressed member (the capture.json of a
+# run whose weights all equal the checkpoint) is 25.6:1 (docs/snapshots.md). A file that claims more
+# than this is refused before anything is read.
+MAX_RATIO = 64
+# A JSON member (the manifest, a capture.json) is parsed in memory: no larger than this.
+MAX_JSON = 128 * 2**20
+# How members are compressed: what write_snapshot writes (deflate), or stored.
+_METHODS = (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED)
 
 
 class SnapshotError(SpecError):
     """A snapshot that cannot be made, read or compared; the message names the file and the reason."""
 
 
-def file_hash(path: Path, chunk: int = 1 << 24) -> str:
-    """xxh3-128 of a file's bytes, read a chunk at a time (a 1B model's shards are GBs)."""
-    import xxhash
+class _Hashing:
+    """A reader that hashes (xxh3-128) and counts every byte read through it."""
 
-    h = xxhash.xxh3_128()
+    def __init__(self, f: BinaryIO):
+        import xxhash
+
+        self.f, self.n, self.h = f, 0, xxhash.xxh3_128()
+
+    def read(self, k: int = -1) -> bytes:
+        block = self.f.read(k)
+        self.h.update(block)
+        self.n += len(block)
+        return block
+
+    def drain(self, chunk: int = 1 << 24) -> str:
+        """Read the rest, a chunk at a time; the hash of everything read."""
+        while self.read(chunk):
+            pass
+        return self.h.hexdigest()
+
+
+def file_hash(path: Path) -> str:
+    """xxh3-128 of a file's bytes, read a chunk at a time (a 1B model's shards are GBs)."""
     with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+        return _Hashing(f).drain()
 
 
 def folder_hashes(folder: str) -> dict[str, str] | None:
@@ -138,6 +174,19 @@ class SnapshotCapture:
 
 
 @dataclass(frozen=True)
+class Member:
+    """A capture file in a snapshot as the manifest records it when the snapshot is made."""
+
+    size: int  # bytes, unpacked
+    xxh3_128: str  # content hash of those bytes (the zip's CRC finds damage, not an edit)
+
+    @staticmethod
+    def of(path: Path) -> Member:
+        """The size and hash of the file at `path`."""
+        return Member(path.stat().st_size, file_hash(path))
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """A snapshot file as read back (`read_snapshot`): its manifest; the captures stay in the file."""
 
@@ -148,6 +197,7 @@ class Snapshot:
     hashes: CheckpointHashes
     captures: tuple[SnapshotCapture, ...]
     source_run: str = ""
+    members: dict[str, Member] = field(default_factory=dict)  # archive name → what the manifest records
 
     @property
     def name(self) -> str:
@@ -179,6 +229,11 @@ def write_snapshot(run_dir: Path, spec: ProbeSpec, out: Path, machine: str | Non
         entries.append(
             SnapshotCapture(folder.name, doc["target"], doc.get("check", ""), doc.get("variant", ""))
         )
+    members = {
+        f"captures/{e.folder}/{name}": Member.of(captures_dir / e.folder / name)
+        for e in entries
+        for name in CAPTURE_FILES
+    }
     manifest = {
         "format": FORMAT,
         "capture_format": CAPTURE_FORMAT,
@@ -188,6 +243,7 @@ def write_snapshot(run_dir: Path, spec: ProbeSpec, out: Path, machine: str | Non
         "spec": spec.to_dict(),
         "checkpoint_hashes": CheckpointHashes.of(spec.base, spec.adapters).to_dict(),
         "captures": [e.__dict__ for e in entries],
+        "members": {name: m.__dict__ for name, m in members.items()},
     }
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -195,9 +251,8 @@ def write_snapshot(run_dir: Path, spec: ProbeSpec, out: Path, machine: str | Non
     try:
         with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as z:
             z.writestr(MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
-            for e in entries:
-                for name in CAPTURE_FILES:
-                    z.write(captures_dir / e.folder / name, f"captures/{e.folder}/{name}")
+            for name in members:
+                z.write(captures_dir / name.removeprefix("captures/"), name)
         os.replace(tmp, out)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -214,30 +269,115 @@ def _damaged(path: Path, why: str) -> SnapshotError:
 
 
 def read_snapshot(path: str | os.PathLike[str]) -> Snapshot:
-    """Read and verify a snapshot file: every member's CRC, the manifest, and that every capture it
-    lists is there. SnapshotError, naming the file and the reason, for anything else (a truncated
-    copy, another kind of file, a newer format)."""
+    """Read and verify a snapshot file before anything of it is stored.
+
+    Checked in this order, each from what the one before established: the members' names against the
+    manifest (none missing, none extra), their declared sizes against the manifest's and against
+    `MAX_RATIO` × the file's size (nothing is unpacked yet), then each member read once: its CRC,
+    its content hash against the manifest's, and its content as what it claims to be (capture.json
+    of a capture's shape, safetensors headers whose byte ranges fit, sketch arrays the rows name).
+    SnapshotError, naming the file, the member and the reason, for anything else (a truncated copy,
+    another kind of file, a newer format, an edited member).
+    """
     path = Path(path).expanduser()
     if not path.is_file():
         raise SnapshotError(f"snapshot {path} does not exist (or is not a file)")
     try:
         with zipfile.ZipFile(path) as z:
-            bad = z.testzip()  # reads every member: a truncated or bit-flipped copy fails here
-            if bad is not None:
-                raise _damaged(path, f"member {bad} is damaged (CRC mismatch)")
-            names = set(z.namelist())
-            if MANIFEST not in names:
-                raise _damaged(path, f"it has no {MANIFEST}: not a WeightDrift snapshot")
-            manifest = json.loads(z.read(MANIFEST))
+            return _read(z, path, path.stat().st_size)
+    except SnapshotError:
+        raise
     except zipfile.BadZipFile as e:
         raise _damaged(path, f"not a complete zip archive ({e}); a truncated copy reads like this") from e
     except (OSError, ValueError, EOFError) as e:
         raise _damaged(path, f"{type(e).__name__}: {e}") from e
+
+
+def _read(z: zipfile.ZipFile, path: Path, size: int) -> Snapshot:
+    infos = _infos(z, path)
+    if MANIFEST not in infos:
+        raise _damaged(path, f"it has no {MANIFEST}: not a WeightDrift snapshot")
+    _bounded(path, infos[MANIFEST], size, MAX_JSON)
+    manifest = json.loads(_member(z, path, infos[MANIFEST], None, lambda f: f.read()))
+    snapshot = _manifest(path, manifest)
+    expected = {f"captures/{c.folder}/{n}" for c in snapshot.captures for n in CAPTURE_FILES}
+    if set(snapshot.members) != expected:
+        odd = sorted(set(snapshot.members) ^ expected)[0]
+        raise _damaged(path, f"its manifest's member list does not match its captures (at {odd})")
+    extra = sorted(set(infos) - expected - {MANIFEST})
+    if extra:
+        raise _damaged(path, f"member {extra[0]} is not in the manifest")
+    for c in snapshot.captures:
+        missing = [n for n in CAPTURE_FILES if f"captures/{c.folder}/{n}" not in infos]
+        if missing:
+            raise _damaged(path, f"capture {c.folder} lacks {', '.join(missing)}")
+    # every size before any member is read: what the zip declares is what unpacking would write
+    for name in sorted(expected):
+        if infos[name].file_size != snapshot.members[name].size:
+            raise _damaged(
+                path,
+                f"member {name} declares {infos[name].file_size} bytes, the manifest records "
+                f"{snapshot.members[name].size}",
+            )
+        _bounded(path, infos[name], size, MAX_JSON if name.endswith(".json") else None)
+    total = sum(i.file_size for i in infos.values())
+    if total > MAX_RATIO * size:
+        largest = max(infos.values(), key=lambda i: i.file_size)
+        raise _damaged(
+            path,
+            f"its members unpack to {total} bytes in all, more than {MAX_RATIO} × its own {size} bytes "
+            f"(the largest, member {largest.filename}, {largest.file_size} bytes)",
+        )
+    for c in snapshot.captures:
+        _check_capture(z, snapshot, infos, c)
+    return snapshot
+
+
+def _infos(z: zipfile.ZipFile, path: Path) -> dict[str, zipfile.ZipInfo]:
+    """The archive's members by name: each once, unencrypted, stored or deflated."""
+    infos: dict[str, zipfile.ZipInfo] = {}
+    for info in z.infolist():
+        if info.filename in infos:
+            raise _damaged(path, f"member {info.filename} is in it twice")
+        if info.flag_bits & 0x1:
+            raise _damaged(path, f"member {info.filename} is encrypted")
+        if info.compress_type not in _METHODS:
+            raise _damaged(
+                path, f"member {info.filename} is compressed with method {info.compress_type}, not deflate"
+            )
+        infos[info.filename] = info
+    return infos
+
+
+def _bounded(path: Path, info: zipfile.ZipInfo, size: int, most: int | None) -> None:
+    """Refuse a member whose declared size is beyond `MAX_RATIO` × the file's size (or `most`)."""
+    if info.file_size > MAX_RATIO * size:
+        raise _damaged(
+            path,
+            f"member {info.filename} declares {info.file_size} bytes, more than {MAX_RATIO} × the "
+            f"snapshot's own {size} bytes (a compression ratio no capture reaches)",
+        )
+    if most is not None and info.file_size > most:
+        raise _damaged(
+            path,
+            f"member {info.filename} declares {info.file_size} bytes, more than a JSON member may hold ({most})",
+        )
+
+
+def _manifest(path: Path, manifest: Any) -> Snapshot:
+    """The snapshot its manifest describes, its members' sizes and hashes included."""
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         found = manifest.get("format") if isinstance(manifest, dict) else None
         raise _damaged(path, f"its format is {found!r}, this version reads {FORMAT!r}")
+    if "members" not in manifest:
+        raise SnapshotError(
+            f"snapshot {path} was made by an older version of WeightDrift: its manifest does not record its "
+            "members' sizes and content hashes, which an import checks. Make it again with this version "
+            "(python -m core snapshot …)"
+        )
     try:
         captures = tuple(SnapshotCapture(**c) for c in manifest["captures"])
+        members = {str(k): Member(**v) for k, v in manifest["members"].items()}
         snapshot = Snapshot(
             path=path,
             machine=str(manifest["machine"]),
@@ -246,19 +386,87 @@ def read_snapshot(path: str | os.PathLike[str]) -> Snapshot:
             hashes=CheckpointHashes.from_dict(manifest["checkpoint_hashes"]),
             captures=captures,
             source_run=str(manifest.get("source_run", "")),
+            members=members,
         )
-    except (KeyError, TypeError, ValueError) as e:
+        for c in captures:
+            Target.parse(c.target)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise _damaged(path, f"its manifest is incomplete ({type(e).__name__}: {e})") from e
+    for name, m in members.items():
+        if type(m.size) is not int or m.size < 0 or not isinstance(m.xxh3_128, str):
+            raise _damaged(path, f"its manifest records member {name} as {m!r:.120}, not a size and a hash")
     if not valid_machine(snapshot.machine):
         raise _damaged(path, f"machine name {snapshot.machine!r} is not a valid name")
     for c in captures:
         # names come from a file someone sent: nothing may point outside its capture folder
-        if "/" in c.folder or c.folder.startswith(".") or not c.folder:
+        if not isinstance(c.folder, str) or "/" in c.folder or c.folder.startswith(".") or not c.folder:
             raise _damaged(path, f"capture folder {c.folder!r} is not a plain name")
-        missing = [n for n in CAPTURE_FILES if f"captures/{c.folder}/{n}" not in names]
-        if missing:
-            raise _damaged(path, f"capture {c.folder} lacks {', '.join(missing)}")
     return snapshot
+
+
+def _member(
+    z: zipfile.ZipFile,
+    path: Path,
+    info: zipfile.ZipInfo,
+    expected: Member | None,
+    consume: Callable[[Any], Any],
+) -> Any:
+    """Read one member once through `consume` (given a reader of its bytes), then the rest of it: its
+    CRC (a damaged copy), then its content hash against `expected` (an edited member), then what
+    `consume` found wrong (a member that is not what it claims to be), in that order."""
+    name = info.filename
+    try:
+        with z.open(info) as raw:
+            reader = _Hashing(raw)
+            try:
+                value, problem = consume(reader), None
+            except CheckpointError as e:  # its message names the member
+                value, problem = None, e
+            digest = reader.drain()
+    except zipfile.BadZipFile as e:
+        why = "CRC mismatch" if str(e).startswith("Bad CRC") else str(e)
+        raise _damaged(path, f"member {name} is damaged ({why})") from e
+    except (EOFError, zlib.error) as e:
+        raise _damaged(path, f"member {name} is damaged ({type(e).__name__}: {e})") from e
+    if expected is not None and (reader.n != expected.size or digest != expected.xxh3_128):
+        raise _damaged(
+            path,
+            f"member {name} is not the file the snapshot was made with: its content hash differs from the "
+            "manifest's (edited after the snapshot was made)",
+        )
+    if problem is not None:
+        raise _damaged(path, f"member {problem}") from problem
+    return value
+
+
+def _check_capture(
+    z: zipfile.ZipFile, snapshot: Snapshot, infos: dict[str, zipfile.ZipInfo], c: SnapshotCapture
+) -> None:
+    """Read one capture's three members and check they make the capture the manifest lists."""
+    prefix = f"captures/{c.folder}/"
+
+    def member(name: str, consume: Callable[[Any], Any]) -> Any:
+        return _member(z, snapshot.path, infos[prefix + name], snapshot.members[prefix + name], consume)
+
+    def header(name: str) -> Callable[[Any], Any]:
+        return lambda f: read_header(f, infos[prefix + name].file_size, Path(prefix + name))
+
+    raw = member("capture.json", lambda f: f.read())
+    tensors = member("tensors.safetensors", header("tensors.safetensors"))
+    sketches = member("sketches.safetensors", header("sketches.safetensors"))
+    try:
+        doc = json.loads(raw)
+    except ValueError as e:
+        raise _damaged(snapshot.path, f"member {prefix}capture.json is not JSON ({e})") from e
+    problem = capture_problem(doc, tensors, sketches)
+    if problem is None and (doc["target"], doc["check"], doc["variant"]) != (c.target, c.check, c.variant):
+        found, listed = (
+            Capture(target=t, check=k, variant=v).label
+            for t, k, v in ((doc["target"], doc["check"], doc["variant"]), (c.target, c.check, c.variant))
+        )
+        problem = f"capture.json is of {found}, the manifest lists {listed}"
+    if problem is not None:
+        raise _damaged(snapshot.path, f"member {prefix}{problem}")
 
 
 @dataclass(frozen=True)
@@ -323,11 +531,28 @@ def check_compatible(snapshots: Sequence[Snapshot], local: CheckpointHashes | No
             )
 
 
+def check_room(snapshots: Sequence[Snapshot], home: Path) -> None:
+    """Refuse snapshots whose captures, unpacked, would not fit in the free space of `home`'s disk."""
+    need = sum(m.size for s in snapshots for m in s.members.values())
+    where = Path(home).expanduser()
+    while not where.exists() and where != where.parent:
+        where = where.parent  # the home may not be made yet: the disk it will be on
+    free = shutil.disk_usage(where).free
+    if need > free:
+        names = ", ".join(str(s.path) for s in snapshots)
+        raise SnapshotError(
+            f"snapshot{'s' if len(snapshots) > 1 else ''} {names} unpack{'' if len(snapshots) > 1 else 's'} to "
+            f"{need} bytes ({need / 2**20:.1f} MiB) and the disk of {home} has {free} bytes "
+            f"({free / 2**20:.1f} MiB) free: free some space, or choose another home (--home or WEIGHTDRIFT_HOME)"
+        )
+
+
 def comparison(
     snapshots: Sequence[Snapshot],
     local_targets: Sequence[Target] = (),
     base: ModelRef | None = None,
     adapters: Sequence[AdapterRef] | None = None,
+    home: Path | None = None,
     peers: bool = True,
 ) -> tuple[ProbeSpec, Callable[[Path], None]]:
     """The spec of a run comparing `snapshots` (and `local_targets`, run here), and the function
@@ -335,11 +560,13 @@ def comparison(
 
     Local targets need the base and adapters here: `base`/`adapters`, or the paths the first
     snapshot recorded; their files must hash as the snapshot's did. Without local targets nothing is
-    loaded here, and the model files need not be here at all. `peers`: judge targets against their
-    peers (`ProbeSpec.peers`).
+    loaded here, and the model files need not be here at all. With `home`, the captures must fit in
+    its disk's free space (`check_room`). `peers`: judge targets against their peers (`ProbeSpec.peers`).
     """
     if not snapshots:
         raise SnapshotError("no snapshot given")
+    if home is not None:
+        check_room(snapshots, home)
     first = snapshots[0].spec
     spec_base = base or first.base
     spec_adapters = tuple(adapters) if adapters is not None else first.adapters
@@ -405,12 +632,11 @@ def import_captures(placed: Sequence[Imported], run_dir: Path) -> None:
                     continue
                 folder.mkdir(parents=True, exist_ok=False)
                 for name in CAPTURE_FILES[1:]:
-                    with z.open(f"captures/{c.folder}/{name}") as src, open(folder / name, "wb") as dst:
-                        while block := src.read(1 << 24):
-                            dst.write(block)
-                doc = json.loads(z.read(f"captures/{c.folder}/capture.json"))
-                if doc.get("format") != CAPTURE_FORMAT:
-                    raise _damaged(s.path, f"capture {c.folder} is in format {doc.get('format')!r}")
+                    with open(folder / name, "wb") as dst:
+                        _unpack(z, s, f"captures/{c.folder}/{name}", dst.write)
+                raw = bytearray()
+                _unpack(z, s, f"captures/{c.folder}/capture.json", raw.extend)
+                doc = json.loads(raw)
                 doc["target"] = str(target)  # rows and the environment table name the machine
                 doc.setdefault("meta", {})["imported_from"] = {"snapshot": s.name, "machine": s.machine}
                 (folder / "capture.json").write_text(json.dumps(doc, indent=2, sort_keys=True, default=str))
@@ -426,6 +652,21 @@ def import_captures(placed: Sequence[Imported], run_dir: Path) -> None:
             }
         )
     (captures_dir / IMPORTED).write_text(json.dumps(record, indent=2, sort_keys=True))
+
+
+def _unpack(z: zipfile.ZipFile, snapshot: Snapshot, name: str, write: Callable[[bytes], Any]) -> None:
+    """Copy a member `read_snapshot` checked, checking again that it is that member (its declared size,
+    then its hash): the file could have been replaced since."""
+    expected = snapshot.members[name]
+    info = z.getinfo(name)
+    if info.file_size != expected.size:
+        raise _damaged(snapshot.path, f"member {name} changed since it was checked")
+
+    def copy(f: Any) -> None:
+        while block := f.read(1 << 24):
+            write(block)
+
+    _member(z, snapshot.path, info, expected, copy)
 
 
 def read_imported(run_dir: Path) -> list[dict[str, Any]]:

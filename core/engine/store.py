@@ -274,6 +274,18 @@ class RunRecord:
     def error(self) -> str | None:
         return self.info.get("error")
 
+    @property
+    def id_note(self) -> str | None:
+        """What to say of a folder whose run.json names another run (it was copied or renamed); None
+        otherwise. The folder's name is the run's identity: it is listed, opened and deleted by it."""
+        recorded = self.info.get("recorded_id")
+        if recorded is None:
+            return None
+        return (
+            f"its run.json names run {recorded}: this folder was copied or renamed, and is the run "
+            f"{self.run_id} here"
+        )
+
     def metrics(self) -> pd.DataFrame:
         """The metrics table (empty if the run has none); StoreError if it does not open.
 
@@ -483,6 +495,9 @@ class Store:
             problem = info_problem(info)
             if problem is not None:
                 info = damaged_info(run_id, f"run.json {problem}")
+            elif info.get("run_id", run_id) != run_id:
+                # the folder's name is the run's identity: a copied or renamed folder keeps the old id inside
+                info = {**info, "run_id": run_id, "recorded_id": info["run_id"]}
         except FileNotFoundError:
             info = damaged_info(run_id, "run.json is missing")
         except (OSError, ValueError) as e:

@@ -27,13 +27,13 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
 from core.spec import AdapterRef, ModelRef, SpecError
 
-__all__ = ["Checkpoint", "CheckpointError", "TensorInfo", "SAFETENSORS_DTYPES"]
+__all__ = ["Checkpoint", "CheckpointError", "TensorInfo", "SAFETENSORS_DTYPES", "read_header"]
 
 # safetensors dtype codes → torch dtypes (little-endian on disk, as on every host torch runs on)
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -83,19 +83,22 @@ def _parse_header(path: Path) -> dict[str, TensorInfo]:
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(
-                    f"{path}: not a safetensors file (shorter than its 8-byte header length)"
-                )
-            n = int.from_bytes(head, "little")
-            if n > _MAX_HEADER or 8 + n > size:
-                raise CheckpointError(
-                    f"{path}: not a safetensors file (header length {n} does not fit the file)"
-                )
-            raw = f.read(n)
+            return read_header(f, size, path)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})") from e
+
+
+def read_header(f: BinaryIO, size: int, path: Path) -> dict[str, TensorInfo]:
+    """The tensors of a safetensors file of `size` bytes that `f` reads from its start (a file, or a
+    member of a snapshot), from its header alone: CheckpointError, naming `path`, unless every
+    tensor's byte range fits its dtype and shape and the ranges tile the data exactly."""
+    head = f.read(8)
+    if len(head) < 8:
+        raise CheckpointError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+    n = int.from_bytes(head, "little")
+    if n > _MAX_HEADER or 8 + n > size:
+        raise CheckpointError(f"{path}: not a safetensors file (header length {n} does not fit the file)")
+    raw = f.read(n)
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -129,7 +132,16 @@ def _parse_header(path: Path) -> dict[str, TensorInfo]:
                 f"{path}: truncated: tensor {name!r} ends at byte {data_start + end}, the file has {size}"
             )
         tensors[name] = TensorInfo(name, path, dtype, shape, data_start + begin, nbytes)
-    end = max((t.start + t.nbytes for t in tensors.values()), default=data_start)
+    # as safetensors itself requires: each tensor's bytes start where the one before ends (a header
+    # whose ranges overlap or leave holes lies about where its tensors are)
+    end = data_start
+    for t in sorted(tensors.values(), key=lambda t: (t.start, t.nbytes)):
+        if t.start != end:
+            raise CheckpointError(
+                f"{path}: corrupt: tensor {t.name!r} starts at byte {t.start}, where the tensors before it "
+                f"end at byte {end} (its header's byte ranges overlap or leave a gap)"
+            )
+        end += t.nbytes
     if end != size:
         raise CheckpointError(
             f"{path}: truncated or corrupt: its tensors end at byte {end}, the file has {size}"

@@ -63,6 +63,7 @@ def history(records) -> pd.DataFrame:
                 "checks": ", ".join(spec.checks) if spec else "?",
                 "base": spec.base.path if spec else "?",
                 "error": (r.error or "").splitlines()[0] if r.error else "",
+                "note": r.id_note or "",
             }
         )
     return pd.DataFrame(out)
