@@ -16,6 +16,7 @@ from core.engine.jobs import Engine, next_best_reference
 from core.engine.runners import InProcessRunner
 from core.engine.store import RunRecord
 from core.spec import (
+    QUANTIZED_FORMATS,
     REFERENCE_TARGET,
     AdapterRef,
     ModelRef,
@@ -26,7 +27,7 @@ from core.spec import (
     peer_of,
 )
 
-FORMATS = ("nf4", "fp4", "int8")
+FORMATS = QUANTIZED_FORMATS  # every format a target can name is run here (README's table says so)
 IDS = ((3, 17, 42, 5, 60, 8), (1, 2, 33, 48, 9, 27))
 
 
@@ -179,3 +180,58 @@ def _unmerged(model: Path, adapter: Path) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return _logits(PeftModel.from_pretrained(_fresh(model, "nf4"), adapter, adapter_name="lora").eval())
+
+
+@pytest.fixture(scope="module")
+def scenario_run(demo_workspace: dict, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, RunRecord]:
+    """The `qlora-served-elsewhere` scenario's run on the demo workspace, in a home of its own."""
+    from core.demo.scenarios import scenario_spec
+
+    home = tmp_path_factory.mktemp("qlora-home")
+    engine = Engine(home, runner=InProcessRunner())
+    job = engine.submit(scenario_spec("qlora-served-elsewhere", demo_workspace, engine.devices))
+    assert job.wait(600) and job.state == "succeeded", job.error
+    return home, engine.store.open(job.run_id)
+
+
+def test_served_elsewhere_scenario_says_how_far_the_outputs_move(scenario_run) -> None:
+    from core import report
+
+    _, record = scenario_run
+    pairs = record.table("pairwise")
+    sentences = report.served_elsewhere(pairs)
+    assert len(sentences) == 2
+    for served, sentence in zip(("cpu/bfloat16", "cpu/float32"), sorted(sentences), strict=True):
+        row = pairs[
+            (pairs["check"] == "outputs")
+            & (pairs["adapter"] == "lora")
+            & ({*pairs["target"], *pairs["other"]} >= {served})
+            & (pairs["target"].isin([served, "cpu/nf4"]))
+            & (pairs["other"].isin([served, "cpu/nf4"]))
+        ]
+        assert len(row) == 1
+        max_abs, rel = float(row["max_abs"].iloc[0]), float(row["rel_l2"].iloc[0])
+        assert max_abs > 0
+        assert sentence == (
+            f"lora served on {served} instead of cpu/nf4: its logits move by {max_abs:.3g} (max |Δ|, relative "
+            f"L2 {rel:.3g}) from what the nf4 model gives"
+        )
+    # merge_and_unload into the 4-bit base, beside the float bases: the merge rows of every target
+    table = record.metrics()
+    merged = table[(table["check"] == "merge") & (table["stage"] == "merge_and_unload")]
+    assert {"cpu/nf4", "cpu/bfloat16", "cpu/float32"} <= set(merged["target"])
+
+
+def test_merge_page_shows_the_finding(scenario_run, monkeypatch: pytest.MonkeyPatch) -> None:
+    from apptest import make_app, shown
+
+    from core import report
+
+    home, record = scenario_run
+    at = make_app(home, monkeypatch, run=record.run_id)
+    at.switch_page("views/merge.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    infos = [shown(e) for e in at.info]
+    for sentence in report.served_elsewhere(record.table("pairwise")):
+        assert any(sentence in s for s in infos), (sentence, infos)
+    assert any(b.label.startswith("QLoRA served on bfloat16 and float32") for b in at.button)
