@@ -574,7 +574,8 @@ def _run_and_report(args, engine_class, runner, plan=None, after=None) -> int:
             )
         )
     else:
-        print_summary(job.run_id, record.run_dir, duration, table, min(args.top, 3), judgement.lines())
+        answer = [*judgement.lines(), *report.served_elsewhere(record.table("pairwise"))]
+        print_summary(job.run_id, record.run_dir, duration, table, min(args.top, 3), answer)
         for note in record.notes():
             print(f"note: {note}")
         for key, value in extra.items():

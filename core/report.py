@@ -69,3 +69,34 @@ def records(table: pd.DataFrame) -> list[dict[str, Any]]:
     """JSON-safe row dicts (NaN → None)."""
     clean = table.astype(object).where(pd.notna(table), None)
     return clean.to_dict(orient="records")
+
+
+# bitsandbytes formats as a target string names them (`core.spec.QUANTIZED_FORMATS`; this module imports
+# nothing from core)
+_QUANTIZED = ("nf4", "fp4", "int8")
+
+
+def _format(target: str) -> str:
+    """The dtype part of a target string: `cpu/nf4+compute=bfloat16` → `nf4`."""
+    return target.split("+")[0].rsplit("/", 1)[-1]
+
+
+def served_elsewhere(pairwise: pd.DataFrame) -> list[str]:
+    """A sentence per adapter, quantized target and float target of a run's pairwise table (`pairwise.parquet`):
+    how far the adapter's outputs on the float base move from what the quantized model gives (an adapter
+    trained on a 4-bit base and served on a bfloat16 one). Empty when the run has no such pair."""
+    if pairwise.empty:
+        return []
+    rows = pairwise[(pairwise["check"] == "outputs") & pairwise["adapter"].notna()]
+    sentences = []
+    for r in rows.to_dict(orient="records"):
+        a, b = r["target"], r["other"]
+        if (_format(a) in _QUANTIZED) == (_format(b) in _QUANTIZED):
+            continue
+        quantized, served = (a, b) if _format(a) in _QUANTIZED else (b, a)
+        sentences.append(
+            f"{r['adapter']} served on {served} instead of {quantized}: its {r['tensor']} move by "
+            f"{r['max_abs']:.3g} (max |Δ|, relative L2 {r['rel_l2']:.3g}) from what the {_format(quantized)} "
+            "model gives"
+        )
+    return sentences

@@ -27,8 +27,25 @@ DTYPE_ALIASES = {
     "fp64": "float64",
     "f64": "float64",
     "double": "float64",
+    "nf4": "nf4",
+    "fp4": "fp4",
+    "int8": "int8",
 }
-DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
+DTYPE_SHORT = {
+    "float32": "fp32",
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "float64": "fp64",
+    "nf4": "nf4",
+    "fp4": "fp4",
+    "int8": "int8",
+}
+# Bases loaded through bitsandbytes (core.models.quantized): the "dtype" names the storage format of the
+# quantized linear layers; the layers' arithmetic and everything else run in a float dtype.
+QUANTIZED_FORMATS = ("nf4", "fp4", "int8")
+FOUR_BIT_FORMATS = ("nf4", "fp4")
+# `+compute=`: bnb_4bit_compute_dtype, the float dtype a 4-bit layer dequantizes into and multiplies in
+COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 MATMUL_PRECISIONS = ("highest", "high", "medium")
 # What a run checks unless told otherwise; merge, memory and adapters load models their own way
 # and are asked for by name (or by a scenario).
@@ -116,6 +133,10 @@ class Target:
     `cuda:0/float32+deterministic`, `cuda:0/float32+matmul=high`, and with the Ray runner
     `cuda:0/float32+node=gpu-a6000` (that node's cuda:0).
 
+    A quantized base names its bitsandbytes format as the dtype (`cpu/nf4`, `cuda:0/fp4`, `cpu/int8`):
+    bitsandbytes' defaults, with flags for the departures: `+compute=bfloat16|float16|float32`
+    (bnb_4bit_compute_dtype) and `+double_quant` (bnb_4bit_use_double_quant), 4-bit formats only.
+
     A target captured on another machine (imported from a snapshot) names it first:
     `gpu-box/cuda:0/float32+tf32`; such a target is never run here, only compared.
     """
@@ -130,6 +151,8 @@ class Target:
     # `node=NAME`: the Ray node this target runs on (core.engine.ray_runner), so that cuda:0 of two machines
     # are two targets; the local runner refuses it
     node: str | None = None
+    compute: str | None = None  # `compute=DTYPE`: a 4-bit format's bnb_4bit_compute_dtype
+    double_quant: bool = False  # `double_quant`: a 4-bit format's bnb_4bit_use_double_quant
 
     @staticmethod
     def parse(text: str) -> Target:
@@ -152,7 +175,8 @@ class Target:
         dtype_name = DTYPE_ALIASES.get(dtype.strip().lower())
         if dtype_name is None:
             raise SpecError(
-                f"target {text!r}: unknown dtype {dtype!r}; use one of float32, bfloat16, float16, float64"
+                f"target {text!r}: unknown dtype {dtype!r}; use one of float32, bfloat16, float16, float64, "
+                f"or a bitsandbytes format: {', '.join(QUANTIZED_FORMATS)}"
             )
         kwargs: dict[str, Any] = {}
         for flag in flags:
@@ -166,6 +190,8 @@ class Target:
                 kwargs["threads"] = _thread_count(value, text)
             elif key == "matmul" and value in MATMUL_PRECISIONS:
                 kwargs["matmul_precision"] = value
+            elif key in ("compute", "double_quant"):
+                kwargs.update(_quantization_flag(key, value, dtype_name, text))
             elif key == "node" and valid_machine(value):
                 kwargs["node"] = value
             elif key == "node":
@@ -181,7 +207,8 @@ class Target:
             else:
                 raise SpecError(
                     f"target {text!r}: unknown flag {flag!r}; flags are tf32, deterministic, threads=N, "
-                    f"matmul={'|'.join(MATMUL_PRECISIONS)}, node=NAME"
+                    f"matmul={'|'.join(MATMUL_PRECISIONS)}, node=NAME, and for nf4/fp4 "
+                    f"compute={'|'.join(COMPUTE_DTYPES)}, double_quant"
                 )
         return Target(device=device, dtype=dtype_name, machine=machine, **kwargs)
 
@@ -199,6 +226,10 @@ class Target:
             flags.append(f"matmul={self.matmul_precision}")
         if self.node is not None:
             flags.append(f"node={self.node}")
+        if self.compute is not None:
+            flags.append(f"compute={self.compute}")
+        if self.double_quant:
+            flags.append("double_quant")
         return flags
 
     def __str__(self) -> str:
@@ -208,7 +239,7 @@ class Target:
     @property
     def label(self) -> str:
         """Human label like `cuda:1·bf16·tf32`, or `gpu-box/cuda:1·bf16·tf32` for an imported capture."""
-        short = ["det" if f == "deterministic" else f for f in self.flags]
+        short = [_SHORT_FLAGS.get(f, f) for f in self.flags]
         label = "·".join([self.device, DTYPE_SHORT[self.dtype], *short])
         return f"{self.machine}/{label}" if self.machine else label
 
@@ -229,6 +260,41 @@ class Target:
     @property
     def is_reference(self) -> bool:
         return self == REFERENCE_TARGET
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the base is loaded through bitsandbytes (`nf4`, `fp4`, `int8`)."""
+        return self.dtype in QUANTIZED_FORMATS
+
+    @property
+    def float_dtype(self) -> str:
+        """The float dtype this target's numbers are judged in: its dtype, or for a quantized target its
+        compute dtype (`+compute=`), float32 where none is named. The tolerance follows it, so the
+        quantization error reads as drift; whether it is the format's own is its peer's judgement."""
+        if self.quantized:
+            return self.compute or "float32"
+        return self.dtype
+
+
+_SHORT_FLAGS = {"deterministic": "det", "double_quant": "dq"}
+
+
+def _quantization_flag(key: str, value: str, dtype: str, text: str) -> dict[str, Any]:
+    """The field of a `compute=DTYPE` or `double_quant` flag; SpecError where the format has no such setting."""
+    if dtype not in FOUR_BIT_FORMATS:
+        raise SpecError(
+            f"target {text!r}: flag {key} sets a bnb_4bit_* option and applies to "
+            f"{' and '.join(FOUR_BIT_FORMATS)} only"
+        )
+    if key == "double_quant" and not value:
+        return {"double_quant": True}
+    compute = DTYPE_ALIASES.get(value.lower())
+    if key == "compute" and compute in COMPUTE_DTYPES:
+        return {"compute": compute}
+    raise SpecError(
+        f"target {text!r}: flag {key}={value} is not understood; expected compute={'|'.join(COMPUTE_DTYPES)} "
+        "or double_quant"
+    )
 
 
 REFERENCE_TARGET = Target(device="cpu", dtype="float64")

@@ -33,6 +33,7 @@ from core.models.validate import (
 from core.spec import (
     DEFAULT_CHECKS,
     MAX_THREADS,
+    QUANTIZED_FORMATS,
     REFERENCE_TARGET,
     AdapterRef,
     ModelRef,
@@ -44,7 +45,8 @@ from core.spec import (
 from dashboard.state import engine, ray_runner, result_page, start_run, store
 from dashboard.text import literal
 
-DTYPES = ("float32", "bfloat16", "float16")
+# float dtypes, then the bitsandbytes formats of a quantized base (QUANTIZED_FORMATS)
+DTYPES = ("float32", "bfloat16", "float16", *QUANTIZED_FORMATS)
 # "modules_to_save": the tensors of a module an adapter saves whole (a classifier head)
 ROLES = ("*", "base", "lora_A", "lora_B", "delta", "modules_to_save", "output")
 

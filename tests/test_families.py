@@ -37,7 +37,7 @@ from core.models.loading import (
     probe_inputs,
 )
 from core.models.validate import InputError
-from core.spec import DEFAULT_CHECKS, AdapterRef, ModelRef, ProbeInputs, ProbeSpec, Target
+from core.spec import DEFAULT_CHECKS, QUANTIZED_FORMATS, AdapterRef, ModelRef, ProbeInputs, ProbeSpec, Target
 
 # The families with assertions of their own below (probe shapes, logits, attention blocks).
 FAMILIES = ("vit", "whisper", "mixtral", "bart")
@@ -276,6 +276,14 @@ def supported_tables() -> str:
             failure = PEFT_MERGE_FAILURES.get((base, name))
             cells.append("✓ (PEFT's `merge_and_unload` fails: a finding)" if failure else "✓")
         lines.append(f"| {method.label} | `{method.config_class}` | {covered} | {' | '.join(cells)} |")
+    lines += [
+        "",
+        "| quantized target | bitsandbytes config (its defaults otherwise) | checks, on Llama (`tests/test_quantized.py`) |",
+        "|---|---|---|",
+    ]
+    for fmt in QUANTIZED_FORMATS:
+        config = "load_in_8bit=True" if fmt == "int8" else f'load_in_4bit=True, bnb_4bit_quant_type="{fmt}"'
+        lines.append(f"| `DEVICE/{fmt}` | `BitsAndBytesConfig({config})` | weights, deltas, outputs, merge |")
     return "\n".join([GENERATED[0], *lines, GENERATED[1]])
 
 

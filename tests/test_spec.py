@@ -40,7 +40,7 @@ def test_target_parse_and_label(text, expected, label):
     "text, fragment",
     [
         ("cpu", "DEVICE/DTYPE"),
-        ("cpu/int8", "unknown dtype"),
+        ("cpu/int4", "unknown dtype"),  # int8 is a target now: bitsandbytes (issue 26)
         ("gpu:0/float32", "unknown device"),
         ("cpu/float32+fast", "unknown flag"),
         ("cpu/float32+threads=0", "flag threads=0 is not a CPU thread count"),

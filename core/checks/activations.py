@@ -365,7 +365,7 @@ class ActivationsCheck(Check):
                     "hash": content_hash(tensor),
                 }
             else:
-                tol = tolerance(ctx.spec, self.role_of(ctx.spec, key), getattr(torch, ctx.target.dtype))
+                tol = tolerance(ctx.spec, self.role_of(ctx.spec, key), getattr(torch, ctx.target.float_dtype))
                 stats, sketch = metrics.measure(tensor, ref.to(tensor.device), tol)
                 out.results[key.encode()] = {
                     "reference": str(ctx.spec.reference),
@@ -391,7 +391,7 @@ class ActivationsCheck(Check):
     ) -> None:
         """Re-run each leaf call on the reference's input to it, cast to the target's dtype, one at a time."""
         order = out.meta[NAME]["order"][adapter]
-        dtype = getattr(torch, ctx.target.dtype)
+        dtype = getattr(torch, ctx.target.float_dtype)
         skipped = []
         for module, name in leaf_calls:
             x = reference.input_of(adapter, name)

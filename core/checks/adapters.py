@@ -204,7 +204,7 @@ class AdaptersCheck(Check):
         strategy = capture.variant
         meta = capture.meta.get(self.name, {})
         kind = meta.get("output") or "logits"
-        target_dtype = getattr(torch, Target.parse(capture.target).dtype)
+        target_dtype = getattr(torch, Target.parse(capture.target).float_dtype)
         steps = {s["adapter"]: s for s in meta.get("steps", [])}
         base = capture.get(TensorKey(self.name, BASE, kind))
         iso_steps = {s["adapter"]: s for s in (iso.meta.get(self.name, {}).get("steps", []) if iso else [])}
@@ -333,7 +333,7 @@ class AdaptersCheck(Check):
         self, spec: ProbeSpec, capture: Capture, pairs: list[tuple[str, str]]
     ) -> list[dict[str, Any]]:
         kind = capture.meta.get(self.name, {}).get("output") or "logits"
-        target_dtype = getattr(torch, Target.parse(capture.target).dtype)
+        target_dtype = getattr(torch, Target.parse(capture.target).float_dtype)
         rows = []
         for pissa, lora in pairs:
             out = capture.get(TensorKey(self.name, lora, kind))

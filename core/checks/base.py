@@ -212,7 +212,7 @@ class Check(ABC):
             return Measured(
                 reference.label, note, dtype, missing_reference_row(tensor), None, content_hash(tensor)
             )
-        tol = tolerance(spec, self.role_of(spec, key), getattr(torch, target.dtype))
+        tol = tolerance(spec, self.role_of(spec, key), getattr(torch, target.float_dtype))
         stats, sketch = metrics.measure(tensor, ref, tol)
         row = metrics.stats_to_row(stats)
         # the same bits hash alike: hash the reference where it is already on the host
@@ -234,7 +234,7 @@ class Check(ABC):
         rows = []
         # Tolerances follow the target's dtype: an adapter PEFT keeps in float32 on a bfloat16
         # target is judged by what the user asked for, bfloat16.
-        target_dtype = getattr(torch, Target.parse(capture.target).dtype)
+        target_dtype = getattr(torch, Target.parse(capture.target).float_dtype)
         for key in capture.keys(self.name):
             measured = capture.result(key)
             if measured is not None:  # compared in the worker: its row as measured there

@@ -360,7 +360,7 @@ class MergeCheck(Check):
 
     def rows(self, spec: ProbeSpec, capture: Capture, reference: Reference) -> list[dict[str, Any]]:
         target = Target.parse(capture.target)
-        dtype = getattr(torch, target.dtype)
+        dtype = getattr(torch, target.float_dtype)
         meta = capture.meta.get(self.name, {})
         adapters_meta = meta.get("adapters", {})
         rows: list[dict[str, Any]] = []

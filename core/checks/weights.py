@@ -26,6 +26,7 @@ from core.models.checkpoint import (
 )
 from core.models.conversion import KeyConversion, for_folder, layer_of, remember
 from core.models.loading import Loaded
+from core.models.quantized import dequantized_state
 from core.spec import ProbeSpec
 
 
@@ -57,7 +58,8 @@ class WeightsCheck(Check):
         checkpoint = Checkpoint.open(path)
         conversion = KeyConversion.of(model, checkpoint.names())
         remember(path, checkpoint, conversion)
-        state = model.state_dict()
+        # a quantized layer's weight as the float tensor it stands for (its quantization error is the row)
+        state, dequantized = dequantized_state(model)
         seen: dict[int, str] = {}
         tied: dict[str, str] = {}
         for name, tensor in state.items():
@@ -90,6 +92,7 @@ class WeightsCheck(Check):
             model_class=type(model).__name__,
             # loaded names the checkpoint has no tensor for (a task head it lacks): random on load
             not_in_checkpoint=list(getattr(model, NOT_IN_CHECKPOINT, [])),
+            dequantized=dequantized,  # name -> format note (`core.models.quantized.format_note`)
         )
 
     def _checkpoint(self, spec: ProbeSpec, source: str) -> Checkpoint:
@@ -149,7 +152,10 @@ class WeightsCheck(Check):
         buffers = set(meta.get("buffers", []))
         unused = meta.get("unused", {})
         not_in_checkpoint = set(meta.get("not_in_checkpoint", []))
+        dequantized = meta.get("dequantized", {})
         for row in rows:
+            if row["adapter"] is None and row["tensor"] in dequantized:
+                add_note(row, f"quantized: {dequantized[row['tensor']]}")
             saved = self._saved_module(spec, TensorKey(self.name, row["adapter"] or BASE, row["tensor"]))
             if saved is not None:
                 self._saved_module_labels(row, saved)

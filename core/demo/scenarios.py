@@ -94,6 +94,19 @@ register(
 )
 register(
     Scenario(
+        name="qlora-served-elsewhere",
+        title="QLoRA served on bfloat16 and float32",
+        page="merge",
+        description="The demo LoRA as if trained on the NF4 base (QLoRA), served on cpu/bfloat16 and "
+        "cpu/float32: how far its outputs move from what the 4-bit model gives, and what merge_and_unload() "
+        "into the 4-bit base does (dequantize, add ΔW, quantize again) beside the float bases.",
+        build=lambda m, d: demo_spec(
+            m, ["lora"], ["cpu/nf4", "cpu/bfloat16", "cpu/float32"], ["outputs", "merge"]
+        ),
+    )
+)
+register(
+    Scenario(
         name="boft-merge-cpu",
         title="BOFT merge on CPU vs float64",
         page="merge",

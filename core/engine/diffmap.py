@@ -152,7 +152,7 @@ def element_diff(
     row = _row(the_check, spec, capture, reference, key)
 
     # The same tolerance Check.rows used: the target's dtype and the row's role.
-    tol = tolerance(spec, the_check.role_of(spec, key), getattr(torch, parsed.dtype))
+    tol = tolerance(spec, the_check.role_of(spec, key), getattr(torch, parsed.float_dtype))
     diff, allowed, mismatch = _elementwise(target_tensor, ref_tensor, tol.rtol, tol.atol)
     return ElementDiff(
         check=check,

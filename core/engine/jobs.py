@@ -30,13 +30,14 @@ from core.spec import ProbeSpec, SpecError, Target
 _DTYPE_CLOSENESS = {"float64": 3, "float32": 2, "float16": 1, "bfloat16": 0}
 
 
-def next_best_reference(spec: ProbeSpec) -> Target:
+def next_best_reference(spec: ProbeSpec) -> Target | None:
     """The target that stands in for a reference that could not run: the widest dtype, on the CPU
-    and without numerics flags where there is a choice."""
-    return max(
-        spec.targets,
-        key=lambda t: (_DTYPE_CLOSENESS.get(t.dtype, -1), t.device == "cpu", not t.flags),
-    )
+    and without numerics flags where there is a choice. Never a quantized one (its weights are not the
+    checkpoint's): None when the run has no other."""
+    floats = [t for t in spec.targets if not t.quantized]
+    if not floats:
+        return None
+    return max(floats, key=lambda t: (_DTYPE_CLOSENESS.get(t.dtype, -1), t.device == "cpu", not t.flags))
 
 
 def capture_passes(spec: ProbeSpec, checks: list) -> list[tuple[str, ...]]:
@@ -414,9 +415,12 @@ class Engine:
             if reference_failed and not failed:
                 # the other targets' captures stand: compare them against the next-best reference
                 stand_in = next_best_reference(job.spec)
-                write_reference_fallback(
-                    job.run_dir, str(stand_in), str(job.spec.reference), reference_failed[0].error or ""
-                )
+                if stand_in is None:  # only quantized targets: none can stand in for the reference
+                    failed = reference_failed
+                else:
+                    write_reference_fallback(
+                        job.run_dir, str(stand_in), str(job.spec.reference), reference_failed[0].error or ""
+                    )
             if failed:
                 job.runner.discard(compare)
                 self._finish(job, "failed", failed[0].error)

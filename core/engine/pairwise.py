@@ -97,7 +97,7 @@ def pair_row(spec: ProbeSpec, check: Check, key: TensorKey, a: Capture, b: Captu
             "explanation": "content hashes differ; the tensors were not kept, so each target's distance "
             "is in its own row against the reference",
         }
-    dtypes = (Target.parse(a.target).dtype, Target.parse(b.target).dtype)
+    dtypes = (Target.parse(a.target).float_dtype, Target.parse(b.target).float_dtype)
     tol = tolerance(spec, check.role_of(spec, key), _looser(*dtypes))
     stats = metrics.stats_to_row(metrics.compare(tb, ta, tol))
     return {**row, "compared_by": "values", **{k: stats.get(k) for k in COLUMNS if k in stats}}

@@ -25,6 +25,7 @@ from core.models.checkpoint import (
     read_adapter_config,
     saved_head_labels,
 )
+from core.models.quantized import quantization_config
 from core.spec import AdapterRef, ModelRef, ProbeInputs, Target
 
 DTYPES = {
@@ -117,11 +118,16 @@ def load_base(
     """
     config = load_config(model)
     cls = model_class(config, task_type)
-    dtype = dtype or torch_dtype(target.dtype)
+    quantized = target.quantized and dtype is None
+    dtype = dtype or (None if quantized else torch_dtype(target.dtype))
     stored = None
     if dtype == torch.float64 and device_map is None:
         stored = float64_offload_dtype(model)
     extra, notes = {}, []
+    if quantized:  # bitsandbytes' defaults, transformers' default dtype for the layers it leaves alone
+        extra["quantization_config"] = quantization_config(target)
+    else:
+        extra["dtype"] = stored or dtype
     labels = saved_head_labels(config, cls, adapters) if adapters else None
     if labels is not None:
         # The head the adapters replace must have their head's shape, or PEFT cannot load their copy.
@@ -139,7 +145,6 @@ def load_base(
         m, info = cls.from_pretrained(
             model.path,
             revision=model.revision,
-            dtype=stored or dtype,
             device_map=device_map or target.device,
             trust_remote_code=model.trust_remote_code,
             output_loading_info=True,

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from core.methods import adapter_keys, formulas
+from core.models import quantized
 from core.models.checkpoint import Checkpoint, adapters_task_type, read_adapter_config
 from core.models.validate import TIED_EMBEDDING_NAMES
 from core.numerics.tolerance import ulp
@@ -211,19 +212,27 @@ def unmerge_modules(peft_model: nn.Module) -> None:
 
 
 def base_weight(layer: nn.Module) -> torch.Tensor:
-    """The base weight a tuner layer merges into."""
-    return layer.get_base_layer().weight
+    """The base weight a tuner layer merges into (a bitsandbytes weight dequantized, as PEFT merges it)."""
+    base = layer.get_base_layer()
+    return quantized.dequantize(base) if quantized.is_quantized_layer(base) else base.weight
 
 
-def base_state(layers: dict[str, nn.Module]) -> dict[str, dict[str, torch.Tensor]]:
+def base_state(layers: dict[str, nn.Module]) -> dict[str, dict[str, Any]]:
     """module → {parameter name: clone} of each tuner layer's base layer (weight, bias): the state to restore.
 
-    A merge can write into the bias too (LoRA with ``lora_bias``), so every base parameter is kept.
+    A merge can write into the bias too (LoRA with ``lora_bias``), so every base parameter is kept. A
+    bitsandbytes layer's weight is kept dequantized (what rows compare), with the quantized weight
+    itself under `quantized.HELD` (what `restore_base` puts back).
     """
-    return {
-        module: {n: p.detach().clone() for n, p in layer.get_base_layer().named_parameters()}
-        for module, layer in layers.items()
-    }
+    state: dict[str, dict[str, Any]] = {}
+    for module, layer in layers.items():
+        base = layer.get_base_layer()
+        state[module] = {n: p.detach().clone() for n, p in base.named_parameters()}
+        if quantized.is_quantized_layer(base):
+            state[module].update(
+                weight=quantized.dequantize(base).clone(), **{quantized.HELD: quantized.hold(base)}
+            )
+    return state
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -247,10 +256,16 @@ def restore_base(
     unmerge_modules(peft_model)
     broken = []
     for module, layer in layers.items():
-        params = dict(layer.get_base_layer().named_parameters())
-        for name, saved in state[module].items():
-            params[name].data.copy_(saved)
-        if any(not same_bits(params[n], saved) for n, saved in state[module].items()):
+        base = layer.get_base_layer()
+        saved_state = dict(state[module])
+        held = saved_state.pop(quantized.HELD, None)
+        if held is not None:  # the quantized weight object as loaded; its float form is checked below
+            quantized.put_back(base, held)
+        params = {**dict(base.named_parameters()), "weight": base_weight(layer)}
+        for name, saved in saved_state.items():
+            if held is None or name != "weight":
+                params[name].data.copy_(saved)
+        if any(not same_bits(params[n], saved) for n, saved in saved_state.items()):
             broken.append(module)
     return broken
 
@@ -363,15 +378,17 @@ def save_fix(groups: list[list[str]], attempts: list[SaveAttempt]) -> str:
 
 
 def reload_forward(
-    folder: str, device: str, dtype: torch.dtype, forward: Callable[[nn.Module], torch.Tensor]
+    folder: str, device: str, dtype: torch.dtype | None, forward: Callable[[nn.Module], torch.Tensor]
 ) -> torch.Tensor:
-    """Load a saved merged model on the same device and dtype and run `forward` on it."""
+    """Load a saved merged model on the same device and dtype and run `forward` on it; dtype None: as
+    the folder's config says (a quantized model saved with its quantization config reloads quantized)."""
     import transformers
 
     from core.models.loading import model_class
 
     config = transformers.AutoConfig.from_pretrained(folder)
-    model = model_class(config).from_pretrained(folder, dtype=dtype, device_map=device)
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    model = model_class(config).from_pretrained(folder, device_map=device, **kwargs)
     model.eval()
     try:
         return forward(model)
@@ -405,7 +422,8 @@ def save_round_trip(
         reload_error = ""
         if saved.ok:
             try:
-                reload_forward(saved.folder, target.device, torch_dtype(target.dtype), on_reload)
+                dtype = None if target.quantized else torch_dtype(target.dtype)
+                reload_forward(saved.folder, target.device, dtype, on_reload)
             except Exception as e:  # a reload failure is a finding of the save report
                 reload_error = error_text(e)
     finally:

@@ -46,6 +46,8 @@ for finding, detail in dict.fromkeys(pairs):
 if rows.empty and not len(no_merge):
     check_not_run(record, "merge", "merge", "This run did not run the `merge` check (CLI: `--check merge`).")
 scenario_buttons("merge")
+for sentence in report.served_elsewhere(run_table(record, "pairwise")):  # the QLoRA served-elsewhere finding
+    st.info(literal(sentence), icon=":material/compare_arrows:")
 if rows.empty:
     st.stop()
 rows, legacy = relabel_legacy(rows)

@@ -1,0 +1,237 @@
+"""Quantized bases as targets (issue 26): `cpu/nf4`, `cpu/fp4`, `cpu/int8` on a tiny Llama with a LoRA,
+through the engine (in process) with weights, deltas, outputs and merge; their logits and NF4's merge
+against transformers + bitsandbytes + PEFT called here directly, bit for bit."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import save_with_lora
+
+from core.capture import Capture
+from core.engine.jobs import Engine, next_best_reference
+from core.engine.runners import InProcessRunner
+from core.engine.store import RunRecord
+from core.spec import (
+    QUANTIZED_FORMATS,
+    REFERENCE_TARGET,
+    AdapterRef,
+    ModelRef,
+    ProbeInputs,
+    ProbeSpec,
+    SpecError,
+    Target,
+    peer_of,
+)
+
+FORMATS = QUANTIZED_FORMATS  # every format a target can name is run here (README's table says so)
+IDS = ((3, 17, 42, 5, 60, 8), (1, 2, 33, 48, 9, 27))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[RunRecord, Path, Path]:
+    """One run of the three formats with the four checks on a tiny Llama and its LoRA (q_proj, v_proj)."""
+    root = tmp_path_factory.mktemp("quantized")
+    model, adapter = save_with_lora("llama", root, seed=3)
+    spec = ProbeSpec(
+        base=ModelRef(path=str(model)),
+        adapters=(AdapterRef(path=str(adapter), name="lora"),),
+        targets=tuple(Target.parse(f"cpu/{f}") for f in FORMATS),
+        checks=("weights", "deltas", "outputs", "merge"),
+        probe=ProbeInputs(input_ids=IDS),
+    )
+    engine = Engine(root / "home", runner=InProcessRunner())
+    job = engine.submit(spec)
+    assert job.wait(600) and job.state == "succeeded", job.error
+    return engine.store.open(job.run_id), model, adapter
+
+
+def _bnb(fmt: str):
+    """The target's meaning, written out: bitsandbytes' config with its defaults."""
+    from transformers import BitsAndBytesConfig
+
+    if fmt == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=fmt)
+
+
+def _fresh(model: Path, fmt: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model, quantization_config=_bnb(fmt), device_map="cpu").eval()
+
+
+def _logits(m) -> torch.Tensor:
+    ids = torch.tensor(IDS)
+    with torch.no_grad():
+        return m(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+
+
+def _capture(record: RunRecord, fmt: str) -> Capture:
+    return Capture.load(record.run_dir / "captures" / f"cpu_{fmt}")
+
+
+def test_target_strings() -> None:
+    t = Target.parse("cuda:1/nf4+compute=bf16+double_quant")
+    assert (t.dtype, t.compute, t.double_quant, t.quantized, t.float_dtype) == (
+        "nf4",
+        "bfloat16",
+        True,
+        True,
+        "bfloat16",
+    )
+    assert str(t) == "cuda:1/nf4+compute=bfloat16+double_quant" and Target.parse(str(t)) == t
+    assert Target.parse("cpu/int8").float_dtype == "float32"
+    for bad, says in (
+        ("cpu/int8+double_quant", "applies to nf4 and fp4 only"),
+        ("cpu/float32+compute=bfloat16", "applies to nf4 and fp4 only"),
+        ("cpu/nf4+compute=float64", "compute=bfloat16|float16|float32"),
+        ("cpu/nf3", "nf4, fp4, int8"),
+    ):
+        with pytest.raises(SpecError, match=says):
+            Target.parse(bad)
+
+
+def test_a_quantized_targets_peer_is_its_format_on_the_cpu() -> None:
+    for text in ("cuda:0/nf4+compute=bfloat16+double_quant", "cuda:1/int8", "cpu/fp4+compute=float16"):
+        t = Target.parse(text)
+        assert peer_of(t, (t,), REFERENCE_TARGET) == Target(device="cpu", dtype=t.dtype)
+
+
+def test_a_quantized_target_never_stands_in_for_the_reference() -> None:
+    def spec(*targets: str) -> ProbeSpec:
+        return ProbeSpec(base=ModelRef("m"), adapters=(), targets=tuple(Target.parse(t) for t in targets))
+
+    assert next_best_reference(spec("cpu/nf4", "cpu/bfloat16", "cpu/int8")) == Target.parse("cpu/bfloat16")
+    assert next_best_reference(spec("cpu/nf4", "cuda:0/int8")) is None
+
+
+def test_every_format_runs_every_check(run) -> None:
+    record, _, _ = run
+    table = record.metrics()
+    for fmt in FORMATS:
+        rows = table[table["target"] == f"cpu/{fmt}"]
+        assert set(rows["check"]) == {"weights", "deltas", "outputs", "merge"}, fmt
+        assert "broken" not in set(rows["verdict"]), rows[rows["verdict"] == "broken"][
+            ["tensor", "explanation"]
+        ]
+        # each quantized weight is dequantized, compared with the file and named for its format
+        q = rows[(rows["check"] == "weights") & rows["tensor"].str.contains(r"_proj\.weight$")]
+        assert len(q) == 7 and (q["verdict"] == "drift").all() and (q["dtype"] == "float32").all()
+        block = "LLM.int8" if fmt == "int8" else f"{fmt} (bitsandbytes), block size 64"
+        assert q["note"].str.contains(block, regex=False).all(), q["note"].iloc[0]
+        # the norms and embeddings are not quantized: the file's values, bit for bit
+        others = rows[(rows["check"] == "weights") & ~rows["tensor"].str.contains("_proj")]
+        assert (others["verdict"] == "identical").all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_logits_are_those_of_transformers_and_bitsandbytes(run, fmt: str) -> None:
+    from peft import PeftModel
+
+    record, model, adapter = run
+    capture = _capture(record, fmt)
+    base = _fresh(model, fmt)
+    assert torch.equal(capture.tensors["outputs::-::logits"], _logits(base))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft_model = PeftModel.from_pretrained(_fresh(model, fmt), adapter, adapter_name="lora").eval()
+    assert torch.equal(capture.tensors["outputs::lora::logits"], _logits(peft_model))
+
+
+def test_nf4_merge_is_peft_merge_and_unload_on_a_fresh_4bit_model(run) -> None:
+    from peft import PeftModel
+    from peft.utils.integrations import dequantize_bnb_weight
+
+    record, model, adapter = run
+    capture = _capture(record, "nf4")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        merged = PeftModel.from_pretrained(
+            _fresh(model, "nf4"), adapter, adapter_name="lora"
+        ).merge_and_unload()
+    assert torch.equal(capture.tensors["merge::lora::output:merge_and_unload:logits"], _logits(merged))
+    table = record.metrics()
+    rows = table[(table["target"] == "cpu/nf4") & (table["check"] == "merge") & (table["role"] == "merged")]
+    assert set(rows["stage"]) == {"merge_adapter", "safe_merge"} and len(rows) == 4
+    for module in ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj"):
+        mine = dequantize_bnb_weight(merged.get_submodule(module).weight)
+        for stage in ("merge_adapter", "safe_merge"):
+            assert torch.equal(capture.tensors[f"merge::lora::merged:{stage}:{module}"], mine), (
+                module,
+                stage,
+            )
+    # merging moved the outputs of the 4-bit model by far more than float32 rounding
+    out = table[
+        (table["target"] == "cpu/nf4") & (table["role"] == "output") & (table["stage"] == "merge_and_unload")
+    ]
+    against_unmerged = out[out["reference"] == "unmerged (cpu/nf4)"]
+    assert float(against_unmerged["max_abs"].iloc[0]) == float(
+        (_logits(merged) - _unmerged(model, adapter)).abs().max()
+    )
+
+
+def _unmerged(model: Path, adapter: Path) -> torch.Tensor:
+    from peft import PeftModel
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _logits(PeftModel.from_pretrained(_fresh(model, "nf4"), adapter, adapter_name="lora").eval())
+
+
+@pytest.fixture(scope="module")
+def scenario_run(demo_workspace: dict, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, RunRecord]:
+    """The `qlora-served-elsewhere` scenario's run on the demo workspace, in a home of its own."""
+    from core.demo.scenarios import scenario_spec
+
+    home = tmp_path_factory.mktemp("qlora-home")
+    engine = Engine(home, runner=InProcessRunner())
+    job = engine.submit(scenario_spec("qlora-served-elsewhere", demo_workspace, engine.devices))
+    assert job.wait(600) and job.state == "succeeded", job.error
+    return home, engine.store.open(job.run_id)
+
+
+def test_served_elsewhere_scenario_says_how_far_the_outputs_move(scenario_run) -> None:
+    from core import report
+
+    _, record = scenario_run
+    pairs = record.table("pairwise")
+    sentences = report.served_elsewhere(pairs)
+    assert len(sentences) == 2
+    for served, sentence in zip(("cpu/bfloat16", "cpu/float32"), sorted(sentences), strict=True):
+        row = pairs[
+            (pairs["check"] == "outputs")
+            & (pairs["adapter"] == "lora")
+            & ({*pairs["target"], *pairs["other"]} >= {served})
+            & (pairs["target"].isin([served, "cpu/nf4"]))
+            & (pairs["other"].isin([served, "cpu/nf4"]))
+        ]
+        assert len(row) == 1
+        max_abs, rel = float(row["max_abs"].iloc[0]), float(row["rel_l2"].iloc[0])
+        assert max_abs > 0
+        assert sentence == (
+            f"lora served on {served} instead of cpu/nf4: its logits move by {max_abs:.3g} (max |Δ|, relative "
+            f"L2 {rel:.3g}) from what the nf4 model gives"
+        )
+    # merge_and_unload into the 4-bit base, beside the float bases: the merge rows of every target
+    table = record.metrics()
+    merged = table[(table["check"] == "merge") & (table["stage"] == "merge_and_unload")]
+    assert {"cpu/nf4", "cpu/bfloat16", "cpu/float32"} <= set(merged["target"])
+
+
+def test_merge_page_shows_the_finding(scenario_run, monkeypatch: pytest.MonkeyPatch) -> None:
+    from apptest import make_app, shown
+
+    from core import report
+
+    home, record = scenario_run
+    at = make_app(home, monkeypatch, run=record.run_id)
+    at.switch_page("views/merge.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    infos = [shown(e) for e in at.info]
+    for sentence in report.served_elsewhere(record.table("pairwise")):
+        assert any(sentence in s for s in infos), (sentence, infos)
+    assert any(b.label.startswith("QLoRA served on bfloat16 and float32") for b in at.button)
