@@ -37,6 +37,8 @@ VARIANTS = {
 # (module suffix, ε) per model: one module's output scaled by 1 + ε on a float32 target
 PERTURBATIONS = (1e-6, 1e-5, 1e-4)
 PERTURBED_TARGET = "cpu/float32+threads=1"
+# the demo's adapters measured: an additive, a decomposed and a multiplicative method
+DEMO_ADAPTERS = ("lora", "dora", "boft")
 
 
 @contextlib.contextmanager
@@ -125,9 +127,9 @@ def models(work: Path, families: list[str]) -> list[dict[str, Any]]:
     base, adapters = demo_selection(build_demo(work / "demo-home"))
     out = [
         {
-            "name": "demo tiny-llama (one adapter per method)",
+            "name": "demo tiny-llama (lora, dora, boft)",
             "base": base,
-            "adapters": [(a.path, a.name) for a in adapters],
+            "adapters": [(a.path, a.name) for a in adapters if a.name in DEMO_ADAPTERS],
             "perturb": "model.layers.1.mlp.down_proj",
         }
     ]
