@@ -74,7 +74,8 @@ def test_every_page_renders_a_stored_run(run_home, monkeypatch):
     at = make_app(home, monkeypatch, run=run_id)
     at.run()
     no_exceptions(at)
-    assert "rows are beyond tolerance" in texts(at)  # bf16 logits drift on the demo
+    # bf16 logits drift on the demo: as its rounding gives, one line, not a red count
+    assert "Drift as expected for bfloat16" in texts(at) and "No anomaly" in texts(at)
     assert [m.label for m in at.metric] == ["Identical", "Within tolerance", "Drift", "Broken"]
     for page in PAGES[1:]:
         at.switch_page(page).run()

@@ -264,7 +264,8 @@ def _case(name: str, demo: dict, tmp: Path) -> Bad:
         )
     if name == "unknown dtype":
         return Bad(
-            "target 'cpu/int4': unknown dtype 'int4'; use one of float32, bfloat16, float16, float64",
+            "target 'cpu/int4': unknown dtype 'int4'; use one of float32, bfloat16, float16, float64, "
+            "or a bitsandbytes format: nf4, fp4, int8",
             "targets",
             base=llama,
             targets=["cpu/int4"],
