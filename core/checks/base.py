@@ -61,7 +61,7 @@ class CaptureContext:
 
     spec: ProbeSpec
     target: Target
-    # the model's forward arguments (`loading.probe_inputs`), on the CPU; `forward_output` moves them
+    # the model's forward arguments (`probes.probe_inputs`), on the CPU; `forward_output` moves them
     probe: dict[str, torch.Tensor]
     run_dir: Path | None = None  # the run's folder (e.g. to save a merged model into)
 

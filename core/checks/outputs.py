@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Any
 
 import torch
@@ -16,19 +17,21 @@ from core.spec import ProbeSpec, Target
 
 
 def forward_output(model, probe: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor]:
-    """Run the model on the probe (`loading.probe_inputs`); return ("logits", …) or ("last_hidden_state", …):
-    the first of `forward_outputs`."""
+    """Run the model on the probe (`probes.probe_inputs`); return the first of `forward_outputs`:
+    ("logits", …), ("start_logits", …) or ("last_hidden_state", …)."""
     return next(iter(forward_outputs(model, probe).items()))
 
 
 def forward_outputs(model, probe: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Run the model on the probe (`loading.probe_inputs`); the outputs its users look at, by name:
-    its logits where it has a head, else its last hidden state and, where the model pools (a bare BERT's
-    `pooler_output`, what sentence classifiers built on it read), the pooled output.
+    """Run the model on the probe (`probes.probe_inputs`); the outputs its users look at, by name
+    (`output_tensors`): a head's logits (a question-answering head's start and end logits, CLIP's
+    logits per image and per text and its embeddings, …), or a bare model's last hidden state and,
+    where it pools, its pooled output.
 
-    Float inputs (pixel values, audio features) are cast to the dtype the model computes in: its
-    parameters', or float64 for a model held narrow for a float64 forward. In float64, an op with no
-    float64 kernel runs in float32 (`loading.float32_fallbacks`), named by `float32_fallback_notes`.
+    Float inputs (pixel values, audio features, waveforms) are cast to the dtype the model computes
+    in: its parameters', or float64 for a model held narrow for a float64 forward. In float64, an op
+    with no float64 kernel runs in float32 (`loading.float32_fallbacks`), named by
+    `float32_fallback_notes`.
     """
     param = next(model.parameters())
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -41,14 +44,28 @@ def forward_outputs(model, probe: dict[str, torch.Tensor]) -> dict[str, torch.Te
     fallback = float32_fallbacks(model) if dtype == torch.float64 else contextlib.nullcontext()
     with torch.no_grad(), float64_forward(model), fallback:
         out = model(**kwargs)
-    logits = getattr(out, "logits", None)
-    if logits is not None:
-        return {"logits": logits}
-    pooled = getattr(out, "pooler_output", None)
-    return {
-        "last_hidden_state": out.last_hidden_state,
-        **({"pooler_output": pooled} if pooled is not None else {}),
-    }
+    return output_tensors(out)
+
+
+def output_tensors(out: Any) -> dict[str, torch.Tensor]:
+    """Every floating tensor field of a model's output object, by its field name, in its order; where
+    the model has a head (a field named `…logits`), the hidden states beside it (an encoder-decoder's
+    `encoder_last_hidden_state`) are left out: they are the head's input, which `activations` follows.
+
+    Nested outputs (CLIP's `text_model_output`), caches and loss-free `None` fields are not outputs of
+    their own. ValueError when the object holds no floating tensor at all.
+    """
+    fields = out.items() if isinstance(out, dict) else [("logits", out)] if torch.is_tensor(out) else []
+    tensors = {k: v for k, v in fields if torch.is_tensor(v) and v.is_floating_point()}
+    if any(k.endswith("logits") for k in tensors):
+        tensors = {k: v for k, v in tensors.items() if not _HIDDEN.search(k)}
+    if not tensors:
+        raise ValueError(f"the model's output ({type(out).__name__}) holds no floating tensor to compare")
+    return tensors
+
+
+# A field holding hidden states: `last_hidden_state`, `encoder_last_hidden_state`, `hidden_states`.
+_HIDDEN = re.compile(r"hidden_states?$")
 
 
 class OutputsCheck(Check):

@@ -115,7 +115,8 @@ def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
     from core.checks import get_checks
     from core.checks.base import CaptureContext
     from core.models.checkpoint import adapters_task_type, load_config, release_scratch
-    from core.models.loading import STRATEGIES, float32_fallback_notes, model_class, probe_inputs
+    from core.models.loading import STRATEGIES, float32_fallback_notes, model_class
+    from core.models.probes import probe_inputs
     from core.models.targets import apply_flags, environment
     from core.spec import ProbeSpec, Target
 

@@ -242,7 +242,8 @@ def validate_family(spec: ProbeSpec) -> None:
     """The model's class (from its config and the adapters' task head) and its probe input, from the
     config alone: a model the tool cannot run is refused here, not after loading it."""
     from core.models.checkpoint import LoadError, adapters_task_type, load_config
-    from core.models.loading import model_class, probe_inputs
+    from core.models.loading import model_class
+    from core.models.probes import probe_inputs
 
     try:
         config = load_config(spec.base)
