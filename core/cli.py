@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +133,7 @@ def build_parser() -> ArgumentParser:
         help="the adapters here, by the snapshot's names (default: the paths the snapshot recorded)",
     )
     add_runner_options(compare)
+    add_peer_option(compare)
     compare.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
     compare.add_argument("--home")
     compare.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -165,6 +167,16 @@ def add_runner_options(p: ArgumentParser) -> None:
         metavar="ADDR",
         help="the Ray cluster for --runner ray: auto, HOST:PORT or ray://HOST:10001 (default: a local Ray "
         "started for this run)",
+    )
+
+
+def add_peer_option(p: ArgumentParser) -> None:
+    """`--no-peers` (run, snapshot, compare): judge no target against its peer (core.judgement)."""
+    p.add_argument(
+        "--no-peers",
+        action="store_true",
+        help="add no peer target (the CPU target of each target's dtype, without flags) and judge no row "
+        "against one: no anomalies are reported",
     )
 
 
@@ -226,6 +238,7 @@ def add_run_options(run: ArgumentParser) -> None:
         "--trust-remote-code", action="store_true", help="allow the model's own code (off by default)"
     )
     add_runner_options(run)
+    add_peer_option(run)
     run.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
     run.add_argument("--home")
     run.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -328,6 +341,7 @@ def spec_from_args(args, home: Path) -> ProbeSpec:
         merge_subset=tuple(args.merge_subset),
         keep_tensors=args.keep_tensors,
         reference=Target.parse(args.reference) if args.reference else REFERENCE_TARGET,
+        peers=not args.no_peers,
     )
 
 
@@ -341,7 +355,7 @@ def scenario_from_args(args, home: Path) -> ProbeSpec:
     if args.base or args.adapter:
         raise UsageError("--scenario picks the base and adapters itself; leave out --base and --adapter")
     spec = scenario_spec(args.scenario, ensure_demo(home), discover_devices())
-    changes: dict[str, Any] = {"seed": args.seed}
+    changes: dict[str, Any] = {"seed": args.seed, "peers": not args.no_peers}
     if args.target:
         changes["targets"] = tuple(Target.parse(t) for t in args.target)
     if args.check:
@@ -458,7 +472,9 @@ def cmd_compare(args) -> int:
             raise UsageError(
                 "--target names a target of this machine (DEVICE/DTYPE[+FLAG…]), without a machine"
             )
-        return comparison(snapshots, targets, base, adapters)
+        spec, install = comparison(snapshots, targets, base, adapters)
+        # the snapshots' own peers are among their targets; one is added here only where none is
+        return replace(spec, peers=not args.no_peers, added_peers=()), install
 
     def sources(record) -> dict[str, Any]:
         return {"snapshots": record.imported()}
@@ -491,13 +507,17 @@ def execute(args, plan=None, after=None) -> int:
 def _run_and_report(args, engine_class, runner, plan=None, after=None) -> int:
     from core import report
     from core.engine.store import RunRecord
+    from core.judgement import anomaly_records
 
     home = weightdrift_home(args.home)
     spec, install = plan(home) if plan is not None else (spec_from_args(args, home), None)
     engine = engine_class(home, runner=runner)
     job = engine.submit(spec, install=install)
+    added = ", ".join(map(str, job.spec.added_peers))
     print(
-        f"run {job.run_id}: {len(spec.targets)} target(s), checks {', '.join(spec.checks)}", file=sys.stderr
+        f"run {job.run_id}: {len(job.spec.targets)} target(s), checks {', '.join(spec.checks)}"
+        + (f" (added as peers: {added})" if added else ""),
+        file=sys.stderr,
     )
     watcher = threading.Thread(target=watch, args=(job,), daemon=True)
     watcher.start()
@@ -540,6 +560,7 @@ def _run_and_report(args, engine_class, runner, plan=None, after=None) -> int:
         return EXIT_ERROR
     code = report.exit_code(table)
     extra = after(record) if after is not None else {}
+    judgement = record.judgement(table)
     if args.json:
         worst = report.worst_rows(table, args.top)
         by = report.verdicts_by_check_target(table)
@@ -551,6 +572,8 @@ def _run_and_report(args, engine_class, runner, plan=None, after=None) -> int:
                     "status": status,
                     "duration_s": duration,
                     "exit_code": code,
+                    "groups": judgement.groups_json(),
+                    "anomalies": anomaly_records(table) if judgement.unjudged is None else [],
                     "verdicts": report.verdict_counts(table),
                     "verdicts_by_check_target": report.records(by),
                     "worst": report.records(worst),
@@ -563,7 +586,7 @@ def _run_and_report(args, engine_class, runner, plan=None, after=None) -> int:
             )
         )
     else:
-        print_summary(job.run_id, record.run_dir, duration, table, min(args.top, 3))
+        print_summary(job.run_id, record.run_dir, duration, table, min(args.top, 3), judgement.lines())
         for note in record.notes():
             print(f"note: {note}")
         for key, value in extra.items():
@@ -589,11 +612,16 @@ def _ignoring_signals():
             signal.signal(sig, handler)
 
 
-def print_summary(run_id: str, run_dir: Path, duration: float | None, table, top: int) -> None:
-    """The human summary: verdict counts per check and target, then each check's worst rows explained."""
+def print_summary(
+    run_id: str, run_dir: Path, duration: float | None, table, top: int, answer: list[str] = ()
+) -> None:
+    """The human summary: the answer first (agreement groups, anomalies, the drift each dtype's rounding
+    explains: `Judgement.lines`), then verdict counts per check and target and each check's worst rows."""
     from core import report
 
     print(f"\nrun {run_id} succeeded in {duration:.1f} s — {run_dir}")
+    for line in answer:
+        print(line)
     for sentence in _first_divergence(table).get("first_divergence", {}).values():
         print(sentence)
     counts = report.verdict_counts(table)

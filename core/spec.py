@@ -297,11 +297,17 @@ class ProbeSpec:
     # What outputs are compared against (the `outputs` and `merge` checks): cpu/float64 unless the
     # user picks another target; every row names it.
     reference: Target = REFERENCE_TARGET
+    # Judge each target's error against its peer's (`peer_of`): the engine adds a peer the run lacks
+    # (`with_peers`), like the reference; False (`--no-peers`): no peers, no judgement.
+    peers: bool = True
+    # the peers the engine added (not asked for): listed so the pages can say why they are there
+    added_peers: tuple[Target, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["targets"] = [str(t) for t in self.targets]
         d["reference"] = str(self.reference)
+        d["added_peers"] = [str(t) for t in self.added_peers]
         return d
 
     def to_json(self) -> str:
@@ -328,15 +334,56 @@ class ProbeSpec:
             merge_subset=tuple(d.get("merge_subset") or ()),
             keep_tensors=bool(d.get("keep_tensors", False)),
             reference=Target.parse(d["reference"]) if d.get("reference") else REFERENCE_TARGET,
+            peers=bool(d.get("peers", True)),
+            added_peers=tuple(Target.parse(t) for t in d.get("added_peers") or ()),
         )
 
     @staticmethod
     def from_json(text: str) -> ProbeSpec:
         return ProbeSpec.from_dict(json.loads(text))
 
+    def peer_map(self) -> dict[Target, Target | None]:
+        """Each target's peer (`peer_of`), the reference excluded; empty when the run has no peers."""
+        if not self.peers:
+            return {}
+        can_add = any(t.machine is None for t in self.targets)
+        return {
+            t: peer_of(t, self.targets, self.reference, can_add) for t in self.targets if t != self.reference
+        }
+
+    def with_peers(self) -> ProbeSpec:
+        """This spec with the peers its targets need and lack added as targets (`added_peers`)."""
+        missing = [
+            p for p in dict.fromkeys(self.peer_map().values()) if p is not None and p not in self.targets
+        ]
+        if not missing:
+            return self
+        return replace(self, targets=(*self.targets, *missing), added_peers=(*self.added_peers, *missing))
+
     def tolerance_for(self, role: str) -> ToleranceOverride | None:
         """The user's override for this role (or the run-wide one), None for the dtype default."""
         return self.tolerances.get(role) or self.tolerances.get("*")
+
+
+def peer_of(
+    target: Target, targets: tuple[Target, ...] | list[Target], reference: Target, can_add: bool = True
+) -> Target | None:
+    """What `target`'s error is judged against: the CPU target of its dtype without flags on the machine
+    that runs the comparison (`cuda:1/bfloat16+tf32` → `cpu/bfloat16`). A target imported from a snapshot
+    takes the local one when the comparison has it, else the first snapshot's (in `targets`' order).
+    None where there is none and none can be added (`can_add`: the model is here to run it), and for a
+    dtype whose peer would be the reference itself (its rows already are the judgement).
+    """
+    local = Target(device="cpu", dtype=target.dtype)
+    if local == reference.local:
+        return None
+    if local in targets:
+        return local
+    if target.machine is not None:
+        imported = next((t for t in targets if t.machine is not None and t.local == local), None)
+        if imported is not None:
+            return imported
+    return local if can_add else None
 
 
 def weightdrift_home(explicit: str | os.PathLike[str] | None = None) -> Path:

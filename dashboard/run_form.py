@@ -20,6 +20,7 @@ from core.demo.workspace import (
     recent_adapters,
     recent_bases,
 )
+from core.judgement import ANOMALY_RATIO
 from core.models.loading import STRATEGIES
 from core.models.targets import Device, check_targets_exist
 from core.models.validate import (
@@ -290,6 +291,14 @@ def run_form(manifest: dict | None) -> None:
             "each tensor's metric row and a bounded sketch (block-max map, histogram, worst elements), "
             "not a second copy of the model.",
         )
+        peers = st.checkbox(
+            "Judge each target against its peer",
+            value=True,
+            key="form.peers",
+            help="Its peer is the CPU target of its dtype without flags (cuda:1/bfloat16+tf32 → cpu/bfloat16), "
+            f"added to the run when missing: a row whose error is over {ANOMALY_RATIO:g}× its peer's on the same tensor is an "
+            "anomaly; the rest is what the dtype's rounding gives. Off (--no-peers): no peer, no judgement.",
+        )
         tolerance_errors_at = st.container()
     check_errors_at = st.container()  # outside the expander, so a missing check is seen when folded
     override = ToleranceOverride(rtol=rtol, atol=atol) if (rtol is not None or atol is not None) else None
@@ -321,6 +330,7 @@ def run_form(manifest: dict | None) -> None:
             merge_subset=tuple(merge_subset),
             keep_tensors=bool(keep_tensors),
             reference=Target.parse(reference),
+            peers=bool(peers),
         )
         start_run(spec, result_page(spec.checks), runner)
 

@@ -18,6 +18,7 @@ from apptest import make_app, no_exceptions, shown, texts
 
 from core.checks import CHECKS
 from core.demo.build import build_demo, load_manifest
+from core.demo.workspace import DEMO_TARGETS
 from core.engine.jobs import Engine
 from core.engine.runners import InProcessRunner
 from core.engine.store import Store
@@ -453,6 +454,18 @@ def test_one_press_of_run_on_a_fresh_home_fills_every_result_page(tmp_path, monk
         assert at.get("plotly_chart"), f"{page}: no chart"
         said = texts(at)
         assert "did not run" not in said and "still running" not in said, f"{page}: {said[:400]}"
+    # the Overview leads with the answer: agreement groups and no anomaly, bfloat16's drift one line
+    at.switch_page("views/overview.py").run()
+    said = texts(at)
+    assert "Which targets agree" in said and "No anomaly" in said, said[:600]
+    assert "Drift as expected for bfloat16" in said
+    assert "beyond tolerance**" not in said and not any(
+        "rows are beyond tolerance" in shown(e) for e in at.error
+    )
+    (groups,) = [d.value for d in at.dataframe if "how it differs" in d.value.columns]
+    for check, rows in groups.groupby("check"):
+        members = sorted(t for cell in rows["targets"] for t in cell.split(", "))
+        assert members == sorted(DEMO_TARGETS), check  # every target in exactly one group
     # each page's finding, as the pages word it
     at.switch_page("views/activations.py").run()
     assert "parts from the reference at" in texts(at)

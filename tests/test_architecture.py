@@ -26,16 +26,17 @@ LOWER = {
     "core.spec",
 }
 ALLOWED: dict[str, set[str]] = {
-    "dashboard": {"dashboard", "core.demo", "core.report", *LOWER},
-    "core.cli": {"core.demo", "core.report", *LOWER},
+    "dashboard": {"dashboard", "core.demo", "core.report", "core.judgement", *LOWER},
+    "core.cli": {"core.demo", "core.report", "core.judgement", *LOWER},
     "core.demo": LOWER,
-    "core.engine": (LOWER | {"core.report"}) - {"core.engine"},
+    "core.engine": (LOWER | {"core.report", "core.judgement"}) - {"core.engine"},
     "core.checks": {"core.models", "core.methods", "core.numerics", "core.capture", "core.spec"},
     "core.capture": {"core.numerics", "core.spec"},
     "core.models": {"core.methods", "core.numerics", "core.spec"},
     "core.methods": {"core.numerics", "core.spec"},
     "core.numerics": {"core.spec"},
     "core.report": set(),
+    "core.judgement": set(),
     "core.spec": set(),
     "core.__main__": {"core.cli"},
     "core": set(),  # core/__init__.py

@@ -44,7 +44,8 @@ def made(demo_workspace, tmp_path_factory):
         out = tmp / f"{name}.wdsnap"
         code = cli.main(
             ["snapshot", *_base_args(demo_workspace), "--target", target, "-o", str(out)]
-            + ["--home", str(tmp / f"home-{name}"), "--json", "--in-process"]
+            # each snapshot holds its one target (b's peer, cpu/float32, is a's)
+            + ["--home", str(tmp / f"home-{name}"), "--json", "--in-process", "--no-peers"]
         )
         assert code == 0 and out.is_file()
         files[name] = out
@@ -54,7 +55,7 @@ def made(demo_workspace, tmp_path_factory):
 def _canonical(table: pd.DataFrame, strip: str = "") -> pd.DataFrame:
     """Rows in a fixed order, with the machine part of target and reference names removed."""
     table = table.copy()
-    for col in ("target", "reference", "other"):
+    for col in ("target", "reference", "other", "peer"):
         if col in table:
             table[col] = table[col].astype(str).str.replace(strip, "", regex=False)
     keys = [c for c in ("check", "target", "other", "adapter", "tensor") if c in table]

@@ -57,6 +57,7 @@ EXTRA_COLUMNS = ("strategy", "reason", "argmax_agree", "topk_agree", "stacked", 
 
 class AdaptersCheck(Check):
     name = "adapters"
+    judged = False
     description = "load strategies side by side against isolated: predictions, base mutation, structure"
     own_worker = True
 

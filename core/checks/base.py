@@ -52,6 +52,8 @@ METRIC_COLUMNS = (
     "verdict",
     "explanation",
     "note",
+    "peer",
+    "peer_ratio",
 )
 
 
@@ -129,6 +131,9 @@ class Check(ABC):
     # A check whose targets read the reference's capture while they capture (activations: the
     # reference's module inputs, to re-run each module on them): the reference runs first.
     reference_first: ClassVar[bool] = False
+    # Its rows are set against the peer's on the same tensor (`core.judgement`): checks whose rows
+    # measure a target against the reference; not those comparing a target with itself.
+    judged: ClassVar[bool] = True
 
     @abstractmethod
     def capture(self, ctx: CaptureContext, loaded: Loaded, out: Capture) -> None:

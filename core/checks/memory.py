@@ -63,6 +63,7 @@ def requested_devices(target: Target, variant: str) -> list[str]:
 
 class MemoryCheck(Check):
     name = "memory"
+    judged = False
     description = "memory per device index at each load stage; where every parameter and buffer lives"
     own_worker = True
 

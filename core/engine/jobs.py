@@ -212,9 +212,12 @@ class Engine:
 
         `runner` runs this job's tasks instead of the engine's own (e.g. a Ray runner the user chose).
 
+        The run's spec is `spec.with_peers()`: the job's and the stored one list the peers it added.
+
         `install` puts captures made elsewhere (snapshots) into the new run folder before the job
         starts; if it fails, the run is stored as failed with the reason and the error is raised.
         """
+        spec = spec.with_peers()  # a peer the run lacks is captured like the reference
         self.validate(spec, runner)
         if install is None and any(t.machine for t in spec.targets):
             named = next(t for t in spec.targets if t.machine)

@@ -284,6 +284,19 @@ class RunRecord:
         frames = [self.table(f"{PARTIAL_DIR}/{path.stem}") for path in self.partial_tables()]
         return metrics_table(frames) if frames else pd.DataFrame()
 
+    def judgement(self, table: pd.DataFrame | None = None):
+        """Agreement groups and anomalies of this run (`core.judgement.judge`) from its tables."""
+        from core.checks import get_checks
+        from core.judgement import judge
+
+        table = self.metrics() if table is None else table
+        spec = self.spec
+        targets = [str(t) for t in spec.targets if t != spec.reference] if spec else []
+        grouped = [c.name for c in get_checks(spec.checks) if not c.own_worker] if spec else []
+        return judge(
+            table, self.table("pairwise"), targets, grouped, spec.peers if spec else True, self.environments()
+        )
+
     def partial_tables(self) -> list[Path]:
         """While the run goes on: the files of the checks compared so far (`compared`), in its order."""
         return [partial_path(self.run_dir, check) for check in self.compared()]

@@ -212,6 +212,7 @@ def run_compare(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
     from core.checks import get_checks
     from core.checks.base import add_note
     from core.engine.store import Store, metrics_table, read_reference_fallback, reference_fallback_note
+    from core.judgement import add_peer_columns
     from core.spec import ProbeSpec, Target
 
     run_dir = Path(task.run_dir)
@@ -245,6 +246,7 @@ def run_compare(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
     ref_folder = captures_dir / spec.reference.slug
     needs_reference = any(c.needs_reference_target for c in todo)
     reference_capture = Capture.load(ref_folder) if needs_reference and ref_folder.exists() else None
+    peers = {str(t): None if p is None else str(p) for t, p in spec.peer_map().items()}
     frames: list[pd.DataFrame] = []
     tables = {}
     for check in checks:
@@ -257,7 +259,10 @@ def run_compare(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
             for row in rows:
                 if row.get("reference") == fallback["reference"]:
                     add_note(row, reference_fallback_note(fallback))
-        frames.append(metrics_table(rows))
+        frame = metrics_table(rows)
+        if check.judged and peers:  # a check's rows hold every target's: its peers' too
+            frame = add_peer_columns(frame, peers, {check.name})
+        frames.append(frame)
     if (
         not task.partial and len(shared_captures) > 1
     ):  # every target against every other (core.engine.pairwise)

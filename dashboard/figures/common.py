@@ -24,7 +24,10 @@ from core.report import SEVERITY, VERDICT_ORDER
 from dashboard.text import plot_text
 
 METRICS = ("max_abs", "rel_l2", "max_ulp", "min_atol")
+# rel_l2 ÷ the peer's on the same tensor (core.judgement); runs stored before peers have none
+PEER_RATIO = "peer_ratio"
 METRIC_LABELS: dict[str, str] = {
+    PEER_RATIO: "× the peer's relative L2",
     "max_abs": "max |Δ|",
     "rel_l2": "relative L2",
     "max_ulp": "max ulp (target dtype)",
@@ -33,6 +36,24 @@ METRIC_LABELS: dict[str, str] = {
     "mean_abs": "mean |Δ|",
     "rmse": "RMSE",
 }
+
+
+def metric_choices(table: pd.DataFrame, metrics: tuple[str, ...] = METRICS) -> tuple[str, ...]:
+    """`metrics`, and the ratio to the peer where the table has one."""
+    judged = PEER_RATIO in table and pd.to_numeric(table[PEER_RATIO], errors="coerce").notna().any()
+    return (*metrics, PEER_RATIO) if judged else metrics
+
+
+def colourable(table: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """`table` ready to colour by `metric`: an infinite ratio to the peer (the peer bitwise exact, the
+    target not) drawn at 10× the largest finite one, so it is the hottest cell, not a blank."""
+    if metric != PEER_RATIO or metric not in table:
+        return table
+    values = pd.to_numeric(table[metric], errors="coerce").astype(float)
+    finite = values[np.isfinite(values) & (values > 0)]
+    top = 10 * float(finite.max()) if len(finite) else 1e6
+    return table.assign(**{metric: values.where(~np.isinf(values), top)})
+
 
 # Mid-tone colours: dark enough for white backgrounds, light enough for Streamlit's dark theme.
 VERDICT_COLORS: dict[str, str] = {
@@ -298,6 +319,10 @@ def _tensor_hover(row: pd.Series) -> str:
     lines.append(f"verdict: <b>{_verdict_symbol(verdict)} {html.escape(verdict)}</b>")
     for m in METRICS:
         lines.append(f"{_label(m)}: {_fmt(row.get(m))}")
+    if _text(row.get("peer")) and _text(row.get("peer")) != _text(row.get("target")):
+        lines.append(
+            f"× the error of its peer {html.escape(_text(row.get('peer')))}: {_fmt(row.get(PEER_RATIO))}"
+        )
     if _text(row.get("explanation")):
         lines.append(_explanation_html(row.get("explanation")))
     if _text(row.get("note")):

@@ -8,6 +8,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from core.engine.pairwise import DIFFERS, PAIR_SEVERITY
+from core.judgement import Groups
 from core.report import VERDICT_ORDER
 from dashboard.figures.common import (
     UNKNOWN_COLOR,
@@ -144,3 +145,20 @@ def verdict_counts_figure(counts: pd.DataFrame) -> go.Figure:
     if not labels:
         fig.add_annotation(text="no rows", showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5)
     return fig
+
+
+def groups_table(groups: dict[str, Groups]) -> pd.DataFrame:
+    """One row per agreement group: its check, its number within the check, its members and how it
+    differs from the check's first group (`core.judgement.agreement_groups`)."""
+    rows = [
+        {
+            "check": check,
+            "group": i + 1,
+            "targets": ", ".join(g.members),
+            "how it differs": g.differs or ("bitwise equal" if len(g.members) > 1 else "—"),
+            "tensors differing": g.n_differing,
+        }
+        for check, gs in groups.items()
+        for i, g in enumerate(gs.groups)
+    ]
+    return pd.DataFrame(rows, columns=["check", "group", "targets", "how it differs", "tensors differing"])

@@ -12,7 +12,7 @@ import streamlit as st
 from core import report
 from core.checks.activations import ACCUMULATED, LOCAL_DRIFT, NAME, first_divergences
 from dashboard.figures.activations import activations_heatmap, depth_line_chart
-from dashboard.figures.common import METRIC_LABELS, METRICS, VERDICT_SYMBOLS
+from dashboard.figures.common import METRIC_LABELS, VERDICT_SYMBOLS, colourable, metric_choices
 from dashboard.state import bound_select, metrics_table, set_view, view
 from dashboard.text import inert, literal
 from dashboard.ui import (
@@ -47,7 +47,12 @@ drift = bound_select(
     "Drift", "drift", list(DRIFTS), default=ACCUMULATED, container=c2, format_func=DRIFTS.get, horizontal=True
 )
 metric = bound_select(
-    "Colour by", "metric", METRICS, default="rel_l2", container=c3, format_func=lambda m: METRIC_LABELS[m]
+    "Colour by",
+    "metric",
+    metric_choices(table),
+    default="rel_l2",
+    container=c3,
+    format_func=lambda m: METRIC_LABELS[m],
 )
 shown = rows[rows["adapter"].isna()] if adapter == BASE else rows[rows["adapter"] == adapter]
 
@@ -67,7 +72,9 @@ st.caption(
     + " · blank cells: exactly 0 or no such module. Click a cell to inspect it."
 )
 
-fig = activations_heatmap(shown, metric, drift, divergences, title=f"{adapter} · {drift} drift · {metric}")
+fig = activations_heatmap(
+    colourable(shown, metric), metric, drift, divergences, title=f"{adapter} · {drift} drift · {metric}"
+)
 clickable_heatmap(fig, key="activations.heatmap")
 part = shown[shown["drift"] == drift].sort_values(["target", "order"])
 downloads(fig, part, f"{record.run_id}-activations-{adapter}-{drift}-{metric}", key="activations.heatmap")

@@ -8,9 +8,10 @@ import streamlit as st
 from core import report
 from dashboard.figures.common import (
     METRIC_LABELS,
-    METRICS,
     VERDICT_SYMBOLS,
+    colourable,
     drift_heatmap,
+    metric_choices,
 )
 from dashboard.state import bound_select, metrics_table, set_view, view
 from dashboard.text import literal
@@ -76,7 +77,7 @@ adapter = bound_select(
 metric = bound_select(
     "Colour by",
     "metric",
-    METRICS,
+    metric_choices(rows),
     default="max_ulp" if check == "weights" else "rel_l2",
     container=c3,
     format_func=lambda m: METRIC_LABELS[m],
@@ -90,7 +91,7 @@ st.caption(
     + " · blank cells: exactly 0 or no such tensor. Click a cell to inspect it."
 )
 
-fig = drift_heatmap(shown, metric, title=f"{check} · {adapter} · {METRIC_LABELS[metric]}")
+fig = drift_heatmap(colourable(shown, metric), metric, title=f"{check} · {adapter} · {METRIC_LABELS[metric]}")
 clickable_heatmap(fig, key="drift.heatmap")
 downloads(fig, shown, f"{record.run_id}-{check}-{adapter}-{metric}", key="drift.heatmap")
 

@@ -6,8 +6,9 @@ import streamlit as st
 
 from core import report
 from core.engine.pairwise import pair_matrix
+from core.engine.store import ACTIVE_STATES
 from dashboard.figures.common import environment_table, highlight_differences
-from dashboard.figures.overview import pairwise_figure, snapshot_sources, verdict_counts_figure
+from dashboard.figures.overview import groups_table, pairwise_figure, snapshot_sources, verdict_counts_figure
 from dashboard.state import metrics_table, result_pages, run_table, view_query
 from dashboard.text import inert, literal, trusted
 from dashboard.ui import METRIC_COLUMN_CONFIG, csv_download, downloads, finished_run
@@ -21,14 +22,52 @@ if table.empty:
 
 counts = report.verdict_counts(table)
 bad = counts["drift"] + counts["broken"]
-if bad:
-    st.error(
-        f"**{bad:d} of {len(table)} rows are beyond tolerance** ({counts['drift']:d} drift, "
-        f"{counts['broken']:d} broken). The worst are explained below; the result pages show where.",
-        icon=":material/warning:",
-    )
-else:
-    st.success(f"All {len(table)} rows are identical or within tolerance.", icon=":material/check_circle:")
+running = record.status in ACTIVE_STATES
+judgement = None if running else record.judgement(table)
+if judgement is not None:
+    # the answer first: which targets agree, which are more than their dtype's rounding
+    st.subheader("Which targets agree")
+    gtable = groups_table(judgement.groups)
+    st.dataframe(gtable, hide_index=True, key="overview.groups")
+    csv_download(gtable, f"{record.run_id}-groups", key="overview.groups.csv")
+    if record.spec is not None and record.spec.added_peers:
+        st.caption(
+            f"Added to this run as peers: {literal(', '.join(map(str, record.spec.added_peers)))} "
+            "(the CPU target of a dtype, without flags, that its other targets are judged against)."
+        )
+    if judgement.unjudged:
+        st.warning(f"No anomaly judgement: {literal(judgement.unjudged)}.", icon=":material/info:")
+    elif judgement.anomalies:
+        st.error(
+            f"**{len(judgement.anomalies)} anomal{'y' if len(judgement.anomalies) == 1 else 'ies'}**: error over "
+            f"{judgement.k:g}× the peer's on the same tensor\n\n"
+            + "\n".join(f"- {literal(a.sentence())}" for a in judgement.anomalies),
+            icon=":material/warning:",
+        )
+    else:
+        st.success(
+            f"**No anomaly**: every target's error is within {judgement.k:g}× its peer's on every tensor.",
+            icon=":material/check_circle:",
+        )
+    for dtype, line in judgement.expected_lines().items():
+        st.info(f"Drift as expected for {literal(dtype)}: {literal(line)}.", icon=":material/info:")
+    if counts["broken"]:
+        st.error(
+            f"**{counts['broken']:d} rows broken** (NaN/Inf the reference lacks, all-zero, shape or key "
+            "mismatch): the worst are explained below.",
+            icon=":material/error:",
+        )
+if judgement is None or judgement.unjudged:
+    if bad:
+        st.error(
+            f"**{bad:d} of {len(table)} rows are beyond tolerance** ({counts['drift']:d} drift, "
+            f"{counts['broken']:d} broken). The worst are explained below; the result pages show where.",
+            icon=":material/warning:",
+        )
+    else:
+        st.success(
+            f"All {len(table)} rows are identical or within tolerance.", icon=":material/check_circle:"
+        )
 cols = st.columns(4)
 for col, verdict in zip(cols, report.VERDICT_ORDER, strict=True):
     col.metric(trusted(verdict.capitalize()), counts[verdict])

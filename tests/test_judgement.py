@@ -1,0 +1,331 @@
+"""Judgement (core.judgement): agreement groups, peers and anomalies.
+
+Unit tests on hand-made tables (exact ratios and partitions), then runs in process on the demo's tiny
+Llama: a clean CPU run has no anomaly and its groups partition its targets; a target with one module's
+output perturbed (a test-only hook) and a snapshot from "another machine" whose outputs were altered
+are each an anomaly with the right target, check and tensor; ordinary variants never are.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from bench.judgement import perturbing
+from core import cli
+from core.engine.store import Store
+from core.judgement import (
+    ANOMALY_RATIO,
+    add_peer_columns,
+    agreement_groups,
+    anomaly_records,
+    explain,
+    ratio,
+)
+from core.spec import REFERENCE_TARGET, ProbeSpec, Target, peer_of
+
+PERTURBED = "cpu/float32+threads=1"
+PERTURBED_MODULE = "model.layers.1.mlp.down_proj"
+GROUPED = ["weights", "deltas", "outputs"]
+
+
+# --- peers --------------------------------------------------------------------------------------
+
+
+def test_a_target_s_peer_is_the_cpu_target_of_its_dtype_without_flags():
+    t = [Target.parse(s) for s in ("cuda:1/bfloat16+tf32", "cpu/float32+threads=1", "cpu/float32")]
+    assert peer_of(t[0], t, REFERENCE_TARGET) == Target.parse("cpu/bfloat16")
+    assert peer_of(t[1], t, REFERENCE_TARGET) == Target.parse("cpu/float32")
+    assert peer_of(t[2], t, REFERENCE_TARGET) == t[2]  # its own peer: no ratio
+    assert peer_of(Target.parse("cuda:0/float64"), t, REFERENCE_TARGET) is None  # the reference judges it
+
+
+def test_an_imported_target_takes_the_local_peer_else_the_first_snapshot_s():
+    a, b = Target.parse("box-a/cuda:0/float32"), Target.parse("box-a/cpu/float32")
+    c = Target.parse("box-b/cpu/float32")
+    local = Target.parse("cpu/float32")
+    assert peer_of(a, [a, b, c, local], REFERENCE_TARGET) == local
+    assert peer_of(a, [a, c, b], REFERENCE_TARGET) == c  # the first snapshot's in the run's order
+    assert peer_of(a, [a], REFERENCE_TARGET, can_add=False) is None
+    assert peer_of(a, [a], REFERENCE_TARGET, can_add=True) == local
+
+
+def test_with_peers_adds_the_missing_ones_and_no_peers_adds_none():
+    spec = ProbeSpec.from_dict(
+        {"base": {"path": "m"}, "adapters": [], "targets": ["cuda:0/bfloat16+tf32", "cpu/float32+threads=1"]}
+    )
+    added = spec.with_peers()
+    assert [str(t) for t in added.targets] == [
+        "cuda:0/bfloat16+tf32",
+        "cpu/float32+threads=1",
+        "cpu/bfloat16",
+        "cpu/float32",
+    ]
+    assert [str(t) for t in added.added_peers] == ["cpu/bfloat16", "cpu/float32"]
+    assert ProbeSpec.from_dict(added.to_dict()) == added  # stored and read back as it ran
+    off = ProbeSpec.from_dict({**spec.to_dict(), "peers": False})
+    assert off.with_peers() == off and off.peer_map() == {}
+
+
+# --- ratios and groups on hand-made tables ------------------------------------------------------
+
+
+def _rows(*rows):
+    cols = ["check", "target", "reference", "adapter", "tensor", "rel_l2", "verdict", "dtype"]
+    return pd.DataFrame([dict(zip(cols, r, strict=True)) for r in rows])
+
+
+def test_peer_ratio_is_rel_l2_over_the_peer_s_on_the_same_tensor():
+    table = _rows(
+        ("outputs", "cpu/float32", "cpu/float64", None, "logits", 2e-7, "within tolerance", "float32"),
+        ("outputs", "cuda:0/float32", "cpu/float64", None, "logits", 6.2e-5, "drift", "float32"),
+        ("outputs", "cuda:0/float32", "cpu/float64", "lora", "logits", 2e-7, "within tolerance", "float32"),
+        ("outputs", "cpu/float32", "cpu/float64", "lora", "logits", 4e-7, "within tolerance", "float32"),
+        ("weights", "cpu/float32", "checkpoint", None, "w", 0.0, "identical", "float32"),
+        ("weights", "cuda:0/float32", "checkpoint", None, "w", 1e-9, "within tolerance", "float32"),
+        ("merge", "cpu/float32", "unmerged (cpu/float32)", "lora", "y", 3e-7, "within tolerance", "float32"),
+        (
+            "merge",
+            "cuda:0/float32",
+            "unmerged (cuda:0/float32)",
+            "lora",
+            "y",
+            6e-7,
+            "within tolerance",
+            "float32",
+        ),
+        ("memory", "cuda:0/float32", "x", None, "m", 5.0, "drift", "float32"),
+    )
+    peers = {"cpu/float32": "cpu/float32", "cuda:0/float32": "cpu/float32"}
+    out = add_peer_columns(table, peers, {"outputs", "weights", "merge"})
+    assert out["peer"].tolist() == ["cpu/float32"] * 8 + [None]
+    r = out["peer_ratio"].tolist()
+    assert math.isnan(r[0]) and math.isnan(r[3])  # the peer's own rows have no ratio
+    assert r[1] == 6.2e-5 / 2e-7 and r[2] == 2e-7 / 4e-7
+    assert r[5] == math.inf  # the peer is bitwise exact, this target is not
+    assert r[7] == 6e-7 / 3e-7  # a reference naming the row's own target is the peer's own
+    assert math.isnan(r[8])  # memory is not judged
+    assert (
+        ratio(0.0, 0.0) == 1.0 and ratio(float("nan"), 1e-3) == math.inf and math.isnan(ratio(1.0, math.nan))
+    )
+    found = anomaly_records(out)
+    assert found == [
+        {"target": "cuda:0/float32", "check": "weights", "tensor": "w", "ratio": None, "peer": "cpu/float32"},
+        {
+            "target": "cuda:0/float32",
+            "check": "outputs",
+            "tensor": "logits",
+            "ratio": 6.2e-5 / 2e-7,
+            "peer": "cpu/float32",
+        },
+    ]
+
+
+def test_groups_partition_targets_by_bitwise_equality_and_name_what_splits_them():
+    pair = []
+    for layer in range(2):
+        for role in ("lora_A", "lora_B", "base"):
+            name = f"layers.{layer}.q.{role}"
+            adapter = None if role == "base" else "lora"
+            for a, b, equal in (
+                ("cuda:0", "cuda:2", True),
+                ("cuda:0", "cuda:1", role == "base"),
+                ("cuda:1", "cuda:3", True),
+                ("cuda:2", "cuda:3", role == "base"),
+            ):
+                pair.append(("weights", f"{a}/float32", f"{b}/float32", adapter, name, layer, role, equal))
+    cols = ["check", "target", "other", "adapter", "tensor", "layer", "role", "bitwise_equal"]
+    pairwise = pd.DataFrame(pair, columns=cols)
+    targets = [f"cuda:{i}/float32" for i in range(4)]
+    groups = agreement_groups(pairwise, targets, ["weights"])["weights"]
+    assert [g.members for g in groups.groups] == [
+        ["cuda:0/float32", "cuda:2/float32"],
+        ["cuda:1/float32", "cuda:3/float32"],
+    ]
+    assert groups.groups[1].n_differing == 4
+    assert groups.sentence() == (
+        "weights: {cuda:0/float32, cuda:2/float32} bitwise equal; {cuda:1/float32, cuda:3/float32} equal to "
+        "each other, differs from the first group in 4 of 6 adapter tensors (lora_A/lora_B of every layer)"
+    )
+
+
+def test_the_flag_that_explains_an_anomaly_is_named_from_the_environment_diff():
+    peer = {"tf32_matmul": False, "num_threads": 2, "float32_matmul_precision": "highest", "device": "cpu"}
+    target = {**peer, "tf32_matmul": True, "float32_matmul_precision": "high", "device": "cuda:1"}
+    assert explain(target, peer) == "TF32 on, float32 matmul precision 'high', on cuda:1 (peer: cpu)"
+    assert explain(peer, peer) == ""
+
+
+# --- runs on the demo ---------------------------------------------------------------------------
+
+
+def _cli(capfd, *args) -> tuple[int, dict, str]:
+    capfd.readouterr()
+    code = cli.main([*args, "--in-process", "--json"])
+    out = capfd.readouterr()
+    return code, json.loads(out.out), out.err
+
+
+def _lora(demo) -> list[str]:
+    return ["--base", demo["models"]["tiny-llama"], "--adapter", f"{demo['adapters']['lora']['path']}=lora"]
+
+
+def test_a_clean_cpu_run_has_no_anomaly_and_its_groups_partition_its_targets(demo_workspace, tmp_path, capfd):
+    targets = ["cpu/float32", "cpu/float32+threads=1", "cpu/float32+deterministic", "cpu/bfloat16"]
+    code, out, err = _cli(
+        capfd,
+        "run",
+        *_lora(demo_workspace),
+        "--target",
+        *targets,
+        "--check",
+        *GROUPED,
+        "activations",
+        "--home",
+        str(tmp_path),
+    )
+    assert out["status"] == "succeeded", err
+    assert out["anomalies"] == []
+    assert set(out["groups"]) == {*GROUPED, "activations"}
+    for check, groups in out["groups"].items():
+        members = [t for g in groups for t in g]
+        assert sorted(members) == sorted(targets), check  # every target in exactly one group
+    # loading is exact on every float32 target; their float32 weights are one group, bfloat16 another
+    assert out["groups"]["weights"] == [targets[:3], ["cpu/bfloat16"]]
+    table = Store(tmp_path).open(out["run_id"]).metrics()
+    judged = table[table["check"].isin([*GROUPED, "activations"])]
+    assert judged["peer"].notna().all()
+    assert set(judged.loc[judged["target"] == "cpu/bfloat16", "peer"]) == {"cpu/bfloat16"}
+    ratios = judged.loc[judged["target"] != judged["peer"], "peer_ratio"]
+    assert ratios.notna().all() and ratios.max() < ANOMALY_RATIO / 4  # ordinary variants, far from k
+    # the CLI summary leads with the answer, and bfloat16's drift is one line
+    capfd.readouterr()
+    cli.main(
+        [
+            "run",
+            *_lora(demo_workspace),
+            "--target",
+            *targets,
+            "--check",
+            *GROUPED,
+            "--home",
+            str(tmp_path),
+            "--in-process",
+        ]
+    )
+    text = capfd.readouterr().out
+    assert text.index("agreement groups:") < text.index("no anomaly") < text.index("verdicts per check")
+    assert "drift as expected for bfloat16:" in text
+
+
+def test_a_perturbed_module_is_an_anomaly_on_its_target_only(demo_workspace, tmp_path, capfd):
+    with perturbing(PERTURBED, PERTURBED_MODULE, 1e-4):  # a test-only hook on that module's output
+        code, out, err = _cli(
+            capfd,
+            "run",
+            *_lora(demo_workspace),
+            "--target",
+            PERTURBED,
+            "cpu/bfloat16",
+            "--check",
+            "outputs",
+            "activations",
+            "--home",
+            str(tmp_path),
+        )
+    assert out["status"] == "succeeded", err
+    found = {(a["target"], a["check"], a["tensor"]) for a in out["anomalies"]}
+    assert {a["target"] for a in out["anomalies"]} == {PERTURBED}
+    assert {a["peer"] for a in out["anomalies"]} == {"cpu/float32"}  # added as the peer
+    assert (PERTURBED, "outputs", "logits") in found
+    assert (PERTURBED, "activations", PERTURBED_MODULE) in found
+    # nothing before the perturbed module is an anomaly: the first activation anomaly is that module
+    table = Store(tmp_path).open(out["run_id"]).metrics()
+    acts = table[(table["check"] == "activations") & (table["target"] == PERTURBED)]
+    acts = acts[~acts["tensor"].str.startswith("local:")].sort_values("order")
+    first = acts[acts["peer_ratio"] > ANOMALY_RATIO].iloc[0]
+    assert first["tensor"] == PERTURBED_MODULE
+    assert (acts.loc[acts["order"] < first["order"], "peer_ratio"] < ANOMALY_RATIO).all()
+    assert out["groups"]["outputs"] == [[PERTURBED], ["cpu/bfloat16"], ["cpu/float32"]]
+
+
+def test_no_peers_adds_none_and_judges_nothing(demo_workspace, tmp_path, capfd):
+    with perturbing(PERTURBED, PERTURBED_MODULE, 1e-4):
+        code, out, err = _cli(
+            capfd,
+            "run",
+            *_lora(demo_workspace),
+            "--target",
+            PERTURBED,
+            "--check",
+            "outputs",
+            "--no-peers",
+            "--home",
+            str(tmp_path),
+        )
+    assert out["status"] == "succeeded", err
+    assert out["anomalies"] == [] and out["groups"] == {"outputs": [[PERTURBED]]}
+    record = Store(tmp_path).open(out["run_id"])
+    assert [str(t) for t in record.spec.targets] == [PERTURBED]
+    assert record.metrics()["peer"].isna().all()
+    assert "--no-peers" in record.judgement().unjudged
+
+
+def _alter_outputs(run_dir: Path, target: str, scale: float) -> None:
+    """What another machine might have produced: its outputs capture's logits scaled."""
+    folder = run_dir / "captures" / Target.parse(target).slug
+    tensors = load_file(folder / "tensors.safetensors")
+    changed = {
+        k: (v * (1 + scale) if "outputs" in k and v.is_floating_point() else v) for k, v in tensors.items()
+    }
+    assert any(not torch.equal(changed[k], tensors[k]) for k in tensors)
+    save_file(changed, folder / "tensors.safetensors")
+
+
+@pytest.mark.parametrize("scale, anomalous", [(0.0, False), (1e-4, True)])
+def test_a_snapshot_from_another_machine_with_altered_outputs_is_an_anomaly(
+    demo_workspace, tmp_path, capfd, scale, anomalous
+):
+    from core.engine.snapshot import write_snapshot
+
+    code, made, err = _cli(
+        capfd,
+        "run",
+        *_lora(demo_workspace),
+        "--target",
+        "cpu/float32",
+        "--check",
+        "outputs",
+        "--home",
+        str(tmp_path / "box"),
+    )
+    record = Store(tmp_path / "box").open(made["run_id"])
+    if scale:
+        _alter_outputs(record.run_dir, "cpu/float32", scale)
+    snap = write_snapshot(record.run_dir, record.spec, tmp_path / "box.wdsnap", machine="gpu-box")
+    code, out, err = _cli(
+        capfd,
+        "compare",
+        str(snap),
+        "--target",
+        "cpu/float32",
+        *_lora(demo_workspace)[2:],
+        "--base",
+        demo_workspace["models"]["tiny-llama"],
+        "--home",
+        str(tmp_path / "laptop"),
+    )
+    assert out["status"] == "succeeded", err
+    found = {(a["target"], a["check"], a["tensor"], a["peer"]) for a in out["anomalies"]}
+    if anomalous:
+        assert ("gpu-box/cpu/float32", "outputs", "logits", "cpu/float32") in found
+        assert {a["target"] for a in out["anomalies"]} == {"gpu-box/cpu/float32"}
+    else:  # the same dtype in another process, on "another machine": an ordinary variant
+        assert found == set()
+        assert out["groups"]["outputs"] == [["gpu-box/cpu/float32", "cpu/float32"]]
