@@ -184,8 +184,11 @@ class Check(ABC):
         """How many times `compare` calls `progress`."""
         return len(captures)
 
-    def tables(self, spec: ProbeSpec, captures: list[Capture]) -> dict[str, pd.DataFrame]:
-        """Extra tables this check stores in the run folder as `<name>.parquet` (none by default)."""
+    def tables(
+        self, spec: ProbeSpec, captures: list[Capture], reference_capture: Capture | None = None
+    ) -> dict[str, pd.DataFrame]:
+        """Extra tables this check stores in the run folder as `<name>.parquet` (none by default);
+        `reference_capture`: the reference target's, for checks that need it (None where they don't)."""
         return {}
 
     def reference_for(

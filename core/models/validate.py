@@ -251,6 +251,6 @@ def validate_family(spec: ProbeSpec) -> None:
         raise InputError(str(e)) from e  # it names the folder
     try:
         cls = model_class(config, adapters_task_type(spec.adapters))
-        probe_inputs(config, cls, spec.probe, spec.seed)
+        probe_inputs(config, cls, spec.probe, spec.seed, spec.base)
     except LoadError as e:
         raise InputError(f"base model {spec.base.path}: {e}") from e
