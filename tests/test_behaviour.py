@@ -230,3 +230,37 @@ def test_a_perturbed_module_witness_parts_at_the_position_the_test_knows(demo_wo
         f"cpu/float32: its generation parts from the reference's at generated token {TIE_STEP} "
         "(lora_tie, prompt 1); 1 of 2 generations part"
     )
+
+
+def test_generations_side_by_side_marks_the_first_divergence_and_the_kl_figure_takes_the_worst_target():
+    from dashboard.figures.outputs import generations_side_by_side, kl_position_figure, worst_kl_target
+
+    gens = pd.DataFrame(
+        {
+            "target": ["cpu/float64", "cpu/bfloat16"],
+            "adapter": [None, None],
+            "prompt": ["<b>hi</b>", "<b>hi</b>"],
+            "tokens": [[1, 2, 3], [1, 2, 9]],
+            "text": ["abc", "ab*"],
+            "first_divergence": pd.array([None, 2], dtype="Int64"),
+        }
+    )
+    side = generations_side_by_side(gens)
+    assert side.loc[0, "cpu/bfloat16 tokens"] == "1 2 ⟦ 9"
+    assert side.loc[0, "cpu/float64 tokens"] == "1 2 3"
+    assert side.loc[0, "cpu/bfloat16 parts at"] == 2 and pd.isna(side.loc[0, "cpu/float64 parts at"])
+    assert side.loc[0, "prompt"] == "<b>hi</b>"  # as text: st.dataframe shows it literally
+    kl = pd.DataFrame(
+        {
+            "target": ["cpu/float32", "cpu/float32", "cpu/bfloat16", "cpu/bfloat16"],
+            "adapter": [None] * 4,
+            "tensor": ["logits"] * 4,
+            "row": [0, 0, 0, 0],
+            "position": [0, 1, 0, 1],
+            "kl": [1e-12, 0.0, 1e-3, 2e-3],
+        }
+    )
+    assert worst_kl_target(kl) == "cpu/bfloat16"
+    fig = kl_position_figure(kl)
+    assert list(fig.data[0].y) == [1e-3, 2e-3]
+    assert "cpu/bfloat16" in fig.layout.title.text
