@@ -17,12 +17,13 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from core.cli_summary import first_divergence, print_summary, watch
 from core.spec import (
     DEFAULT_CHECKS,
+    DEFAULT_MAX_NEW_TOKENS,
     REFERENCE_TARGET,
     AdapterRef,
     ModelRef,
+    ProbeInputs,
     ProbeSpec,
     SpecError,
     Target,
@@ -234,6 +235,20 @@ def add_run_options(run: ArgumentParser) -> None:
     run.add_argument("--rtol", type=float, help="relative tolerance for every row (default: per dtype)")
     run.add_argument("--seed", type=int, default=0, help="seed of the probe inputs")
     run.add_argument(
+        "--prompt",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="probe with this text through the checkpoint's own tokenizer (repeatable; one probe row each)",
+    )
+    run.add_argument("--prompt-file", metavar="FILE", help="prompts, one a line (blank lines are skipped)")
+    run.add_argument(
+        "--max-new-tokens",
+        type=int,
+        metavar="N",
+        help=f"tokens the generate check decodes greedily per prompt (default {DEFAULT_MAX_NEW_TOKENS})",
+    )
+    run.add_argument(
         "--reference",
         metavar="SPEC",
         help="the target outputs are compared against (default cpu/float64), e.g. cpu/float32",
@@ -270,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         commands = {
             "demo": cmd_demo,
-            "run": cmd_run,
+            "run": execute,
             "snapshot": cmd_snapshot,
             "compare": cmd_compare,
             "runs": cmd_runs,
@@ -297,15 +312,13 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
 
 
-def _progress_printer(stage: str, k: int, n: int) -> None:
-    print(f"[demo] {k}/{n} {stage}", file=sys.stderr, flush=True)
-
-
 def ensure_demo(home: Path) -> dict[str, Any]:
     """Build (or find) the demo workspace, with progress on stderr."""
     from core.demo.build import build_demo
 
-    return build_demo(home, progress=_progress_printer)
+    return build_demo(
+        home, progress=lambda stage, k, n: print(f"[demo] {k}/{n} {stage}", file=sys.stderr, flush=True)
+    )
 
 
 def cmd_demo(args) -> int:
@@ -357,7 +370,31 @@ def spec_from_args(args, home: Path) -> ProbeSpec:
         keep_tensors=args.keep_tensors,
         reference=Target.parse(args.reference) if args.reference else REFERENCE_TARGET,
         peers=not args.no_peers,
+        probe=ProbeInputs(prompts=prompts_from_args(args)),
+        max_new_tokens=_max_new_tokens(args) or DEFAULT_MAX_NEW_TOKENS,
     )
+
+
+def prompts_from_args(args) -> tuple[str, ...]:
+    """`--prompt` texts, then `--prompt-file`'s prompts (`spec.prompts_from_text`)."""
+    from core.spec import prompts_from_text
+
+    prompts = list(args.prompt)
+    if args.prompt_file:
+        try:
+            text = Path(args.prompt_file).expanduser().read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"cannot read the prompt file {args.prompt_file}: {e}") from e
+        prompts += prompts_from_text(text)
+    if any(not p.strip() for p in prompts):
+        raise UsageError("--prompt is empty: give text to tokenize")
+    return tuple(prompts)
+
+
+def _max_new_tokens(args) -> int | None:
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens {args.max_new_tokens}: give at least 1")
+    return args.max_new_tokens
 
 
 def scenario_from_args(args, home: Path) -> ProbeSpec:
@@ -385,6 +422,11 @@ def scenario_from_args(args, home: Path) -> ProbeSpec:
         changes["reference"] = Target.parse(args.reference)
     if args.atol is not None or args.rtol is not None:
         changes["tolerances"] = {"*": ToleranceOverride(rtol=args.rtol, atol=args.atol)}
+    prompts = prompts_from_args(args)
+    if prompts:
+        changes["probe"] = dataclasses.replace(spec.probe, prompts=prompts)
+    if _max_new_tokens(args) is not None:
+        changes["max_new_tokens"] = args.max_new_tokens
     return dataclasses.replace(spec, **changes)
 
 
@@ -407,8 +449,29 @@ def cmd_scenarios(args) -> int:
     return EXIT_OK
 
 
-def cmd_run(args) -> int:
-    return execute(args)
+def watch(job, stream=sys.stderr, interval: float = 0.25) -> None:
+    """Print every progress event (task, step k of n, stage, elapsed) to `stream` until the job ends."""
+    seen = 0
+    started = time.time()
+    width = 20
+    while True:
+        done = job.wait(interval)
+        events = job.events_since(seen)
+        seen += len(events)
+        for e in events:
+            filled = int(width * e["step"] / e["of"]) if e["of"] else 0
+            bar = "#" * filled + "." * (width - filled)
+            elapsed = e["time"] - started
+            print(
+                f"{e['task']:28s} [{bar}] {e['step']:>2d}/{e['of']:<2d} {e['stage']} ({elapsed:.1f} s)",
+                file=stream,
+                flush=True,
+            )
+        if done:
+            for name, t in job.snapshot()["tasks"].items():
+                if t["state"] != "succeeded":
+                    print(f"{name:28s} {t['state']}", file=stream, flush=True)
+            return
 
 
 def cmd_snapshot(args) -> int:
@@ -566,7 +629,7 @@ def _run_and_report(args, engine_class, runner, plan=None, after=None) -> int:
                     "verdicts_by_check_target": report.records(by),
                     "worst": report.records(worst),
                     "notes": record.notes(),
-                    **first_divergence(table),
+                    **_divergences(table),
                     **extra,
                 },
                 indent=2,
@@ -574,8 +637,16 @@ def _run_and_report(args, engine_class, runner, plan=None, after=None) -> int:
             )
         )
     else:
-        answer = [*judgement.lines(), *report.served_elsewhere(record.table("pairwise"))]
-        print_summary(job.run_id, record.run_dir, duration, table, min(args.top, 3), answer)
+        answer = (
+            judgement.lines()
+            + report.served_elsewhere(record.table("pairwise"))
+            + [s for found in _divergences(table).values() for s in found.values()]
+        )
+        print(
+            "\n".join(
+                report.summary_lines(job.run_id, record.run_dir, duration, table, min(args.top, 3), answer)
+            )
+        )
         for note in record.notes():
             print(f"note: {note}")
         for key, value in extra.items():
@@ -599,6 +670,16 @@ def _ignoring_signals():
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _divergences(table) -> dict[str, Any]:
+    """Where each target parts from the reference: {"first_divergence": {target (· adapter): sentence}}
+    from activations rows, {"generation_divergence": …} from generate rows; a key only where its check ran."""
+    from core.checks.activations import divergence_sentences as modules
+    from core.checks.behaviour.generate import divergence_sentences as generations
+
+    found = {"first_divergence": modules(table), "generation_divergence": generations(table)}
+    return {key: sentences for key, sentences in found.items() if sentences}
 
 
 def cmd_runs(args) -> int:
@@ -628,19 +709,8 @@ def cmd_runs(args) -> int:
 
 
 def cmd_devices(args) -> int:
-    from core.models.targets import devices_report
+    from core.models.targets import devices_lines, devices_report
 
     info = devices_report()
-    if args.json:
-        print(json.dumps(info, indent=2, default=str))
-        return EXIT_OK
-    print("devices:")
-    for d in info["devices"]:
-        extra = ""
-        if d["kind"] == "cuda":
-            extra = f" (capability {d['compute_capability']}, {d['sm_count']} SMs, {d['total_memory'] / 2**30:.1f} GiB)"
-        print(f"  {d['name']:8s} {d['description']}{extra}")
-    print("environment:")
-    for k, v in info["environment"].items():
-        print(f"  {k:26s} {v}")
+    print(json.dumps(info, indent=2, default=str) if args.json else "\n".join(devices_lines(info)))
     return EXIT_OK

@@ -100,3 +100,40 @@ def served_elsewhere(pairwise: pd.DataFrame) -> list[str]:
             "model gives"
         )
     return sentences
+
+
+def summary_lines(
+    run_id: str, run_dir: Any, duration: float | None, table: pd.DataFrame, top: int, answer: list[str] = ()
+) -> list[str]:
+    """The CLI's human summary: the answer first (agreement groups, anomalies, the drift each dtype's
+    rounding explains, where targets part: the caller's `answer` lines), then verdict counts per check
+    and target and each check's worst rows."""
+    lines = [f"\nrun {run_id} succeeded in {duration:.1f} s — {run_dir}", *answer]
+    counts = verdict_counts(table)
+    lines.append("rows: " + " · ".join(f"{n} {v}" for v, n in counts.items()))
+    by = verdicts_by_check_target(table)
+    lines.append("\nverdicts per check and target:")
+    lines.append(f"  {'check':8s} {'target':28s} " + " ".join(f"{v:>16s}" for v in VERDICT_ORDER))
+    for row in by.to_dict(orient="records"):
+        counted = " ".join(f"{int(row[v]):>16d}" for v in VERDICT_ORDER)
+        lines.append(f"  {row['check']:8s} {row['target']:28s} {counted}")
+    for check in dict.fromkeys(table["check"]):
+        worst = worst_rows(table[table["check"] == check], top)
+        if not len(worst):
+            # what "identical" means is the check's own word (bitwise equal, every byte where asked, …)
+            said = table.loc[table["check"] == check, "explanation"].dropna().unique()
+            lines.append(
+                f"\n{check}: every row is identical to its reference"
+                + (f": {said[0]}" if len(said) == 1 else ".")
+            )
+            continue
+        lines.append(f"\n{check}: {len(worst)} row(s) furthest from their reference")
+        for r in records(worst):
+            who = r.get("adapter") or "base"
+            lines.append(
+                f"  [{r['verdict']}] {r['target']} vs {r['reference']} · {who} · {r['tensor']} ({r['dtype']})"
+            )
+            lines.append(f"      {r['explanation']}")
+            if r.get("note"):
+                lines.append(f"      why: {r['note']}")
+    return lines

@@ -50,6 +50,7 @@ MATMUL_PRECISIONS = ("highest", "high", "medium")
 # What a run checks unless told otherwise; merge, memory and adapters load models their own way
 # and are asked for by name (or by a scenario).
 DEFAULT_CHECKS = ("weights", "deltas", "outputs")
+DEFAULT_MAX_NEW_TOKENS = 32
 
 
 class SpecError(ValueError):
@@ -333,11 +334,13 @@ class ToleranceOverride:
 
 @dataclass(frozen=True)
 class ProbeInputs:
-    """Fixed probe inputs: explicit token ids, or `batch` × `seq_len` ids drawn from the run's seed."""
+    """Fixed probe inputs: prompts through the checkpoint's tokenizer (one row each), explicit token
+    ids, or `batch` × `seq_len` ids drawn from the run's seed (in that order of precedence)."""
 
     batch: int = 2
     seq_len: int = 16
     input_ids: tuple[tuple[int, ...], ...] | None = None
+    prompts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -368,6 +371,8 @@ class ProbeSpec:
     peers: bool = True
     # the peers the engine added (not asked for): listed so the pages can say why they are there
     added_peers: tuple[Target, ...] = ()
+    # How many tokens the `generate` check decodes greedily per prompt.
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -392,6 +397,8 @@ class ProbeSpec:
                 batch=probe.get("batch", 2),
                 seq_len=probe.get("seq_len", 16),
                 input_ids=tuple(tuple(r) for r in ids) if ids else None,
+                # specs stored before prompts existed have none
+                prompts=tuple(probe.get("prompts") or ()),
             ),
             tolerances={k: ToleranceOverride(**v) for k, v in (d.get("tolerances") or {}).items()},
             seed=d.get("seed", 0),
@@ -402,6 +409,7 @@ class ProbeSpec:
             reference=Target.parse(d["reference"]) if d.get("reference") else REFERENCE_TARGET,
             peers=bool(d.get("peers", True)),
             added_peers=tuple(Target.parse(t) for t in d.get("added_peers") or ()),
+            max_new_tokens=int(d.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)),
         )
 
     @staticmethod
@@ -429,6 +437,11 @@ class ProbeSpec:
     def tolerance_for(self, role: str) -> ToleranceOverride | None:
         """The user's override for this role (or the run-wide one), None for the dtype default."""
         return self.tolerances.get(role) or self.tolerances.get("*")
+
+
+def prompts_from_text(text: str) -> tuple[str, ...]:
+    """Prompts written one a line (a prompt file, the form's box): each line, blank ones skipped."""
+    return tuple(line for line in text.splitlines() if line.strip())
 
 
 def peer_of(

@@ -32,15 +32,18 @@ from core.models.validate import (
 )
 from core.spec import (
     DEFAULT_CHECKS,
+    DEFAULT_MAX_NEW_TOKENS,
     MAX_THREADS,
     QUANTIZED_FORMATS,
     REFERENCE_TARGET,
     AdapterRef,
     ModelRef,
+    ProbeInputs,
     ProbeSpec,
     SpecError,
     Target,
     ToleranceOverride,
+    prompts_from_text,
 )
 from dashboard.state import engine, ray_runner, result_page, start_run, store
 from dashboard.text import literal
@@ -278,6 +281,16 @@ def run_form(manifest: dict | None) -> None:
             "atol", value=None, min_value=0.0, format="%g", key="form.atol", placeholder="per-dtype default"
         )
         seed = st.number_input("Probe seed", value=0, min_value=0, step=1, key="form.seed")
+        prompt_text = st.text_area(
+            "Prompts (one a line)",
+            value="",
+            key="form.prompts",
+            help="Probe with real text through the checkpoint's own tokenizer (no remote code), one probe row "
+            "per line; empty: token ids drawn from the seed. The generate check decodes from each.",
+        )
+        max_new_tokens = st.number_input(
+            "Tokens to generate", value=DEFAULT_MAX_NEW_TOKENS, min_value=1, step=1, key="form.max_new_tokens"
+        )
         reference = st.text_input(
             "Reference for outputs",
             value=str(REFERENCE_TARGET),
@@ -333,6 +346,8 @@ def run_form(manifest: dict | None) -> None:
             keep_tensors=bool(keep_tensors),
             reference=Target.parse(reference),
             peers=bool(peers),
+            probe=ProbeInputs(prompts=prompts_from_text(prompt_text)),
+            max_new_tokens=int(max_new_tokens),
         )
         start_run(spec, result_page(spec.checks), runner)
 

@@ -163,7 +163,7 @@ def _assert_equal_rows(rows, acc, loc, target):
 def test_llama_rows_equal_an_independent_computation(bf16_run):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from core.models.loading import probe_inputs
+    from core.models.probes import probe_inputs
 
     spec = bf16_run.spec
     path = spec.base.path
@@ -211,7 +211,7 @@ def tiny_t5(tmp_path_factory):
 def test_t5_tuple_outputs_equal_an_independent_computation(tmp_path, tiny_t5):
     from transformers import AutoConfig, T5ForConditionalGeneration
 
-    from core.models.loading import probe_inputs
+    from core.models.probes import probe_inputs
 
     record = _run(tmp_path, str(tiny_t5), ["cpu/bfloat16"])
     rows = record.metrics()
@@ -230,7 +230,7 @@ def test_t5_tuple_outputs_equal_an_independent_computation(tmp_path, tiny_t5):
 def test_albert_shared_layer_is_recorded_per_call(tmp_path):
     from transformers import AlbertConfig, AlbertModel, AutoConfig
 
-    from core.models.loading import probe_inputs
+    from core.models.probes import probe_inputs
 
     torch.manual_seed(6)
     config = AlbertConfig(
@@ -263,7 +263,7 @@ def test_real_encoder_with_its_lora_equals_an_independent_computation(tmp_path, 
     from peft import PeftModel
     from transformers import AutoConfig, AutoModel, BertModel
 
-    from core.models.loading import probe_inputs
+    from core.models.probes import probe_inputs
 
     lora = AdapterRef(str(minilm["lora"]), "lora")
     record = _run(tmp_path, str(minilm["base"]), ["cpu/float32", "cpu/bfloat16"], [lora])

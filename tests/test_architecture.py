@@ -27,8 +27,7 @@ LOWER = {
 }
 ALLOWED: dict[str, set[str]] = {
     "dashboard": {"dashboard", "core.demo", "core.report", "core.judgement", *LOWER},
-    "core.cli": {"core.cli_summary", "core.demo", "core.report", "core.judgement", *LOWER},
-    "core.cli_summary": {"core.report", "core.judgement", *LOWER},  # what the CLI prints of a run
+    "core.cli": {"core.demo", "core.report", "core.judgement", *LOWER},
     "core.demo": LOWER,
     "core.engine": (LOWER | {"core.report", "core.judgement"}) - {"core.engine"},
     "core.checks": {"core.models", "core.methods", "core.numerics", "core.capture", "core.spec"},

@@ -43,16 +43,15 @@ EXPECTED_TYPES = {
     "lora_embed": "lora",
     "lora_nan": "lora",
     "lora_noop": "lora",
+    "lora_tie": "lora",
 }
 TOKENS = torch.tensor([[1, 5, 17, 42, 99, 128, 200, 255, 3, 64, 7, 31]])
 
 
 def _hashes(root: Path) -> dict[str, str]:
-    """sha256 of every safetensors file under ``root``, by relative path."""
-    return {
-        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(root.rglob("*.safetensors"))
-    }
+    """sha256 of every safetensors and tokenizer file under ``root``, by relative path."""
+    files = [*root.rglob("*.safetensors"), *root.rglob("tokenizer*.json")]
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(files)}
 
 
 def _home(manifest: dict) -> Path:
@@ -100,7 +99,7 @@ def test_model_configs_and_dtype(demo_workspace: dict) -> None:
     assert llama["tie_word_embeddings"] is True
     bert = json.loads((Path(demo_workspace["models"]["tiny-bert"]) / "config.json").read_text())
     assert (bert["vocab_size"], bert["hidden_size"], bert["num_hidden_layers"]) == (256, 64, 2)
-    for path in _hashes(_home(demo_workspace) / "demo"):
+    for path in [p for p in _hashes(_home(demo_workspace) / "demo") if p.endswith(".safetensors")]:
         tensors = load_file(_home(demo_workspace) / "demo" / path)
         assert {t.dtype for t in tensors.values()} == {torch.float32}, path
 
@@ -122,6 +121,20 @@ def test_adapter_configs_as_specified(demo_workspace: dict) -> None:
     assert config("ia3")["feedforward_modules"] == ["down_proj"]
     assert config("lora_lm_head")["target_modules"] == ["lm_head", "q_proj"]
     assert config("lora_embed")["target_modules"] == ["embed_tokens", "q_proj"]
+
+
+def test_the_demo_tokenizer_is_bytes_and_matches_the_vocabulary(demo_workspace: dict) -> None:
+    from transformers import AutoTokenizer
+
+    folder = Path(demo_workspace["models"]["tiny-llama"])
+    assert {"tokenizer.json", "tokenizer_config.json"} <= {p.name for p in folder.iterdir()}
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+    config = json.loads((folder / "config.json").read_text())
+    assert len(tokenizer) == config["vocab_size"] == 256
+    text = "Drift — naïve"
+    assert tokenizer(text)["input_ids"] == list(text.encode())
+    assert tokenizer.decode(list(text.encode())) == text
+    assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.padding_side) == (0, 2, "left")
 
 
 def test_scenario_adapters(demo_workspace: dict) -> None:
@@ -175,11 +188,11 @@ def test_second_build_is_byte_identical_and_fast(demo_workspace: dict, tmp_path:
     elapsed = time.perf_counter() - start
     assert elapsed < 60, elapsed
     first = _hashes(_home(demo_workspace) / "demo")
-    assert len(first) == 16  # 2 models + 14 adapters
+    assert len(first) == 19  # 2 models + 15 adapters + the tiny Llama's 2 tokenizer files
     assert _hashes(tmp_path / "demo") == first
     assert other["models"]["tiny-llama"] == str(tmp_path.resolve() / "demo/models/tiny-llama")
-    assert [k for _, k, _ in calls] == list(range(1, 17)) and {n for *_, n in calls} == {16}
-    assert ("adapter dora", 4, 16) in calls
+    assert [k for _, k, _ in calls] == list(range(1, 18)) and {n for *_, n in calls} == {17}
+    assert ("adapter dora", 4, 17) in calls
 
 
 def test_existing_workspace_is_returned_untouched(demo_workspace: dict) -> None:

@@ -34,13 +34,13 @@ from core.models.loading import (
     load_base,
     load_notes,
     model_class,
-    probe_inputs,
 )
+from core.models.probes import probe_inputs
 from core.models.validate import InputError
 from core.spec import DEFAULT_CHECKS, QUANTIZED_FORMATS, AdapterRef, ModelRef, ProbeInputs, ProbeSpec, Target
 
 # The families with assertions of their own below (probe shapes, logits, attention blocks).
-FAMILIES = ("vit", "whisper", "mixtral", "bart")
+FAMILIES = ("vit", "whisper", "mixtral", "bart", "wav2vec2")
 TARGETS = ("cpu/float32", "cpu/bfloat16")
 CHECKS = (*DEFAULT_CHECKS, "merge")
 
@@ -77,7 +77,36 @@ def runs(workspace: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
 
 
 # What the outputs check compares, where not the logits: a bare encoder's last hidden state and pooled output.
-OUTPUTS = {"bert": {"last_hidden_state", "pooler_output"}}
+# A question-answering head's start and end logits; CLIP's similarity logits and both embeddings.
+OUTPUTS = {
+    "bert": {"last_hidden_state", "pooler_output"},
+    "bert_qa": {"start_logits", "end_logits"},
+    "clip": {"logits_per_image", "logits_per_text", "text_embeds", "image_embeds"},
+}
+
+
+def test_outputs_are_every_floating_field_of_the_output_object() -> None:
+    """A head's fields by name (the hidden states it reads left out), a bare model's hidden states, never a
+    cache, an integer field or a nested output; nothing floating at all is an error, not an empty row set."""
+    from transformers.modeling_outputs import (
+        BaseModelOutputWithPooling,
+        QuestionAnsweringModelOutput,
+        Seq2SeqLMOutput,
+    )
+
+    from core.checks.outputs import output_tensors
+
+    x, ids = torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.long)
+    qa = QuestionAnsweringModelOutput(start_logits=x, end_logits=x + 1)
+    assert list(output_tensors(qa)) == ["start_logits", "end_logits"]
+    seq2seq = Seq2SeqLMOutput(logits=x, encoder_last_hidden_state=x, past_key_values=None)
+    assert list(output_tensors(seq2seq)) == ["logits"]
+    bare = BaseModelOutputWithPooling(last_hidden_state=x, pooler_output=x[:, 0], hidden_states=(x, x))
+    assert list(output_tensors(bare)) == ["last_hidden_state", "pooler_output"]
+    nested = {"logits_per_text": x, "text_model_output": bare, "input_ids": ids}
+    assert list(output_tensors(nested)) == ["logits_per_text"]
+    with pytest.raises(ValueError, match=r"the model's output \(dict\) holds no floating tensor to compare"):
+        output_tensors({"input_ids": ids})
 
 
 def _lora_modules(adapter: Path) -> set[str]:
@@ -303,14 +332,17 @@ PROBES = {
     "whisper": {"input_features": (2, 8, 24), "decoder_input_ids": (2, 6)},
     "mixtral": {"input_ids": (2, 6), "attention_mask": (2, 6)},
     "bart": {"input_ids": (2, 6), "attention_mask": (2, 6), "decoder_input_ids": (2, 6)},
+    # 60 samples: its convolutions (kernel 8 stride 4, kernel 4 stride 2) turn them into 6 frames
+    "wav2vec2": {"input_values": (2, 60)},
+    "clip": {"input_ids": (2, 6), "attention_mask": (2, 6), "pixel_values": (2, 3, 16, 16)},
 }
 # The logits each family's outputs rows compare: image classes; a token distribution per position.
-LOGITS = {"vit": "2x5", "whisper": "2x6x64", "mixtral": "2x6x64", "bart": "2x6x64"}
-# Attention blocks holding q_proj and v_proj: 2 layers; 2 encoder, 2 decoder and 2 cross-attention.
-ATTENTION_BLOCKS = {"vit": 2, "mixtral": 2, "whisper": 6, "bart": 6}
+LOGITS = {"vit": "2x5", "whisper": "2x6x64", "mixtral": "2x6x64", "bart": "2x6x64", "wav2vec2": "2x6x32"}
+# Attention blocks holding q_proj and v_proj: 2 layers; 2 encoder, 2 decoder and 2 cross-attention; 1 layer.
+ATTENTION_BLOCKS = {"vit": 2, "mixtral": 2, "whisper": 6, "bart": 6, "wav2vec2": 1}
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", PROBES)
 def test_probe_is_what_the_family_takes_and_is_deterministic(workspace: dict, family: str) -> None:
     from transformers import AutoConfig
 

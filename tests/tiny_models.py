@@ -30,7 +30,7 @@ class Architecture:
     # PEFT's task_type: the head the adapter is trained with (None: PEFT has none for this head, as
     # for a masked LM, or the base PeftModel)
     task_type: str | None = "CAUSAL_LM"
-    kind: str = "decoder"  # decoder, encoder, seq2seq, vision, speech or moe
+    kind: str = "decoder"  # decoder, encoder, seq2seq, vision, speech, moe, ssm or vision-language
 
     def build(self, model_class: str | None = None, **overrides) -> torch.nn.Module:
         """The model with random weights (seed the global RNG first), float32, in eval mode.
@@ -235,6 +235,89 @@ ARCHITECTURES: dict[str, Architecture] = {
             "num_experts_per_tok": 2,
         },
         # PEFT 0.21's default for Mixtral comes out empty here (it finds no target module): named
+        lora_targets=("q_proj", "v_proj"),
+        kind="moe",
+    ),
+    # PEFT saves a QUESTION_ANS adapter's span head (qa_outputs) whole; the outputs are its start and
+    # end logits
+    "bert_qa": Architecture(
+        "BERT (question answering)",
+        "BertForQuestionAnswering",
+        "BertConfig",
+        {**_DECODER, "intermediate_size": 32, "max_position_embeddings": 16},
+        task_type="QUESTION_ANS",
+        kind="encoder",
+    ),
+    # raw audio: its probe is a waveform, as long as its convolutions need for 6 frames
+    "wav2vec2": Architecture(
+        "Wav2Vec2 (CTC)",
+        "Wav2Vec2ForCTC",
+        "Wav2Vec2Config",
+        {
+            "vocab_size": 32,
+            "hidden_size": 16,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "intermediate_size": 32,
+            "conv_dim": (8, 8),
+            "conv_stride": (4, 2),
+            "conv_kernel": (8, 4),
+            "num_conv_pos_embeddings": 4,
+            "num_conv_pos_embedding_groups": 2,
+        },
+        lora_targets=("q_proj", "v_proj"),
+        task_type=None,
+        kind="speech",
+    ),
+    "mamba": Architecture(
+        "Mamba (state-space model)",
+        "MambaForCausalLM",
+        "MambaConfig",
+        {"vocab_size": 64, "hidden_size": 16, "state_size": 4, "num_hidden_layers": 1, "conv_kernel": 4},
+        # PEFT refuses Mamba's out_proj and conv1d (their fused kernels bypass the layer)
+        lora_targets=("in_proj", "x_proj"),
+        kind="ssm",
+    ),
+    # token ids and pixel values together; its outputs are both similarity logits and both embeddings
+    "clip": Architecture(
+        "CLIP (vision-language)",
+        "CLIPModel",
+        "CLIPConfig",
+        {
+            "text_config": {
+                "vocab_size": 64,
+                "hidden_size": 16,
+                "intermediate_size": 32,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "max_position_embeddings": 16,
+            },
+            "vision_config": {
+                "hidden_size": 16,
+                "intermediate_size": 32,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "image_size": 16,
+                "patch_size": 4,
+            },
+            "projection_dim": 8,
+        },
+        lora_targets=("q_proj", "v_proj"),
+        task_type=None,
+        kind="vision-language",
+    ),
+    "qwen3": Architecture("Qwen3", "Qwen3ForCausalLM", "Qwen3Config", {**_LLAMA_LIKE, "head_dim": 8}),
+    "qwen3_moe": Architecture(
+        "Qwen3-MoE (mixture of experts)",
+        "Qwen3MoeForCausalLM",
+        "Qwen3MoeConfig",
+        {
+            **_LLAMA_LIKE,
+            "head_dim": 8,
+            "moe_intermediate_size": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+        },
         lora_targets=("q_proj", "v_proj"),
         kind="moe",
     ),

@@ -7,6 +7,7 @@ from __future__ import annotations
 from core.checks.activations import ActivationsCheck
 from core.checks.adapters import AdaptersCheck
 from core.checks.base import Check
+from core.checks.behaviour.generate import GenerateCheck
 from core.checks.deltas import DeltasCheck
 from core.checks.memory import MemoryCheck
 from core.checks.merge import MergeCheck
@@ -24,6 +25,7 @@ CHECKS: dict[str, Check] = {
         MergeCheck(),
         AdaptersCheck(),
         ActivationsCheck(),
+        GenerateCheck(),
     )
 }
 

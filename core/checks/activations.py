@@ -471,3 +471,17 @@ class ActivationsCheck(Check):
                     "this module adds the error itself"
                 )
         return rows
+
+
+def divergence_sentences(table: pd.DataFrame) -> dict[str, str]:
+    """{target (· adapter): the first module where it parts from the reference} from the metrics table's
+    activations rows; a target that never parts says so too."""
+    if not len(table) or NAME not in set(table["check"]):
+        return {}
+    found = {}
+    for d in first_divergences(table):
+        found[d.target + (f" · {d.adapter}" if d.adapter else "")] = d.sentence()
+    for target in dict.fromkeys(table.loc[table["check"] == NAME, "target"]):
+        if not any(k == target or k.startswith(target + " · ") for k in found):
+            found[target] = f"{target} stays within tolerance of the reference at every module"
+    return found

@@ -369,7 +369,9 @@ class AdaptersCheck(Check):
             rows.append(row)
         return rows
 
-    def tables(self, spec: ProbeSpec, captures: list[Capture]) -> dict[str, pd.DataFrame]:
+    def tables(
+        self, spec: ProbeSpec, captures: list[Capture], reference_capture: Capture | None = None
+    ) -> dict[str, pd.DataFrame]:
         """`adapters_structure`: per target, strategy and load step, the module groups (what each
         holds, what is active) and what the step changed in the base."""
         records = []

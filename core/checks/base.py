@@ -63,7 +63,7 @@ class CaptureContext:
 
     spec: ProbeSpec
     target: Target
-    # the model's forward arguments (`loading.probe_inputs`), on the CPU; `forward_output` moves them
+    # the model's forward arguments (`probes.probe_inputs`), on the CPU; `forward_output` moves them
     probe: dict[str, torch.Tensor]
     run_dir: Path | None = None  # the run's folder (e.g. to save a merged model into)
 
@@ -184,8 +184,11 @@ class Check(ABC):
         """How many times `compare` calls `progress`."""
         return len(captures)
 
-    def tables(self, spec: ProbeSpec, captures: list[Capture]) -> dict[str, pd.DataFrame]:
-        """Extra tables this check stores in the run folder as `<name>.parquet` (none by default)."""
+    def tables(
+        self, spec: ProbeSpec, captures: list[Capture], reference_capture: Capture | None = None
+    ) -> dict[str, pd.DataFrame]:
+        """Extra tables this check stores in the run folder as `<name>.parquet` (none by default);
+        `reference_capture`: the reference target's, for checks that need it (None where they don't)."""
         return {}
 
     def reference_for(

@@ -161,7 +161,9 @@ class DeltasCheck(Check):
             }
         return {"layer": layer_of(key.name), "module": key.name.rsplit(".", 1)[-1], "role": "delta"}
 
-    def tables(self, spec: ProbeSpec, captures: list[Capture]) -> dict[str, pd.DataFrame]:
+    def tables(
+        self, spec: ProbeSpec, captures: list[Capture], reference_capture: Capture | None = None
+    ) -> dict[str, pd.DataFrame]:
         """`deltas_findings`: per target, the adapters this check has no ΔW for, and why."""
         rows = [
             {"target": c.target, **f} for c in captures for f in c.meta.get(self.name, {}).get(FINDINGS, [])

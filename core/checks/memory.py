@@ -300,7 +300,9 @@ class MemoryCheck(Check):
             )
         return rows
 
-    def tables(self, spec: ProbeSpec, captures: list[Capture]) -> dict[str, pd.DataFrame]:
+    def tables(
+        self, spec: ProbeSpec, captures: list[Capture], reference_capture: Capture | None = None
+    ) -> dict[str, pd.DataFrame]:
         timeline, placement = [], []
         for capture in captures:
             meta = capture.meta.get(self.name, {})

@@ -549,7 +549,9 @@ class MergeCheck(Check):
     # extra tables
     # ------------------------------------------------------------------------------------------
 
-    def tables(self, spec: ProbeSpec, captures: list[Capture]) -> dict[str, pd.DataFrame]:
+    def tables(
+        self, spec: ProbeSpec, captures: list[Capture], reference_capture: Capture | None = None
+    ) -> dict[str, pd.DataFrame]:
         """`merge_save`: one row per (target, adapter, save path); `merge_findings`: tied/NaN/notes."""
         return {"merge_save": save_table(captures), "merge_findings": findings_table(captures)}
 

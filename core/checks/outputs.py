@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+import re
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -12,23 +13,33 @@ from core.capture import BASE, Capture, TensorKey
 from core.checks.base import CaptureContext, Check, Reference, add_note
 from core.models.loading import FLOAT64_FORWARD, Loaded, float32_fallbacks, float64_forward
 from core.numerics import metrics
+from core.numerics.behaviour import Behaviour, next_token_behaviour
 from core.spec import ProbeSpec, Target
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+# The columns an LM head's logits row gains (`core.numerics.behaviour`); the capture says it has one.
+BEHAVIOUR_COLUMNS = ("kl_mean", "kl_max", "top1_agree", "top5_overlap")
+LM_HEAD = "lm_head"
 
 
 def forward_output(model, probe: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor]:
-    """Run the model on the probe (`loading.probe_inputs`); return ("logits", …) or ("last_hidden_state", …):
-    the first of `forward_outputs`."""
+    """Run the model on the probe (`probes.probe_inputs`); return the first of `forward_outputs`:
+    ("logits", …), ("start_logits", …) or ("last_hidden_state", …)."""
     return next(iter(forward_outputs(model, probe).items()))
 
 
 def forward_outputs(model, probe: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Run the model on the probe (`loading.probe_inputs`); the outputs its users look at, by name:
-    its logits where it has a head, else its last hidden state and, where the model pools (a bare BERT's
-    `pooler_output`, what sentence classifiers built on it read), the pooled output.
+    """Run the model on the probe (`probes.probe_inputs`); the outputs its users look at, by name
+    (`output_tensors`): a head's logits (a question-answering head's start and end logits, CLIP's
+    logits per image and per text and its embeddings, …), or a bare model's last hidden state and,
+    where it pools, its pooled output.
 
-    Float inputs (pixel values, audio features) are cast to the dtype the model computes in: its
-    parameters', or float64 for a model held narrow for a float64 forward. In float64, an op with no
-    float64 kernel runs in float32 (`loading.float32_fallbacks`), named by `float32_fallback_notes`.
+    Float inputs (pixel values, audio features, waveforms) are cast to the dtype the model computes
+    in: its parameters', or float64 for a model held narrow for a float64 forward. In float64, an op
+    with no float64 kernel runs in float32 (`loading.float32_fallbacks`), named by
+    `float32_fallback_notes`.
     """
     param = next(model.parameters())
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -41,14 +52,28 @@ def forward_outputs(model, probe: dict[str, torch.Tensor]) -> dict[str, torch.Te
     fallback = float32_fallbacks(model) if dtype == torch.float64 else contextlib.nullcontext()
     with torch.no_grad(), float64_forward(model), fallback:
         out = model(**kwargs)
-    logits = getattr(out, "logits", None)
-    if logits is not None:
-        return {"logits": logits}
-    pooled = getattr(out, "pooler_output", None)
-    return {
-        "last_hidden_state": out.last_hidden_state,
-        **({"pooler_output": pooled} if pooled is not None else {}),
-    }
+    return output_tensors(out)
+
+
+def output_tensors(out: Any) -> dict[str, torch.Tensor]:
+    """Every floating tensor field of a model's output object, by its field name, in its order; where
+    the model has a head (a field named `…logits`), the hidden states beside it (an encoder-decoder's
+    `encoder_last_hidden_state`) are left out: they are the head's input, which `activations` follows.
+
+    Nested outputs (CLIP's `text_model_output`), caches and loss-free `None` fields are not outputs of
+    their own. ValueError when the object holds no floating tensor at all.
+    """
+    fields = out.items() if isinstance(out, dict) else [("logits", out)] if torch.is_tensor(out) else []
+    tensors = {k: v for k, v in fields if torch.is_tensor(v) and v.is_floating_point()}
+    if any(k.endswith("logits") for k in tensors):
+        tensors = {k: v for k, v in tensors.items() if not _HIDDEN.search(k)}
+    if not tensors:
+        raise ValueError(f"the model's output ({type(out).__name__}) holds no floating tensor to compare")
+    return tensors
+
+
+# A field holding hidden states: `last_hidden_state`, `encoder_last_hidden_state`, `hidden_states`.
+_HIDDEN = re.compile(r"hidden_states?$")
 
 
 class OutputsCheck(Check):
@@ -60,6 +85,12 @@ class OutputsCheck(Check):
         adapter = BASE if loaded.adapter is None else loaded.adapter.name
         for kind, tensor in forward_outputs(loaded.model, ctx.probe).items():
             out.add(TensorKey(self.name, adapter, kind), tensor)
+        # a language-model head's logits are next-token distributions: `rows` adds what they say,
+        # over the positions the attention mask keeps (a batch of prompts is padded)
+        if has_lm_head(loaded.model):
+            out.meta[LM_HEAD] = True
+            if "attention_mask" in ctx.probe:
+                out.meta["attention_mask"] = ctx.probe["attention_mask"].tolist()
 
     def reference(
         self, spec: ProbeSpec, keys: list[TensorKey], reference_capture: Capture | None
@@ -99,7 +130,36 @@ class OutputsCheck(Check):
                 continue
             how = f"forward pass in {target.dtype}" + (f" with {', '.join(flags)}" if flags else "")
             add_note(row, f"{how} against {reference.label}")
+        by_key = {(row["adapter"] or BASE, row["tensor"]): row for row in rows}
+        for key, found in behaviours(capture, reference.tensors):
+            by_key[(key.adapter, key.name)].update(found.summary())
         return rows
+
+    def tables(
+        self, spec: ProbeSpec, captures: list[Capture], reference_capture: Capture | None = None
+    ) -> dict[str, pd.DataFrame]:
+        """`kl_positions`: KL(p_ref ‖ p_target) at every kept position of an LM head's logits, per
+        target and adapter (what the Outputs page draws over position)."""
+        import pandas as pd
+
+        ref = reference_capture
+        if ref is None:
+            return {}
+        found = [
+            {
+                "target": capture.target,
+                "adapter": None if key.adapter == BASE else key.adapter,
+                "tensor": key.name,
+                "row": int(r),
+                "position": int(p),
+                "kl": float(kl),
+            }
+            for capture in captures
+            if capture.target != ref.target
+            for key, b in behaviours(capture, ref.tensors)
+            for r, p, kl in zip(b.rows.tolist(), b.positions.tolist(), b.kl.tolist(), strict=True)
+        ]
+        return {"kl_positions": pd.DataFrame(found)} if found else {}
 
     def extra_columns(self, key: TensorKey, tensor: torch.Tensor, ref: torch.Tensor | None) -> dict[str, Any]:
         h = metrics.health(tensor)
@@ -113,6 +173,35 @@ class OutputsCheck(Check):
             cols[_ROWS_COLLAPSED] = True  # judged in `rows`, against the row's tolerance verdict
         cols.update(nonfinite_output(h))
         return cols
+
+
+def has_lm_head(model) -> bool:
+    """Whether the model's logits are next-token (or masked-token) distributions over its vocabulary:
+    it has output embeddings (an LM head), as `generate` and masked-LM models do."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    getter = getattr(inner, "get_output_embeddings", None)
+    return callable(getter) and getter() is not None
+
+
+def behaviours(capture: Capture, reference: dict[str, torch.Tensor]) -> list[tuple[TensorKey, Behaviour]]:
+    """`next_token_behaviour` of each of the capture's LM-head logits against the reference's (by
+    encoded key), over the positions its attention mask keeps; none for a model without an LM head."""
+    if not capture.meta.get(LM_HEAD):
+        return []
+    mask = capture.meta.get("attention_mask")
+    found = []
+    for key in capture.keys(OutputsCheck.name):
+        tensor, ref = capture.get(key), reference.get(key.encode())
+        if (
+            key.name != "logits"
+            or tensor is None
+            or ref is None
+            or ref.shape != tensor.shape
+            or tensor.dim() != 3
+        ):
+            continue
+        found.append((key, next_token_behaviour(ref, tensor, None if mask is None else torch.tensor(mask))))
+    return found
 
 
 # A row's private mark from `extra_columns` for `rows`: its rows are identical, the reference's are not.

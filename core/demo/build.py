@@ -28,7 +28,7 @@ import torch
 
 from core.methods.adapter_keys import adapter_type
 
-DEMO_VERSION = "2"
+DEMO_VERSION = "3"
 """Bump when the contents change: an existing workspace of another version is rebuilt."""
 
 DEMO_DIR = "demo"
@@ -72,6 +72,7 @@ SEEDS: dict[str, int] = {
     "lora_embed": 110,
     "lora_nan": 111,
     "lora_noop": 112,
+    "lora_tie": 113,
 }
 
 Progress = Callable[[str, int, int], None]
@@ -108,6 +109,7 @@ _ARTIFACTS: list[tuple[str, str]] = [
     ("adapter lora_embed", "adapters/lora_embed"),
     ("adapter lora_nan", "adapters/lora_nan"),
     ("adapter lora_noop", "adapters/lora_noop"),
+    ("adapter lora_tie", "adapters/lora_tie"),
 ]
 
 # The module whose lora_B gets a NaN in `lora_nan` (safe_merge must name it).
@@ -328,6 +330,20 @@ def _build_into(tmp: Path, final: Path, progress: Progress | None) -> dict:
         _save_adapter(_load_llama(llama), noop, SEEDS["lora_noop"], tmp / "adapters/lora_noop")
         record("lora_noop", "tiny-llama")
 
+        start("adapter lora_tie")
+        a, token = _tie(llama)
+        tie = LoraConfig(r=1, lora_alpha=1, target_modules=["lm_head"], init_lora_weights=False)
+
+        def place(model: torch.nn.Module, gen: torch.Generator) -> None:
+            for name, p in model.named_parameters():
+                if "lora_A" in name:
+                    p.copy_(a[None, :])
+                elif "lora_B" in name:
+                    p.copy_(torch.nn.functional.one_hot(torch.tensor(token), p.shape[0]).to(p.dtype)[:, None])
+
+        _save_adapter(_load_llama(llama), tie, SEEDS["lora_tie"], tmp / "adapters/lora_tie", mutate=place)
+        record("lora_tie", "tiny-llama")
+
     manifest = {
         "version": DEMO_VERSION,
         "models": {name: str(path) for name, path in models.items()},
@@ -343,6 +359,80 @@ def _save_llama(folder: Path) -> None:
 
     torch.manual_seed(SEEDS["tiny-llama"])
     LlamaForCausalLM(LlamaConfig(**LLAMA_CONFIG)).to(torch.float32).save_pretrained(folder)
+    save_byte_tokenizer(folder)
+
+
+# `lora_tie`: from TIE_PROMPT, the tiny Llama's float64 greedy generation with this adapter takes at
+# generated position TIE_STEP the token ranked second there without it, ahead of the first by TIE_MARGIN
+# only: float32's rounding keeps that order, bfloat16's (on the CPU) does not, so cpu/bfloat16's text
+# parts from the reference's at TIE_STEP (the `generation-parts` scenario; tests hold the position).
+TIE_PROMPT = "The quick brown fox"
+TIE_STEP = 4
+TIE_MARGIN = 1e-4
+
+
+def _tie(llama: Path) -> tuple[torch.Tensor, int]:
+    """(a, t) of `lora_tie`, a rank-1 LoRA on lm_head adding (a·h)·e_t to the logits: `a` is orthogonal to
+    the final hidden states of the generated positions before TIE_STEP (they keep their logits, in
+    float64) and lifts token t at TIE_STEP to TIE_MARGIN above the top logit there. Computed in float64."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(llama, dtype=torch.float64).eval()
+    ids = torch.tensor([list(TIE_PROMPT.encode())])
+    with torch.no_grad():
+        seq = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=TIE_STEP + 1,
+            pad_token_id=EOS_BYTE,
+        )[0]
+        hidden = model.model(seq[None, :-1]).last_hidden_state[0, ids.shape[1] - 1 :]
+        logits = model.lm_head(hidden)
+    order = logits[TIE_STEP].argsort(descending=True)
+    top, token = order[0], order[1]
+    lift = logits[TIE_STEP, top] - logits[TIE_STEP, token] + TIE_MARGIN
+    before, h = hidden[:TIE_STEP], hidden[TIE_STEP]
+    q, _ = torch.linalg.qr(before.T)
+    free = h - q @ (q.T @ h)  # h's part no earlier position's hidden state has
+    return (free * lift / (free @ h)).to(torch.float32), int(token)
+
+
+# Byte 0 pads and byte 2 ends a sequence: the tiny Llama's config says eos_token_id 2.
+PAD_BYTE, EOS_BYTE = 0, 2
+
+
+def _byte_symbols() -> list[str]:
+    """GPT-2's printable stand-in for each byte 0…255 (what a byte-level BPE's vocabulary spells)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+
+
+def save_byte_tokenizer(folder: Path) -> None:
+    """A byte-level tokenizer whose 256 ids are the bytes of UTF-8 text, matching the tiny Llama's
+    vocab_size exactly; saved as tokenizer.json + tokenizer_config.json so that AutoTokenizer loads it
+    offline, without remote code. Written from fixed data: the same bytes every build."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    symbols = _byte_symbols()
+    tokenizer = Tokenizer(models.BPE(vocab={s: i for i, s in enumerate(symbols)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "pad_token": symbols[PAD_BYTE],
+        "eos_token": symbols[EOS_BYTE],
+        "padding_side": "left",  # as generation wants a decoder-only model's prompts
+        "model_max_length": LLAMA_CONFIG["max_position_embeddings"],
+        "clean_up_tokenization_spaces": False,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _save_bert(folder: Path) -> None:

@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from core.demo.build import TIE_PROMPT
 from core.models.targets import Device
-from core.spec import AdapterRef, ModelRef, ProbeSpec, SpecError, Target
+from core.spec import AdapterRef, ModelRef, ProbeInputs, ProbeSpec, SpecError, Target
 
 
 @dataclass(frozen=True)
@@ -228,5 +229,27 @@ register(
         "accumulated and local drift per module, and the first module where bfloat16 parts from the "
         "reference (float32 stays within tolerance throughout).",
         build=lambda m, d: demo_spec(m, [], ["cpu/float32", "cpu/bfloat16"], ["activations"]),
+    )
+)
+
+
+# --- issue 27: behaviour ---------------------------------------------------------------------------
+
+register(
+    Scenario(
+        name="generation-parts",
+        title="bfloat16 generates other text",
+        page="outputs",
+        description="Greedy generation from a real prompt through the demo tokenizer with lora_tie, whose "
+        "two best next tokens are 1e-4 apart at one step: float32 keeps the reference's text, bfloat16's "
+        "rounding takes the other token there and its text parts from the reference's at that position.",
+        build=lambda m, d: demo_spec(
+            m,
+            ["lora_tie"],
+            ["cpu/float32", "cpu/bfloat16"],
+            ["outputs", "generate"],
+            probe=ProbeInputs(prompts=(TIE_PROMPT,)),
+            max_new_tokens=12,
+        ),
     )
 )

@@ -499,7 +499,7 @@ def machine_labels(snapshots: Sequence[Snapshot]) -> list[Imported]:
 
 
 # Spec fields two snapshots must share for their captures to be compared (same probe, same rules).
-_SHARED_FIELDS = ("checks", "probe", "seed", "tolerances", "strategies", "merge_subset")
+_SHARED_FIELDS = ("checks", "probe", "seed", "tolerances", "strategies", "merge_subset", "max_new_tokens")
 
 
 def check_compatible(snapshots: Sequence[Snapshot], local: CheckpointHashes | None = None) -> None:

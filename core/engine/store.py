@@ -304,7 +304,8 @@ class RunRecord:
         table = self.metrics() if table is None else table
         spec = self.spec
         targets = [str(t) for t in spec.targets if t != spec.reference] if spec else []
-        grouped = [c.name for c in get_checks(spec.checks) if not c.own_worker] if spec else []
+        # checks whose captures hold tensors to group by (generate's tokens are in its own rows)
+        grouped = [c.name for c in get_checks(spec.checks) if not c.own_worker and c.judged] if spec else []
         return judge(
             table, self.table("pairwise"), targets, grouped, spec.peers if spec else True, self.environments()
         )

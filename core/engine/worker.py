@@ -115,7 +115,8 @@ def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
     from core.checks import get_checks
     from core.checks.base import CaptureContext
     from core.models.checkpoint import adapters_task_type, load_config, release_scratch
-    from core.models.loading import STRATEGIES, float32_fallback_notes, model_class, probe_inputs
+    from core.models.loading import STRATEGIES, float32_fallback_notes, model_class
+    from core.models.probes import probe_inputs
     from core.models.targets import apply_flags, environment
     from core.spec import ProbeSpec, Target
 
@@ -145,7 +146,7 @@ def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
     started = time.time()
     config = load_config(spec.base)
     probe = probe_inputs(
-        config, model_class(config, adapters_task_type(spec.adapters)), spec.probe, spec.seed
+        config, model_class(config, adapters_task_type(spec.adapters)), spec.probe, spec.seed, spec.base
     )
     ctx = CaptureContext(spec=spec, target=target, probe=probe, run_dir=run_dir)
     if own is not None:
@@ -253,7 +254,7 @@ def run_compare(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
             frames.append(done[check.name])
             continue
         rows = check.compare(spec, by_check[check.name], reference_capture, progress)
-        tables.update(check.tables(spec, by_check[check.name]))
+        tables.update(check.tables(spec, by_check[check.name], reference_capture))
         if fallback is not None:
             for row in rows:
                 if row.get("reference") == fallback["reference"]:

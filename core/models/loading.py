@@ -26,7 +26,7 @@ from core.models.checkpoint import (
     saved_head_labels,
 )
 from core.models.quantized import quantization_config
-from core.spec import AdapterRef, ModelRef, ProbeInputs, Target
+from core.spec import AdapterRef, ModelRef, Target
 
 DTYPES = {
     "float32": torch.float32,
@@ -94,11 +94,6 @@ def model_class(config, task_type: str | None = None) -> type:
     if named:
         return named[0]
     return bare or transformers.AutoModel
-
-
-def vocab_size(config) -> int:
-    """The vocabulary size of a config (of its text part, for multimodal configs)."""
-    return int(getattr(config, "vocab_size", None) or config.get_text_config().vocab_size)
 
 
 def load_base(
@@ -639,59 +634,3 @@ def shared_base_stages(adapters: tuple[AdapterRef, ...], target: Target) -> int:
 STRATEGIES["from_pretrained_loop"] = Strategy(load=load_from_pretrained_loop, stages=shared_base_stages)
 STRATEGIES["load_adapter"] = Strategy(load=load_adapter_loop, stages=shared_base_stages)
 STRATEGIES["load_adapter_low_mem"] = Strategy(load=load_adapter_low_mem, stages=shared_base_stages)
-
-
-def probe_inputs(config, cls: type, probe: ProbeInputs, seed: int) -> dict[str, torch.Tensor]:
-    """The run's fixed probe, as keyword arguments of the model's forward, on the CPU.
-
-    What the model takes decides the family: token ids (explicit, or drawn from the seed), pixel
-    values (`num_channels` × `image_size`², standard normal), or audio features (`num_mel_bins` ×
-    twice `max_source_positions` frames, as Whisper's encoder requires, with decoder ids beside
-    them). Float inputs are drawn in float32, so every dtype's model sees the same values (a
-    float64 model gets them widened, exactly). LoadError when the model takes none of these, or
-    explicit ids were given for a model that takes no ids.
-    """
-    import inspect
-
-    takes = inspect.signature(cls.forward).parameters
-    g = torch.Generator().manual_seed(seed)
-    name = type(config).__name__
-    shape = (probe.batch, probe.seq_len)
-    if "input_ids" in takes:
-        inputs = {"input_ids": probe_input_ids(probe, vocab_size(config), g)}
-        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
-        if getattr(config, "is_encoder_decoder", False):
-            inputs["decoder_input_ids"] = inputs["input_ids"]
-        return inputs
-    if probe.input_ids:
-        raise LoadError(f"probe input ids were given, but {cls.__name__} takes no token ids")
-    if "pixel_values" in takes:
-        side = getattr(config, "image_size", None)
-        channels = getattr(config, "num_channels", None)
-        if side is None or channels is None:
-            raise LoadError(f"{name} has no image_size or num_channels to make a probe image of")
-        h, w = (side, side) if isinstance(side, int) else tuple(side)
-        return {"pixel_values": torch.randn(probe.batch, channels, h, w, generator=g)}
-    if "input_features" in takes:
-        mels = getattr(config, "num_mel_bins", None)
-        positions = getattr(config, "max_source_positions", None)
-        if mels is None or positions is None:
-            raise LoadError(f"{name} has no num_mel_bins or max_source_positions to make probe audio of")
-        # Whisper's encoder convolves with stride 2 and requires exactly 2 × max_source_positions frames.
-        inputs = {"input_features": torch.randn(probe.batch, mels, 2 * positions, generator=g)}
-        if "decoder_input_ids" in takes:
-            inputs["decoder_input_ids"] = torch.randint(0, vocab_size(config), shape, generator=g)
-        return inputs
-    raise LoadError(
-        f"{cls.__name__} takes neither token ids, pixel values nor audio features; no probe input can be made for it"
-    )
-
-
-def probe_input_ids(probe: ProbeInputs, vocab_size: int, generator: torch.Generator) -> torch.Tensor:
-    """The run's fixed probe token ids (explicit, or drawn from `generator` on the CPU)."""
-    if probe.input_ids:
-        ids = torch.tensor(probe.input_ids, dtype=torch.long)
-        if int(ids.max()) >= vocab_size:
-            raise LoadError(f"probe input id {int(ids.max())} is outside the vocabulary (size {vocab_size})")
-        return ids
-    return torch.randint(0, vocab_size, (probe.batch, probe.seq_len), generator=generator)

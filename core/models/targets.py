@@ -167,3 +167,16 @@ def _nvidia_driver() -> str | None:
 def devices_report() -> dict[str, Any]:
     """Devices and the environment of the calling process, for `python -m core devices`."""
     return {"devices": [asdict(d) for d in discover_devices()], "environment": environment()}
+
+
+def devices_lines(info: dict[str, Any]) -> list[str]:
+    """`devices_report` as the text `python -m core devices` prints."""
+    lines = ["devices:"]
+    for d in info["devices"]:
+        extra = ""
+        if d["kind"] == "cuda":
+            extra = f" (capability {d['compute_capability']}, {d['sm_count']} SMs, {d['total_memory'] / 2**30:.1f} GiB)"
+        lines.append(f"  {d['name']:8s} {d['description']}{extra}")
+    lines.append("environment:")
+    lines += [f"  {k:26s} {v}" for k, v in info["environment"].items()]
+    return lines

@@ -177,7 +177,8 @@ def validate_inputs(spec: ProbeSpec) -> None:
 def validate_family(spec: ProbeSpec) -> None:
     """The model's class (from its config and the adapters' task head) and its probe input, from the
     config alone: a model the tool cannot run is refused here, not after loading it."""
-    from core.models.loading import model_class, probe_inputs
+    from core.models.loading import model_class
+    from core.models.probes import probe_inputs
 
     try:
         config = load_config(spec.base)
@@ -185,6 +186,6 @@ def validate_family(spec: ProbeSpec) -> None:
         raise InputError(str(e)) from e  # it names the folder
     try:
         cls = model_class(config, adapters_task_type(spec.adapters))
-        probe_inputs(config, cls, spec.probe, spec.seed)
+        probe_inputs(config, cls, spec.probe, spec.seed, spec.base)
     except LoadError as e:
         raise InputError(f"base model {spec.base.path}: {e}") from e

@@ -17,6 +17,7 @@ from dashboard.figures.common import (
     empty_figure,
     title_top,
 )
+from dashboard.text import plot_text
 
 _TARGET_PATTERNS = ("", "/", ".", "x", "\\", "+", "-", "|")
 
@@ -108,3 +109,64 @@ def outputs_figure(table: pd.DataFrame) -> go.Figure:
         margin={"t": 110},
     )
     return fig
+
+
+def worst_kl_target(kl: pd.DataFrame) -> str | None:
+    """The target whose mean KL over every kept position (all its models) is the largest; None when none."""
+    if not len(kl):
+        return None
+    means = kl.groupby("target", sort=False)["kl"].mean()
+    return str(means.idxmax())
+
+
+def kl_position_figure(kl: pd.DataFrame, target: str | None = None) -> go.Figure:
+    """KL(p_ref ‖ p_target) over position for one target (default the worst, `worst_kl_target`): a line per
+    adapter and probe row, the position on x, KL on a log axis (a KL of exactly 0 cannot be drawn on it)."""
+    target = target or worst_kl_target(kl)
+    if target is None:
+        return empty_figure("no next-token distributions (the model has no LM head, or no outputs check)")
+    rows = kl[kl["target"] == target]
+    fig = go.Figure()
+    for (adapter, row), part in rows.groupby([rows["adapter"].fillna("base"), "row"], sort=False):
+        part = part.sort_values("position")
+        name = f"{_text(adapter)} · row {int(row)}"
+        fig.add_trace(
+            go.Scatter(
+                x=part["position"],
+                y=part["kl"].where(part["kl"] > 0),
+                mode="lines+markers",
+                name=plot_text(name),
+                hovertemplate="position %{x}<br>KL %{y:.3e}<extra>" + plot_text(name) + "</extra>",
+            )
+        )
+    height = 360
+    fig.update_layout(
+        height=height,
+        title=title_top(plot_text(f"KL(p_ref ‖ p_target) over position · {target}"), height),
+        xaxis_title="position (padding excluded)",
+        yaxis={"type": "log", "title": "KL (nats)"},
+        legend=_legend_below_title(height),
+    )
+    return fig
+
+
+def generations_side_by_side(generations: pd.DataFrame) -> pd.DataFrame:
+    """One row per adapter and prompt, one text column per target (the reference's first where it is
+    there), and each target's first divergence; a target's tokens get a `⟦` before the first one that
+    differs from the reference's, so the place is marked without rendering anything."""
+    if not len(generations):
+        return pd.DataFrame(columns=["adapter", "prompt"])
+    g = generations.assign(adapter=generations["adapter"].fillna("base"))
+    out = []
+    for (adapter, prompt), part in g.groupby(["adapter", "prompt"], sort=False):
+        row: dict[str, object] = {"adapter": adapter, "prompt": prompt}
+        for r in part.to_dict(orient="records"):
+            tokens = [str(t) for t in r["tokens"]]
+            at = None if pd.isna(r["first_divergence"]) else int(r["first_divergence"])
+            if at is not None:
+                tokens.insert(at, "⟦")
+            row[f"{r['target']} text"] = r["text"]
+            row[f"{r['target']} tokens"] = " ".join(tokens)
+            row[f"{r['target']} parts at"] = at
+        out.append(row)
+    return pd.DataFrame(out)

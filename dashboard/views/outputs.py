@@ -5,8 +5,8 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard.figures.outputs import outputs_figure
-from dashboard.state import metrics_table
+from dashboard.figures.outputs import generations_side_by_side, kl_position_figure, outputs_figure
+from dashboard.state import metrics_table, run_table
 from dashboard.text import inert, literal
 from dashboard.ui import METRIC_COLUMN_CONFIG, check_not_run, csv_download, figure_download, finished_run
 
@@ -66,6 +66,10 @@ columns = [
     "max_ulp",
     "min_atol",
     "cos_sim",
+    "kl_mean",
+    "kl_max",
+    "top1_agree",
+    "top5_overlap",
     "n_mismatch",
     "numel",
     "explanation",
@@ -84,3 +88,24 @@ st.dataframe(
     },
 )
 csv_download(view_rows, f"{record.run_id}-outputs", key="outputs.table.csv")
+
+kl = run_table(record, "kl_positions")
+if len(kl):
+    st.subheader("Next-token distributions")
+    st.caption(
+        "KL(p_ref ‖ p_target) in float64 per position (padding excluded), for the target whose mean KL is the "
+        "largest; kl_mean, kl_max, top1_agree and top5_overlap per target and adapter are in the table above."
+    )
+    kl_fig = kl_position_figure(kl)
+    st.plotly_chart(inert(kl_fig), key="outputs.kl")
+
+generations = run_table(record, "generations")
+if len(generations):
+    st.subheader("Generated text")
+    st.caption(
+        "Greedy decoding per target and adapter; ⟦ marks the first generated token that differs from the "
+        "reference's. Texts are shown as text."
+    )
+    side = generations_side_by_side(generations)
+    st.dataframe(side, hide_index=True, key="outputs.generations")
+    csv_download(side, f"{record.run_id}-generations", key="outputs.generations.csv")

@@ -1,0 +1,3 @@
+"""Checks of what a model *does* rather than how far its numbers moved: `generate` (greedy decoding per
+target, the first token where a target's text parts from the reference's). Beside the numeric checks in
+`core.checks`, as its own package (the layering keeps a folder to 8 modules)."""

@@ -1,0 +1,238 @@
+"""`generate`: greedy decoding (`model.generate(do_sample=False)`) of `max_new_tokens` tokens per target
+and adapter from each prompt (from the probe's first row without prompts), and the first generated
+position where a target's tokens part from the reference's.
+
+The tokens live in each capture's metadata (`GENERATIONS`), so snapshots carry them to another machine;
+`generations.parquet` holds them with their decoded text, and the metrics table one row per target,
+adapter and prompt (`identical` where the tokens are the reference's, `drift` where they part).
+A generation has no rel_l2: its rows are not judged against a peer's."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from core.capture import BASE, Capture, TensorKey
+from core.checks.base import CaptureContext, Check, Reference
+from core.models.loading import FLOAT64_FORWARD, Loaded, float32_fallbacks, float64_forward
+from core.models.probes import load_tokenizer, prompt_rows
+from core.spec import ProbeSpec
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+NAME = "generate"
+GENERATIONS = "generations"  # capture.meta[GENERATIONS][adapter] = [{"prompt", "tokens", "text"}, …]
+TABLE_COLUMNS = ("target", "adapter", "prompt", "tokens", "text", "first_divergence")
+
+
+def greedy_tokens(model, ids: list[int], max_new_tokens: int) -> list[int]:
+    """The tokens `model.generate` decodes greedily after `ids` (one unpadded prompt) on the model's own
+    device and dtype (a model held for a float64 forward generates in float64): only the new ones."""
+    param = next(model.parameters())
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(inner, "config", None)
+    input_ids = torch.tensor([ids], dtype=torch.long, device=param.device)
+    kwargs: dict[str, Any] = {
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "do_sample": False,
+        "num_beams": 1,
+        "max_new_tokens": max_new_tokens,
+    }
+    generation = getattr(inner, "generation_config", None)
+    if generation is not None and generation.pad_token_id is None and generation.eos_token_id is not None:
+        eos = generation.eos_token_id
+        kwargs["pad_token_id"] = eos[0] if isinstance(eos, list) else eos  # as generate would, silently
+    wide = getattr(inner, FLOAT64_FORWARD, False)
+    fallback = float32_fallbacks(model) if wide or param.dtype == torch.float64 else contextlib.nullcontext()
+    with torch.no_grad(), float64_forward(model), fallback, warnings.catch_warnings():
+        # a checkpoint's generation_config may hold sampling settings that do_sample=False ignores
+        warnings.simplefilter("ignore")
+        out = model.generate(**kwargs)
+    tokens = out[0].tolist()
+    # a decoder-only model returns the prompt first; an encoder-decoder its decoder start token
+    return tokens[1:] if getattr(config, "is_encoder_decoder", False) else tokens[len(ids) :]
+
+
+def first_divergence(tokens: list[int], reference: list[int]) -> int | None:
+    """The first generated position whose token differs from the reference's (where one stopped
+    early, the position the other goes on at); None where the two are the same."""
+    for i, (a, b) in enumerate(zip(tokens, reference, strict=False)):
+        if a != b:
+            return i
+    return None if len(tokens) == len(reference) else min(len(tokens), len(reference))
+
+
+def can_generate(model) -> str | None:
+    """None where `model.generate` can decode; else why not, in a sentence."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    check = getattr(inner, "can_generate", None)
+    if not callable(check) or not check():
+        return f"{type(inner).__name__} has no generation head: nothing to decode (outputs are compared)"
+    return None
+
+
+class GenerateCheck(Check):
+    name = NAME
+    description = (
+        "greedy decoding per target and adapter; where each target's text parts from the reference's"
+    )
+    needs_reference_target = True
+    judged = False  # token agreement, no rel_l2 to set against a peer's
+
+    def capture(self, ctx: CaptureContext, loaded: Loaded, out: Capture) -> None:
+        adapter = BASE if loaded.adapter is None else loaded.adapter.name
+        why = can_generate(loaded.model)
+        if why is None and "input_ids" not in ctx.probe:
+            why = "the model takes no token ids: nothing to decode from"
+        if why is not None:
+            out.notes.append(f"generate · {_who(adapter)}: {why}")
+            return
+        prompts = ctx.spec.probe.prompts
+        rows = prompt_rows(ctx.probe)
+        rows = rows if prompts else rows[:1]
+        tokenizer = load_tokenizer(ctx.spec.base, required=False)
+        found = []
+        for i, ids in enumerate(rows):
+            try:
+                tokens = greedy_tokens(loaded.model, ids, ctx.spec.max_new_tokens)
+            except Exception as e:  # a model whose generate fails is noted, not a failed run
+                out.notes.append(f"generate · {_who(adapter)}: generate failed ({type(e).__name__}: {e})")
+                return
+            prompt = prompts[i] if prompts else _decode(tokenizer, ids) or f"token ids {ids}"
+            found.append({"prompt": prompt, "tokens": tokens, "text": _decode(tokenizer, tokens)})
+        out.meta.setdefault(GENERATIONS, {})[adapter] = found
+
+    def reference(
+        self, spec: ProbeSpec, keys: list[TensorKey], reference_capture: Capture | None
+    ) -> Reference:
+        return Reference(label=str(spec.reference), tensors={}, notes={})
+
+    def compare(
+        self,
+        spec: ProbeSpec,
+        captures: list[Capture],
+        reference_capture: Capture | None,
+        progress: Callable[[str], None],
+    ) -> list[dict[str, Any]]:
+        """One row per target, adapter and prompt: its tokens against the reference's."""
+        rows: list[dict[str, Any]] = []
+        for capture in captures:
+            progress(f"compare {self.name} on {capture.label}")
+            for g in generations(capture, reference_capture):
+                rows.append(self._row(spec, g))
+        return rows
+
+    def _row(self, spec: ProbeSpec, g: dict[str, Any]) -> dict[str, Any]:
+        at, n = g["first_divergence"], len(g["tokens"])
+        same = at is None and g["has_reference"]
+        if not g["has_reference"]:
+            verdict, explanation = "broken", "the reference generated nothing for this prompt to compare with"
+        elif same:
+            verdict, explanation = "identical", f"the same {n} greedy tokens as the reference"
+        else:
+            verdict, explanation = "drift", f"parts from the reference's generation at generated token {at}"
+        return {
+            "check": self.name,
+            "target": g["target"],
+            "reference": str(spec.reference),
+            "adapter": g["adapter"],
+            "tensor": f"prompt {g['index'] + 1}",
+            "layer": None,
+            "module": None,
+            "role": "generation",
+            "dtype": None,
+            "shape": str(n),
+            "numel": n,
+            "bitwise_equal": same,
+            "n_mismatch": None
+            if at is None
+            else sum(a != b for a, b in zip(g["tokens"], g["reference_tokens"], strict=False))
+            + abs(n - len(g["reference_tokens"])),
+            "verdict": verdict,
+            "explanation": explanation,
+            "note": "",
+            "first_divergence": at,
+        }
+
+    def tables(
+        self, spec: ProbeSpec, captures: list[Capture], reference_capture: Capture | None = None
+    ) -> dict[str, pd.DataFrame]:
+        """`generations`: every target's tokens and text per adapter and prompt, with its first divergence."""
+        import pandas as pd
+
+        # the reference's own generations first (it need not be among the targets)
+        ref = reference_capture
+        every = ([ref] if ref is not None else []) + [
+            c for c in captures if ref is None or c.target != ref.target
+        ]
+        found = [{k: g[k] for k in TABLE_COLUMNS} for c in every for g in generations(c, ref)]
+        table = pd.DataFrame(found, columns=list(TABLE_COLUMNS))
+        table["first_divergence"] = table["first_divergence"].astype("Int64")
+        return {GENERATIONS: table}
+
+
+def generations(capture: Capture, reference: Capture | None) -> list[dict[str, Any]]:
+    """The capture's generations, each with its target, adapter (None for the bare base), prompt index
+    and first divergence from the reference's generation of the same adapter and prompt."""
+    theirs = reference.meta.get(GENERATIONS, {}) if reference is not None else {}
+    found = []
+    for adapter, gens in capture.meta.get(GENERATIONS, {}).items():
+        for i, g in enumerate(gens):
+            ref = theirs.get(adapter, [])
+            ref_tokens = ref[i]["tokens"] if i < len(ref) else None
+            found.append(
+                {
+                    "target": capture.target,
+                    "adapter": None if adapter == BASE else adapter,
+                    "index": i,
+                    **g,
+                    "reference_tokens": ref_tokens or [],
+                    "has_reference": ref_tokens is not None,
+                    "first_divergence": None
+                    if ref_tokens is None
+                    else first_divergence(g["tokens"], ref_tokens),
+                }
+            )
+    return found
+
+
+def _who(adapter: str) -> str:
+    return "base" if adapter == BASE else adapter
+
+
+def divergence_sentences(table: pd.DataFrame) -> dict[str, str]:
+    """{target: where its generation parts from the reference's} from the metrics table's `generate`
+    rows: the earliest divergence over its models and prompts, and how many of them part."""
+    if not len(table) or NAME not in set(table["check"]):
+        return {}
+    rows = table[(table["check"] == NAME) & (table["target"] != table["reference"])]
+    found: dict[str, str] = {}
+    for target, group in rows.groupby("target", sort=False):
+        parted = group[group["first_divergence"].notna()]
+        if not len(parted):
+            found[target] = f"{target}: generates the reference's tokens for every model and prompt"
+            continue
+        first = parted.sort_values("first_divergence", kind="stable").iloc[0]
+        who = first["adapter"] if isinstance(first["adapter"], str) else "base"
+        found[target] = (
+            f"{target}: its generation parts from the reference's at generated token "
+            f"{int(first['first_divergence'])} ({who}, {first['tensor']}); "
+            f"{len(parted)} of {len(group)} generations part"
+        )
+    return found
+
+
+def _decode(tokenizer, tokens: list[int]) -> str | None:
+    """The text of `tokens` (special tokens left out), or None without a tokenizer."""
+    if tokenizer is None:
+        return None
+    try:
+        return tokenizer.decode(tokens, skip_special_tokens=True)
+    except Exception:  # ids a tokenizer cannot decode (outside its vocabulary): the tokens still say it
+        return None
