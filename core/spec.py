@@ -40,7 +40,7 @@ DTYPE_SHORT = {
     "fp4": "fp4",
     "int8": "int8",
 }
-# Bases loaded through bitsandbytes (core.models.quantized): the "dtype" names the storage format of the
+# Bases loaded through bitsandbytes (core.models.targets): the "dtype" names the storage format of the
 # quantized linear layers; the layers' arithmetic and everything else run in a float dtype.
 QUANTIZED_FORMATS = ("nf4", "fp4", "int8")
 FOUR_BIT_FORMATS = ("nf4", "fp4")

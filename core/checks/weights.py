@@ -26,7 +26,7 @@ from core.models.checkpoint import (
 )
 from core.models.conversion import KeyConversion, for_folder, layer_of, remember
 from core.models.loading import Loaded
-from core.models.quantized import dequantized_state
+from core.models.targets import dequantized_state
 from core.spec import ProbeSpec
 
 
@@ -92,7 +92,7 @@ class WeightsCheck(Check):
             model_class=type(model).__name__,
             # loaded names the checkpoint has no tensor for (a task head it lacks): random on load
             not_in_checkpoint=list(getattr(model, NOT_IN_CHECKPOINT, [])),
-            dequantized=dequantized,  # name -> format note (`core.models.quantized.format_note`)
+            dequantized=dequantized,  # name -> format note (`core.models.targets.format_note`)
         )
 
     def _checkpoint(self, spec: ProbeSpec, source: str) -> Checkpoint:

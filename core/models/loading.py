@@ -25,7 +25,7 @@ from core.models.checkpoint import (
     read_adapter_config,
     saved_head_labels,
 )
-from core.models.quantized import quantization_config
+from core.models.targets import quantization_config
 from core.spec import AdapterRef, ModelRef, Target
 
 DTYPES = {

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from core.methods import adapter_keys, formulas
-from core.models import quantized
+from core.models import targets
 from core.models.checkpoint import Checkpoint, adapters_task_type, read_adapter_config
 from core.models.validate import TIED_EMBEDDING_NAMES
 from core.numerics.tolerance import ulp
@@ -214,7 +214,7 @@ def unmerge_modules(peft_model: nn.Module) -> None:
 def base_weight(layer: nn.Module) -> torch.Tensor:
     """The base weight a tuner layer merges into (a bitsandbytes weight dequantized, as PEFT merges it)."""
     base = layer.get_base_layer()
-    return quantized.dequantize(base) if quantized.is_quantized_layer(base) else base.weight
+    return targets.dequantize(base) if targets.is_quantized_layer(base) else base.weight
 
 
 def base_state(layers: dict[str, nn.Module]) -> dict[str, dict[str, Any]]:
@@ -222,15 +222,15 @@ def base_state(layers: dict[str, nn.Module]) -> dict[str, dict[str, Any]]:
 
     A merge can write into the bias too (LoRA with ``lora_bias``), so every base parameter is kept. A
     bitsandbytes layer's weight is kept dequantized (what rows compare), with the quantized weight
-    itself under `quantized.HELD` (what `restore_base` puts back).
+    itself under `targets.HELD` (what `restore_base` puts back).
     """
     state: dict[str, dict[str, Any]] = {}
     for module, layer in layers.items():
         base = layer.get_base_layer()
         state[module] = {n: p.detach().clone() for n, p in base.named_parameters()}
-        if quantized.is_quantized_layer(base):
+        if targets.is_quantized_layer(base):
             state[module].update(
-                weight=quantized.dequantize(base).clone(), **{quantized.HELD: quantized.hold(base)}
+                weight=targets.dequantize(base).clone(), **{targets.HELD: targets.hold(base)}
             )
     return state
 
@@ -258,9 +258,9 @@ def restore_base(
     for module, layer in layers.items():
         base = layer.get_base_layer()
         saved_state = dict(state[module])
-        held = saved_state.pop(quantized.HELD, None)
+        held = saved_state.pop(targets.HELD, None)
         if held is not None:  # the quantized weight object as loaded; its float form is checked below
-            quantized.put_back(base, held)
+            targets.put_back(base, held)
         params = {**dict(base.named_parameters()), "weight": base_weight(layer)}
         for name, saved in saved_state.items():
             if held is None or name != "weight":
