@@ -169,4 +169,7 @@ def generations_side_by_side(generations: pd.DataFrame) -> pd.DataFrame:
             row[f"{r['target']} tokens"] = " ".join(tokens)
             row[f"{r['target']} parts at"] = at
         out.append(row)
-    return pd.DataFrame(out)
+    table = pd.DataFrame(out)
+    # the texts side by side first, then where each target parts, then the tokens that show where
+    order = [c for kind in (" text", " parts at", " tokens") for c in table.columns if c.endswith(kind)]
+    return table[["adapter", "prompt", *order]]
