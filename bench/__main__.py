@@ -54,14 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per kernel method (median)")
     p.add_argument("--skip-kernel", action="store_true")
     p.add_argument("--skip-e2e", action="store_true")
-    p.add_argument(
-        "--dashboard-runs",
-        type=int,
-        default=5,
-        metavar="N",
-        help="dashboard part: clicks on Run (demo workspace, real server, workers and headless Chromium)",
+    _repeated_part(
+        p, "dashboard", "clicks on Run (demo workspace, real server, workers and headless Chromium)"
     )
-    p.add_argument("--skip-dashboard", action="store_true")
     p.add_argument(
         "--dashboard-timeout",
         type=float,
@@ -69,14 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="dashboard part: the longest wait for one run's heatmap, and for its end, seconds",
     )
-    p.add_argument(
-        "--cli-runs",
-        type=int,
-        default=5,
-        metavar="N",
-        help="CLI part: pairs of a bare `import torch, transformers, peft` and the demo with every check",
+    _repeated_part(
+        p, "cli", "pairs of a bare `import torch, transformers, peft` and the demo with every check"
     )
-    p.add_argument("--skip-cli", action="store_true")
     p.add_argument("--targets", nargs="+", default=list(e2e.DEFAULT_TARGETS), metavar="SPEC")
     p.add_argument("--storage-dtype", default="float32", choices=list(STORAGE_DTYPES))
     p.add_argument(
@@ -93,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-homes", action="store_true", help="keep each run's temporary WEIGHTDRIFT_HOME")
     p.add_argument("--out", type=Path, help="JSON file (default bench/results/<date>.json)")
     return p
+
+
+def _repeated_part(p: argparse.ArgumentParser, name: str, what: str) -> None:
+    """`--NAME-runs N` (how many repetitions, 5 by default) and `--skip-NAME` for a part of the bench."""
+    p.add_argument(f"--{name}-runs", type=int, default=5, metavar="N", help=f"{name} part: {what}")
+    p.add_argument(f"--skip-{name}", action="store_true")
 
 
 def _cpu_model() -> str:
