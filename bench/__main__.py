@@ -1,5 +1,5 @@
-"""``python -m bench``: the kernel and end-to-end benchmark of issue 13, and the dashboard's
-click on Run → first heatmap / last page, in one run.
+"""``python -m bench``: the kernel and end-to-end benchmark of issue 13, the dashboard's
+click on Run → first heatmap / last page, and the CLI's demo against a bare import, in one run.
 
 Prints one Markdown table per part, with the date and the machine, and writes everything
 measured (every repeat's summary, RSS timelines, where the run's time went) to a JSON file.
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import dashboard, e2e, kernel
+from bench import cli_demo, dashboard, e2e, kernel
 from bench.checkpoints import SIZES, STORAGE_DTYPES, cache_dir
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -54,20 +54,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per kernel method (median)")
     p.add_argument("--skip-kernel", action="store_true")
     p.add_argument("--skip-e2e", action="store_true")
-    p.add_argument(
-        "--dashboard-runs",
-        type=int,
-        default=5,
-        metavar="N",
-        help="dashboard part: clicks on Run (demo workspace, real server, workers and headless Chromium)",
+    _repeated_part(
+        p, "dashboard", "clicks on Run (demo workspace, real server, workers and headless Chromium)"
     )
-    p.add_argument("--skip-dashboard", action="store_true")
     p.add_argument(
         "--dashboard-timeout",
         type=float,
         default=600.0,
         metavar="S",
         help="dashboard part: the longest wait for one run's heatmap, and for its end, seconds",
+    )
+    _repeated_part(
+        p, "cli", "pairs of a bare `import torch, transformers, peft` and the demo with every check"
     )
     p.add_argument("--targets", nargs="+", default=list(e2e.DEFAULT_TARGETS), metavar="SPEC")
     p.add_argument("--storage-dtype", default="float32", choices=list(STORAGE_DTYPES))
@@ -85,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-homes", action="store_true", help="keep each run's temporary WEIGHTDRIFT_HOME")
     p.add_argument("--out", type=Path, help="JSON file (default bench/results/<date>.json)")
     return p
+
+
+def _repeated_part(p: argparse.ArgumentParser, name: str, what: str) -> None:
+    """`--NAME-runs N` (how many repetitions, 5 by default) and `--skip-NAME` for a part of the bench."""
+    p.add_argument(f"--{name}-runs", type=int, default=5, metavar="N", help=f"{name} part: {what}")
+    p.add_argument(f"--skip-{name}", action="store_true")
 
 
 def _cpu_model() -> str:
@@ -307,6 +311,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         d = result["dashboard"]
         failed = failed or bool(d.get("error")) or d["summary"]["failed"] > 0 or not d["runs"]
+    if not args.skip_cli and args.cli_runs > 0:
+        result["cli_demo"] = cli_demo.measure_cli_demo(
+            args.cli_runs, timeout=args.timeout, keep_home=args.keep_homes, say=say
+        )
+        failed = failed or result["cli_demo"]["summary"]["failed"] > 0 or "error" in result["cli_demo"]
     result["machine"]["load_average_at_end"] = list(os.getloadavg())
     result["total_s"] = time.perf_counter() - started
 
@@ -335,6 +344,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"Failed: {d['error']}\n")
         print(dashboard.dashboard_table(d) + "\n")
         print(dashboard.dashboard_notes(d) + "\n")
+    if "cli_demo" in result:
+        print(
+            f'### CLI: `{result["cli_demo"]["command"]}` against `python -c "{cli_demo.BARE_IMPORT}"` '
+            f"({args.cli_runs} pairs, medians)\n"
+        )
+        print(cli_demo.cli_demo_table(result["cli_demo"]) + "\n")
     print(f"Everything measured: {out_path}")
     return 1 if failed else 0
 

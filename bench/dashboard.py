@@ -7,7 +7,7 @@ check, the demo's adapters, ``cpu/float32`` + ``cpu/bfloat16``).
 
 Per repetition: ``/`` is opened in a fresh browser context (a new Streamlit session), the app is let
 go idle and then left alone for ``settle_s`` seconds (a user who opened the page, then clicked: by
-then the server's spare workers have imported their libraries, as it has for a user), Run is clicked, and
+then the server's fork server has imported the libraries, as it has for a user), Run is clicked, and
 
 - ``first_heatmap_s``: click → the Drift page's first heatmap is visible;
 - ``last_page_s``: click → the run's ``run.json`` says it ended (its last check compared: every
@@ -58,7 +58,7 @@ DEMO_TARGETS = ("cpu/float32", "cpu/bfloat16")
 HEALTH_TIMEOUT_S = 60.0
 FORM_TIMEOUT_S = 120.0  # first launch builds the demo workspace before the form appears
 STEP_TIMEOUT_S = 60.0  # a page load, a rerun, Run → the Drift page's URL
-SETTLE_S = 8.0  # idle page → click: the spare workers (started with the server, and after each run) are ready
+SETTLE_S = 8.0  # idle page → click: the fork server (started with the server) has imported the libraries
 STOP_TIMEOUT_S = 20.0  # SIGINT → the server has cancelled its jobs and exited; then SIGKILL
 RUN_ID = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{6}$")
 NOT_ENDED = ("queued", "running")  # statuses of a run that has not ended
@@ -380,8 +380,8 @@ def dashboard_notes(result: dict[str, Any]) -> str:
     before, after = m["load_average_before"], m["load_average_after"]
     notes = [
         f"- each repetition: `/` opened in a fresh browser context, the app idle, then {result['settle_s']:g} s "
-        "untouched before the click (a user who opened the page, then clicked: the server's spare "
-        "worker has imported its libraries by then); `last page` = the run's `run.json` ended "
+        "untouched before the click (a user who opened the page, then clicked: the server's fork "
+        "server has imported the libraries by then); `last page` = the run's `run.json` ended "
         "(every result page filled); `weights+deltas compared at` = the end of the "
         "`compare · weights, deltas` task from the run's start (the engine's share of the heatmap's wait)",
         f"- first launch on an empty home (the app builds the demo) → Run button: {_s(result.get('first_launch_s'))} s",

@@ -17,6 +17,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from core.progress import watch
 from core.spec import (
     DEFAULT_CHECKS,
     DEFAULT_MAX_NEW_TOKENS,
@@ -449,30 +450,6 @@ def cmd_scenarios(args) -> int:
     return EXIT_OK
 
 
-def watch(job, stream=sys.stderr, interval: float = 0.25) -> None:
-    """Print every progress event (task, step k of n, stage, elapsed) to `stream` until the job ends."""
-    seen = 0
-    started = time.time()
-    width = 20
-    while True:
-        done = job.wait(interval)
-        events = job.events_since(seen)
-        seen += len(events)
-        for e in events:
-            filled = int(width * e["step"] / e["of"]) if e["of"] else 0
-            bar = "#" * filled + "." * (width - filled)
-            elapsed = e["time"] - started
-            print(
-                f"{e['task']:28s} [{bar}] {e['step']:>2d}/{e['of']:<2d} {e['stage']} ({elapsed:.1f} s)",
-                file=stream,
-                flush=True,
-            )
-        if done:
-            for name, t in job.snapshot()["tasks"].items():
-                if t["state"] != "succeeded":
-                    print(f"{name:28s} {t['state']}", file=stream, flush=True)
-            return
-
 
 def cmd_snapshot(args) -> int:
     """`run`, then its captures packed into one file (`core.engine.snapshot`)."""
@@ -548,7 +525,7 @@ def execute(args, plan=None, after=None) -> int:
     from core.engine.runners import InProcessRunner
 
     runner = InProcessRunner() if args.in_process else make_runner(args.runner, args.ray_address)
-    runner.warm()  # the first worker imports its libraries while this process checks the inputs
+    runner.warm()  # the fork server imports the libraries while this process checks the inputs
     try:
         return _run_and_report(args, Engine, runner, plan, after)
     finally:
@@ -570,7 +547,7 @@ def _run_and_report(args, engine_class, runner, plan=None, after=None) -> int:
         + (f" (added as peers: {added})" if added else ""),
         file=sys.stderr,
     )
-    watcher = threading.Thread(target=watch, args=(job,), daemon=True)
+    watcher = threading.Thread(target=watch, args=(job,), daemon=True)  # bars on a terminal
     watcher.start()
     try:
         job.wait()

@@ -37,10 +37,8 @@ def home() -> Path:
 @st.cache_resource(show_spinner=False)
 def _engine(home_dir: str, runner: str) -> Engine:
     in_process = runner == "in-process"
-    # workers wait ready (libraries imported) for the next Run: the first heatmap needs three
-    # (both demo targets' first pass and their compare), each ~0.4 GB while it waits
-    spares = int(os.environ.get("WEIGHTDRIFT_SPARES", "3"))
-    made = Engine(Path(home_dir), runner=InProcessRunner() if in_process else ProcessRunner(), spares=spares)
+    # the fork server imports the libraries once, with the server: every Run's tasks start warm
+    made = Engine(Path(home_dir), runner=InProcessRunner() if in_process else ProcessRunner(), warm=True)
     # When the server stops (Ctrl-C, SIGTERM, and SIGHUP under `python -m dashboard`), its jobs are
     # cancelled and marked so, and no worker outlives it.
     atexit.register(made.shutdown, "cancelled: the dashboard server stopped")

@@ -27,7 +27,7 @@ LOWER = {
 }
 ALLOWED: dict[str, set[str]] = {
     "dashboard": {"dashboard", "core.demo", "core.report", "core.judgement", *LOWER},
-    "core.cli": {"core.demo", "core.report", "core.judgement", *LOWER},
+    "core.cli": {"core.demo", "core.report", "core.judgement", "core.progress", *LOWER},
     "core.demo": LOWER,
     "core.engine": (LOWER | {"core.report", "core.judgement"}) - {"core.engine"},
     "core.checks": {"core.models", "core.methods", "core.numerics", "core.capture", "core.spec"},
@@ -36,6 +36,7 @@ ALLOWED: dict[str, set[str]] = {
     "core.methods": {"core.numerics", "core.spec"},
     "core.numerics": {"core.spec"},
     "core.report": set(),
+    "core.progress": set(),
     "core.judgement": set(),
     "core.spec": set(),
     "core.__main__": {"core.cli"},

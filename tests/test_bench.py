@@ -269,3 +269,26 @@ def test_bench_parser_has_the_dashboard_options() -> None:
         True,
     )
     assert build_parser().parse_args(["--skip-dashboard"]).skip_dashboard
+    args = build_parser().parse_args(["--cli-runs", "2", "--skip-cli"])
+    assert (args.cli_runs, args.skip_cli) == (2, True)
+
+
+def test_cli_demo_summary_takes_the_ratio_of_the_medians_of_the_runs_that_succeeded() -> None:
+    from bench.cli_demo import cli_demo_table, summarize
+
+    def rep(bare, run, ok=True):
+        return {"bare_import": {"wall_s": bare}, "run": {"wall_s": run}, "ok": ok, "ratio": run / bare}
+
+    runs = [rep(4.0, 12.0), rep(5.0, 20.0), rep(3.0, 15.0), rep(1.0, 100.0, ok=False)]
+    s = summarize(runs)
+    assert (s["repeats_ok"], s["failed"]) == (3, 1)
+    assert (s["bare_import_median_s"], s["run_median_s"], s["ratio_of_medians"]) == (4.0, 15.0, 3.75)
+    assert s["ratio_range"] == [3.0, 5.0] and s["met"]
+    assert not summarize([rep(2.0, 9.0)])["met"]
+    assert summarize([]) == {"repeats_ok": 0, "failed": 0}
+    assert cli_demo_table({"runs": runs, "summary": s}).splitlines()[-1] == (
+        "| 4.00 | 15.00 | 3.75 | 3.00–5.00 (3 ok, 1 failed) | ≤ 4× ✓ |"
+    )
+    assert cli_demo_table({"runs": [], "summary": summarize([]), "error": "no demo"}) == (
+        "No repetition succeeded: no demo."
+    )

@@ -1,5 +1,6 @@
 """The engine: scheduling per device, cancel, crashed workers, refused targets."""
 
+import contextlib
 import os
 import signal
 import threading
@@ -10,6 +11,7 @@ import pytest
 
 from core.engine.jobs import Engine
 from core.engine.runners import InProcessRunner, Outcome, ProcessRunner, Runner
+from core.engine.worker import FORK_SERVER_ARG, FORKED_NAME
 from core.models.targets import Device
 from core.spec import AdapterRef, ModelRef, ProbeSpec, SpecError, Target
 
@@ -106,8 +108,17 @@ def test_in_process_run_succeeds(tmp_path, demo_workspace):
 
 
 def _worker_pids():
+    """Task processes: spawned workers and the fork server's children (named FORKED_NAME), not the server."""
     me = psutil.Process(os.getpid())
-    return [p.pid for p in me.children(recursive=True) if "core.engine.worker" in " ".join(p.cmdline())]
+    pids = []
+    for p in me.children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            cmdline = " ".join(p.cmdline())
+            if "core.engine.worker" in cmdline and (
+                FORK_SERVER_ARG not in cmdline or p.name() == FORKED_NAME
+            ):
+                pids.append(p.pid)
+    return pids
 
 
 @pytest.mark.e2e
@@ -175,19 +186,17 @@ def test_shutdown_cancels_running_jobs_marks_them_and_leaves_no_worker(tmp_path,
 
 
 @pytest.mark.e2e
-def test_a_spare_worker_takes_the_first_task_and_is_replaced_after_the_job(tmp_path, demo_workspace):
-    # The spare started before the run existed: it learns its task's log with its task, runs it,
-    # and the engine starts another spare once the job is over (and kills it on shutdown).
-    engine = Engine(tmp_path, runner=ProcessRunner(), spares=1)
-    runner = engine.runner
-    (spare,) = runner._spares
+def test_the_fork_server_serves_a_job_and_stops_with_the_engine(tmp_path, demo_workspace):
+    # Started with the engine, before the run existed: its forked task learns its log with its task.
+    engine = Engine(tmp_path, runner=ProcessRunner(), warm=True)
+    server = engine.runner._server
+    assert server is not None and server.alive()
     base = demo_workspace["models"]["tiny-llama"]
     job = engine.submit(_spec(base, ["cpu/float32"], checks=("weights",)))
-    assert job.wait(120) and job.state == "succeeded", job.error
-    assert spare.wait(10) == 0  # it ran a task (a task-less spare is only ever killed)
-    log = job.run_dir / "logs" / "cpu_float32.log"
-    assert log.exists()  # the spare's output went to the task's log
-    (replacement,) = runner._spares
-    assert replacement.pid != spare.pid and replacement.poll() is None
+    assert job.wait(240) and job.state == "succeeded", job.error
+    log = (job.run_dir / "logs" / "cpu_float32.log").read_text()
+    assert "spawned instead" not in log  # forked, not spawned
+    assert engine.runner._server is server and server.alive()  # kept for the next job
     engine.shutdown("test over")
-    assert replacement.wait(10) is not None and not runner._spares
+    assert server.proc.poll() is not None and engine.runner._server is None
+    assert not _worker_pids()

@@ -153,17 +153,18 @@ class Engine:
     """Accepts specs, runs them as jobs in background threads, keeps them in the store."""
 
     def __init__(
-        self, home: Path, runner: Runner | None = None, devices: list | None = None, spares: int = 0
+        self, home: Path, runner: Runner | None = None, devices: list | None = None, warm: bool = False
     ):
-        """`spares`: workers kept ready for the next job (started now and again after each job ends),
-        so that a run's first target starts without waiting for its libraries to import."""
+        """`warm`: the runner gets ready for the next job now and again after each job ends (the process
+        runner's fork server), so that a run's first target starts without waiting for its imports."""
         from core.models.targets import discover_devices
 
         self.store = Store(home)
         self.store.sweep()  # what killed processes left behind
         self.runner = runner or ProcessRunner()
-        self.spares = spares
-        self.runner.warm(spares)
+        self.warm = warm
+        if warm:
+            self.runner.warm()
         if devices is None:
             devices = self.runner.devices()  # a runner of other machines knows theirs (ray_runner)
         self.devices = devices if devices is not None else discover_devices()
@@ -596,7 +597,7 @@ class Engine:
         finally:
             self.store.release(job.run_id)
             others = [j for j in self._jobs.values() if j is not job and not j.done_event.is_set()]
-            if self.spares and not others:
-                with contextlib.suppress(OSError):  # no spare is no error: the next run starts its own
-                    self.runner.warm(self.spares)  # ready for the next job, now that this one is over
+            if self.warm and not others:
+                with contextlib.suppress(OSError):  # not ready is no error: the next run starts its own
+                    self.runner.warm()  # a fork server that stopped starts again, for the next job
             job.done_event.set()

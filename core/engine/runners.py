@@ -1,18 +1,24 @@
 """Runners: where a task of a job runs, and how its end is told (`Outcome`).
 
-`ProcessRunner` spawns a fresh `python -m core.engine.worker` per task (numerics flags are
-process-global and a CUDA error poisons a process), keeps spare workers with their libraries
-imported and gets the next task's worker ready while the one before it works; `InProcessRunner`
-runs a task in this process, for unit tests. `core.engine.ray_runner` runs them on a Ray cluster.
+`ProcessRunner` runs each task in a fresh process (numerics flags are process-global and a CUDA
+error poisons a process): forked by its fork server, which imported the libraries once (`ForkServer`,
+docs/workers.md), or spawned as `python -m core.engine.worker` where the task measures its own
+process's start (a memory timeline) or no fork server can serve; it gets the next task's process
+ready while the one before it works. `InProcessRunner` runs a task in this process, for unit tests.
+`core.engine.ray_runner` runs them on a Ray cluster.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -21,9 +27,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.engine.worker import EXIT_CANCELLED, PREIMPORT_ENV, Cancelled, Task, run_task, task_json
+from core.engine.worker import (
+    EXIT_CANCELLED,
+    FORK_SERVER_ARG,
+    PREIMPORT_ENV,
+    Cancelled,
+    Task,
+    run_task,
+    task_json,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# fork needs Linux here: pidfds to reap, /proc to count threads, SCM_RIGHTS to hand a task its pipes
+FORKS = sys.platform == "linux" and hasattr(os, "pidfd_open") and hasattr(socket, "send_fds")
 
 
 @dataclass
@@ -63,9 +79,9 @@ class Runner(ABC):
         """The devices targets may name where this runner runs them; None: this machine's."""
         return None
 
-    def warm(self, count: int = 1) -> None:
-        """Have `count` workers ready for whatever task comes next (a runner with workers starts them
-        now, so that their imports overlap what the caller does before its first task)."""
+    def warm(self) -> None:
+        """Get ready for whatever task comes next (the process runner starts its fork server now, so
+        that its imports overlap what the caller does before its first task)."""
         return None
 
 
@@ -106,54 +122,228 @@ def tail(path: Path, lines: int = 12) -> str:
     return "\n".join(text.rstrip().splitlines()[-lines:])
 
 
-class ProcessRunner(Runner):
-    """Runs each task in a fresh spawned worker process; stderr goes to the run's log."""
+def worker_env(preimport: bool) -> dict[str, str]:
+    """The environment of a worker process: this one's, the package on its path, output unbuffered."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    env[PREIMPORT_ENV] = "1" if preimport else ""
+    return env
 
-    def __init__(self, grace_s: float = 10.0, python: str | None = None):
+
+class ForkedProcess:
+    """A task's process forked by a `ForkServer`, with what the runner uses of `subprocess.Popen`.
+
+    Its pid and exit status come from the server (it is the server's child): `started` waits for
+    the pid, or for the reason there is none (`refused`: the server refused or stopped)."""
+
+    def __init__(self, answers: socket.socket, stdin, stdout, server: ForkServer):
+        self.stdin, self.stdout, self._answers, self._server = stdin, stdout, answers, server
+        self._buffer = b""
+        self._lock = threading.Lock()
+        self.pid: int | None = None
+        self.threads: int | None = None  # the server's thread count just before it forked this one
+        self.returncode: int | None = None
+        self.refused: str | None = None
+        self.server_lost = False  # the server stopped before it could say how this one ended
+
+    def _read(self, timeout: float | None) -> bool:
+        """Take in what the server said, waiting up to `timeout` seconds for something; False: nothing came."""
+        try:
+            if not select.select([self._answers], [], [], timeout)[0]:
+                return False
+        except (ValueError, OSError):  # closed: everything it will say was said
+            return False
+        with self._lock:  # the task's thread and kill_all's may both be reading
+            try:
+                data = self._answers.recv(4096, socket.MSG_DONTWAIT)
+            except OSError:  # another thread took it, or closed the socket
+                return False
+            return self._take(data)
+
+    def _take(self, data: bytes) -> bool:
+        if not data:
+            self._answers.close()
+            if self.pid is None:
+                with contextlib.suppress(subprocess.TimeoutExpired):  # to say how it ended
+                    self._server.proc.wait(1)
+                self.refused = f"the fork server stopped{self._server.exit_text()}"
+            elif self.returncode is None:  # a forked task dies with its server (PR_SET_PDEATHSIG)
+                self.returncode, self.server_lost = -signal.SIGKILL, True
+            return True
+        self._buffer += data
+        *lines, self._buffer = self._buffer.split(b"\n")
+        for line in lines:
+            word, _, rest = line.decode().partition(" ")
+            if word == "pid":
+                pid, threads = rest.split()
+                self.pid, self.threads = int(pid), int(threads)
+            elif word == "exit":
+                self.returncode = int(rest)
+            elif word == "refused":
+                self.refused = rest
+        return True
+
+    def started(self, timeout: float | None = None) -> bool:
+        """Whether it was forked (its pid is known), waiting up to `timeout` seconds to know."""
+        if self.pid is None and self.refused is None:
+            self._read(timeout)
+        return self.pid is not None
+
+    def poll(self) -> int | None:
+        while self.returncode is None and self._read(0):
+            pass
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            if self.refused is not None:
+                self.returncode = -signal.SIGKILL  # never forked, never will be
+                break
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired("forked task", timeout or 0)
+            self._read(left)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.pid is not None and self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):  # exited; the server's answer is on its way
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        if self.pid is None:
+            self.stdin.close()  # forked later, it reads no task and exits
+            self._answers.close()
+            self.refused = self.refused or "given up before it was forked"
+            return
+        if self.returncode is None:
+            # the process (its group may not exist yet: it makes it first thing), then its group
+            for kill in (os.kill, os.killpg):
+                with contextlib.suppress(ProcessLookupError):
+                    kill(self.pid, signal.SIGKILL)
+
+
+class ForkServer:
+    """One `python -m core.engine.worker --fork-server` process: it imports torch, transformers,
+    PEFT, the task code and the compiled kernel once (never CUDA) and forks a process per task
+    (`core.engine.worker.serve_forks`), so no task waits for its imports."""
+
+    def __init__(self, python: str):
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # what it prints (an import error) stays readable for the log of the task it fails
+        self.errors = tempfile.TemporaryFile()  # noqa: SIM115  (closed by `stop`)
+        with theirs:
+            self.proc = subprocess.Popen(
+                [python, "-m", "core.engine.worker", FORK_SERVER_ARG, str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                stdout=self.errors,
+                stderr=self.errors,
+                cwd=str(REPO_ROOT),
+                env=worker_env(False),
+                start_new_session=True,
+            )
+        self.control = mine
+        self._lock = threading.Lock()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def exit_text(self) -> str:
+        """How the server ended, and the end of what it printed ('' while it runs)."""
+        code = self.proc.poll()
+        if code is None:
+            return ""
+        how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
+        printed = os.pread(self.errors.fileno(), 2000, max(0, os.fstat(self.errors.fileno()).st_size - 2000))
+        text = printed.decode(errors="replace").strip()
+        return f" (it {how})" + (f": …{text}" if text else "")
+
+    def fork(self, env: dict[str, str]) -> ForkedProcess | None:
+        """Ask for a task's process (answered while the server imports, if it still does); None
+        when the server cannot take the request."""
+        if not self.alive():
+            return None
+        stdin_r, stdin_w = os.pipe()
+        stdout_r, stdout_w = os.pipe()
+        answers, theirs = socket.socketpair()
+        try:
+            with self._lock:
+                socket.send_fds(
+                    self.control, [json.dumps(env).encode()], [stdin_r, stdout_w, theirs.fileno()]
+                )
+        except OSError:
+            for fd in (stdin_w, stdout_r):
+                os.close(fd)
+            answers.close()
+            return None
+        finally:  # the server holds its own copies now
+            os.close(stdin_r)
+            os.close(stdout_w)
+            theirs.close()
+        return ForkedProcess(answers, open(stdin_w, "wb"), open(stdout_r, "rb"), self)
+
+    def stop(self) -> None:
+        """Kill the server (its tasks die with it) and wait for it."""
+        self.control.close()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.errors.close()
+
+
+class ProcessRunner(Runner):
+    """Runs each task in a fresh process: forked by its fork server (started by `warm`, or with the
+    first task that may fork), else spawned; a process's stderr goes to its task's log.
+
+    `fork=False`: spawn every task's process (what the fork server's processes are compared with)."""
+
+    def __init__(self, grace_s: float = 10.0, python: str | None = None, fork: bool = True):
         self.grace_s = grace_s
         self.python = python or sys.executable
-        self._prepared: dict[tuple[str, str], subprocess.Popen] = {}
-        # started ahead of any task (`warm`): libraries imported, waiting for a task and its log
-        self._spares: list[subprocess.Popen] = []
-        self._live: set[subprocess.Popen] = set()  # every worker started and not yet reaped
+        self.forks = fork and FORKS
+        self._server: ForkServer | None = None
+        self._prepared: dict[tuple[str, str], subprocess.Popen | ForkedProcess] = {}
+        self._live: set = set()  # every task's process started and not yet reaped
         self._lock = threading.Lock()
-        self._live_lock = threading.Lock()  # apart: _spawn runs under _lock in prepare
+        self._live_lock = threading.Lock()  # apart: _start runs under _lock in prepare
 
     def kill_all(self) -> None:
         with self._lock:
             self._prepared.clear()
-            self._spares.clear()
+            server, self._server = self._server, None
         with self._live_lock:
             procs = list(self._live)
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-            proc.wait()
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):  # the server's stop settles the rest
+                proc.wait(timeout=10)
+        if server is not None:
+            server.stop()
 
-    def warm(self, count: int = 1) -> None:
+    def warm(self) -> None:
         with self._lock:
-            self._spares = [p for p in self._spares if p.poll() is None]
-            while len(self._spares) < count:
-                self._spares.append(self._spawn_worker(None, preimport=True))
+            self._fork_server(restart=True)
 
-    def _take_spare(self, task: Task) -> subprocess.Popen | None:
-        """A live spare worker for `task` (not a memory timeline's: its process must start with its task)."""
-        if not task.imports_ahead:
+    def _fork_server(self, restart: bool) -> ForkServer | None:
+        """The live fork server, started if there is none yet (or, `restart`, if it stopped); under _lock."""
+        if not self.forks:
             return None
-        while self._spares:
-            proc = self._spares.pop(0)
-            if proc.poll() is None:
-                return proc
-        return None
+        if self._server is None or (restart and not self._server.alive()):
+            if self._server is not None:
+                self._server.stop()
+            self._server = ForkServer(self.python)
+        return self._server
 
     def prepare(self, task: Task, log_path: Path) -> None:
-        """Get `task`'s worker ready now: a spare if there is one, else a new worker that imports
-        torch, transformers, PEFT and this package's task code and then waits for its task, so those
-        seconds overlap the task before it on the same device."""
+        """Get `task`'s process ready now, waiting for its task (forked, or spawned importing torch,
+        transformers, PEFT and this package's task code), so that its start overlaps the task before it."""
         with self._lock:
             if (task.run_dir, task.label) not in self._prepared:
-                proc = self._take_spare(task)
-                self._prepared[(task.run_dir, task.label)] = proc or self._spawn(task, log_path)
+                self._prepared[(task.run_dir, task.label)] = self._start(task, log_path)
 
     def discard(self, task: Task) -> None:
         with self._lock:
@@ -162,36 +352,51 @@ class ProcessRunner(Runner):
             proc.kill()
             proc.wait()
 
-    def _spawn(self, task: Task, log_path: Path) -> subprocess.Popen:
-        return self._spawn_worker(log_path, preimport=task.imports_ahead)
+    def _start(self, task: Task, log_path: Path) -> subprocess.Popen | ForkedProcess:
+        """`task`'s process: forked where it may be (not a memory timeline's: its process must start with
+        its task), else spawned (and its log says why when the fork server could not serve); under _lock."""
+        if task.imports_ahead and self.forks:
+            server = self._fork_server(restart=False)
+            proc = server.fork(worker_env(False)) if server is not None else None
+            if proc is not None:
+                self._track(proc)
+                return proc
+            _note(log_path, f"the fork server cannot serve{server.exit_text() if server else ''}")
+        return self._spawn(task, log_path)
 
-    def _spawn_worker(self, log_path: Path | None, preimport: bool) -> subprocess.Popen:
-        """A worker process; its stderr goes to `log_path` (a spare's: nowhere until its task names its log)."""
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-        env[PREIMPORT_ENV] = "1" if preimport else ""
-        if log_path is not None:
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path if log_path is not None else os.devnull, "ab") as log:
+    def _spawn(self, task: Task, log_path: Path) -> subprocess.Popen:
+        """A fresh `python -m core.engine.worker`; its stderr goes to `log_path`."""
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
             proc = subprocess.Popen(
                 [self.python, "-m", "core.engine.worker"],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log,
                 cwd=str(REPO_ROOT),
-                env=env,
+                env=worker_env(task.imports_ahead),
                 start_new_session=True,  # a Ctrl-C in the terminal goes to us, not straight to workers
             )
-        with self._live_lock:
-            self._live = {p for p in self._live if p.poll() is None} | {proc}
+        self._track(proc)
         return proc
 
+    def _track(self, proc) -> None:
+        with self._live_lock:
+            self._live = {p for p in self._live if p.poll() is None} | {proc}
+
     def run(self, task, on_event, cancel, log_path) -> Outcome:
-        log_path.parent.mkdir(parents=True, exist_ok=True)  # a spare worker opens it itself
+        log_path.parent.mkdir(parents=True, exist_ok=True)  # a forked task opens it itself
         with self._lock:
-            proc = self._prepared.pop((task.run_dir, task.label), None) or self._take_spare(task)
-        if proc is None or proc.poll() is not None:
-            proc = self._spawn(task, log_path)
+            proc = self._prepared.pop((task.run_dir, task.label), None)
+            if proc is None or proc.poll() is not None:
+                proc = self._start(task, log_path)
+        while isinstance(proc, ForkedProcess) and not proc.started(timeout=0.1):
+            if cancel.is_set():
+                proc.kill()
+                return Outcome(ok=False, cancelled=True)
+            if proc.refused is not None:  # the server stopped or refused: this task spawns
+                _note(log_path, f"the fork server did not fork this task: {proc.refused}")
+                proc = self._spawn(task, log_path)
         last: dict[str, Any] = {"final": None}
 
         def read_events():
@@ -232,4 +437,13 @@ class ProcessRunner(Runner):
         if final.get("type") == "error":
             return Outcome(ok=False, error=final["message"])
         how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
+        if getattr(proc, "server_lost", False):
+            how += " (its fork server stopped)"
         return Outcome(ok=False, error=f"worker process {how}", stderr_tail=tail(log_path))
+
+
+def _note(log_path: Path, text: str) -> None:
+    """A line of the runner's own in a task's log."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "a") as log:
+        log.write(f"weightdrift: {text}; this task's process is spawned instead\n")

@@ -7,6 +7,7 @@ events as JSON lines on its original stdout (library prints go to stderr, the lo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -26,6 +27,11 @@ Emit = Callable[[Event], None]
 # Set by the process runner for a worker started ahead of its task: import the libraries before
 # waiting for the task, so that the import overlaps the task before it.
 PREIMPORT_ENV = "WEIGHTDRIFT_PREIMPORT"
+
+# `python -m core.engine.worker --fork-server FD`: the fork server, on the UNIX socket FD.
+FORK_SERVER_ARG = "--fork-server"
+# What a forked task's process calls itself (/proc/PID/comm, 15 bytes at most): its command line is the server's.
+FORKED_NAME = "wd-task"
 
 EXIT_OK = 0
 EXIT_CRASH = 1
@@ -297,13 +303,21 @@ def _own_folders(captures_dir: Path, spec, check, target) -> list[Path]:
 
 
 def main() -> int:
-    """Entry point of a worker process: task JSON on stdin, events as JSON lines on stdout."""
+    """Entry point of a worker process: task JSON on stdin, events as JSON lines on stdout (or, with
+    `--fork-server FD`, the fork server: see `serve_forks`)."""
+    if sys.argv[1:2] == [FORK_SERVER_ARG]:
+        return serve_forks(int(sys.argv[2]))
     sample_process("process start")
     import torch  # noqa: F401  (imported here so the memory timeline can say what importing it costs)
 
     sample_process("import torch")
     if os.environ.get(PREIMPORT_ENV):
         preimport()
+    return serve_task()
+
+
+def serve_task() -> int:
+    """Read one task on stdin, run it, write its events on stdout; the exit code says how it ended."""
     events = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # anything a library prints goes to the log, not into the event stream
     cancel = {"requested": False}
@@ -349,10 +363,15 @@ def main() -> int:
     return EXIT_OK
 
 
-def preimport() -> None:
+def preimport(fork_safe: bool = False) -> None:
     """What every task needs before its first stage, done while the worker waits for its task:
     the libraries, this package's task modules, and the compiled comparison kernel (loaded from
-    numba's cache by a first tiny call). Each second here overlaps the task before it."""
+    numba's cache by a first tiny call). Each second here overlaps the task before it.
+
+    `fork_safe` (the fork server): start no thread pool, so that the process can fork: only the
+    serial passes run (numba's OpenMP layer, once launched, stops a forked process at its first
+    parallel pass; a task loads the parallel passes from numba's cache itself, ~0.1 s), and torch
+    sees only tensors too small for its OpenMP pool."""
     import peft  # noqa: F401
     import transformers  # noqa: F401
 
@@ -367,9 +386,143 @@ def preimport() -> None:
 
         a = torch.arange(8, dtype=torch.float32)
         metrics.measure(a.to(torch.bfloat16), a, metrics.Tolerance(1e-2, 1e-5))  # serial passes, sketch
+        if fork_safe:
+            kernel.compare_cpu(a + 0.5, a, 0.0, 0.0, parallel=False, sketch=True)
+            return
         # the parallel passes large tensors take are compiled functions of their own
         kernel.compare_cpu(a, a, 0.0, 0.0, parallel=True)
         kernel.compare_cpu(a + 0.5, a, 0.0, 0.0, parallel=True, sketch=True)
+
+
+def threads() -> int:
+    """How many threads this process has now (Linux: /proc/self/task)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def _stop_blas_pools() -> None:
+    """Stop the OpenBLAS thread pools numpy and scipy start when they load, as OpenBLAS's own fork
+    handler does at every fork: a pool restarts, the same size, on a forked task's first BLAS call."""
+    import ctypes
+
+    with open("/proc/self/maps") as maps:
+        libs = {line.split()[-1] for line in maps if "openblas" in line.rsplit("/", 1)[-1]}
+    for lib in sorted(libs):
+        shutdown = getattr(ctypes.CDLL(lib), "blas_thread_shutdown_", None)
+        if shutdown is not None:
+            shutdown()
+
+
+def serve_forks(fd: int) -> int:
+    """The fork server: import what tasks need once (never CUDA), then fork a process per request.
+
+    A request on the UNIX socket `fd` (SOCK_SEQPACKET) is the task's environment as JSON with three
+    file descriptors: the task's stdin and stdout, and a socket for the answers: `pid PID THREADS`
+    once forked (THREADS: this process's thread count just before the fork, always 1), `exit CODE`
+    once reaped (as `Popen.returncode`), or `refused REASON`. The server forks only while it has one
+    thread (fork copies only the calling thread, leaving other threads' locks held for good). When
+    the socket closes (the runner's process is gone) it kills its tasks and exits.
+    """
+    import gc
+    import select
+    import socket
+
+    # arrow's jemalloc starts a background thread when it loads (pandas imports pyarrow) unless told not to
+    os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
+    control = socket.socket(fileno=fd)
+    preimport(fork_safe=True)
+    _stop_blas_pools()
+    gc.freeze()  # what is imported stays in pages the forked tasks share (no collection touches them)
+    children: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, answer socket)
+    server_pid = os.getpid()
+    while True:
+        ready, _, _ = select.select([control, *children], [], [])
+        for pidfd in [r for r in ready if r is not control]:
+            pid, answers = children.pop(pidfd)
+            _, status = os.waitpid(pid, 0)
+            os.close(pidfd)
+            with answers:
+                _answer(answers, f"exit {os.waitstatus_to_exitcode(status)}")
+        if control not in ready:
+            continue
+        message, fds, _, _ = socket.recv_fds(control, 1 << 20, 3)
+        if not message:  # the runner's process is gone: so are its tasks
+            for pid, _ in children.values():
+                _kill_group(pid)
+            return EXIT_OK
+        if len(fds) != 3:
+            for f in fds:
+                os.close(f)
+            continue
+        stdin, stdout, answer_fd = fds
+        answers = socket.socket(fileno=answer_fd)
+        count = threads()
+        if count != 1:
+            _answer(answers, f"refused the fork server has {count} threads")
+            answers.close()
+        else:
+            try:
+                pid = os.fork()
+            except OSError as e:  # out of memory or processes: the runner spawns this one
+                _answer(answers, f"refused fork failed: {e}")
+                answers.close()
+                os.close(stdin)
+                os.close(stdout)
+                continue
+            if pid == 0:
+                _forked(
+                    json.loads(message),
+                    stdin,
+                    stdout,
+                    [control, answers, *(a for _, a in children.values())],
+                    list(children),
+                    server_pid,
+                )
+            children[os.pidfd_open(pid)] = (pid, answers)
+            _answer(answers, f"pid {pid} {count}")
+        os.close(stdin)
+        os.close(stdout)
+
+
+def _answer(sock, text: str) -> None:
+    with contextlib.suppress(OSError):  # the runner gave up on this task: nothing to tell
+        sock.sendall(text.encode() + b"\n")
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(OSError):  # gone already
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _forked(env: dict, stdin: int, stdout: int, sockets: list, pidfds: list[int], server_pid: int) -> None:
+    """The forked task's process: made like a spawned worker's, then `serve_task`; never returns."""
+    code = EXIT_CRASH
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: no task outlives the server
+        if os.getppid() != server_pid:  # it died before that took hold
+            os._exit(EXIT_CRASH)
+        libc.prctl(15, FORKED_NAME.encode())  # PR_SET_NAME
+        os.setsid()  # its own session, as a spawned worker's: a Ctrl-C in the terminal is not for it
+        # Signal handlers are the server's, which sets none: Python's, as in a spawned worker.
+        for sock in sockets:
+            sock.close()
+        for pidfd in pidfds:
+            os.close(pidfd)
+        os.dup2(stdin, 0)
+        os.dup2(stdout, 1)
+        os.close(stdin)
+        os.close(stdout)
+        os.environ.clear()
+        os.environ.update(env)  # the runner's environment now, as a spawned worker would get it
+        code = serve_task()
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def task_json(task: Task, log_path: str | None = None) -> str:

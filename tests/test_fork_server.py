@@ -1,0 +1,132 @@
+"""The fork server: a task's process forked from one that imported the libraries once, against a
+spawned worker's (same numbers, bit for bit), and what happens when the server is gone."""
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+import torch
+from pandas.testing import assert_frame_equal
+from tiny_models import ARCHITECTURES, quiet
+
+from core.engine.jobs import Engine
+from core.engine.runners import FORKS, ForkedProcess, ForkServer, ProcessRunner, worker_env
+from core.engine.worker import FORKED_NAME
+from core.spec import AdapterRef, ModelRef, ProbeSpec, Target
+
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not FORKS, reason="the fork server needs Linux")]
+
+
+def _stat(pid: int) -> tuple[str, int]:
+    """(its name, its session id) as /proc says now."""
+    with open(f"/proc/{pid}/comm") as f:
+        name = f.read().strip()
+    return name, os.getsid(pid)
+
+
+def test_a_forked_task_process_is_made_like_a_spawned_worker_and_dies_with_its_server():
+    server = ForkServer(sys.executable)
+    try:
+        proc = server.fork(worker_env(False))
+        assert proc.started(timeout=600), proc.refused
+        assert proc.threads == 1  # the server had one thread when it forked
+        deadline = time.monotonic() + 30
+        while _stat(proc.pid) != (FORKED_NAME, proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # its own name and session (a Ctrl-C in the terminal is not for it); the server's child
+        assert _stat(proc.pid) == (FORKED_NAME, proc.pid)
+        with open(f"/proc/{proc.pid}/stat") as f:
+            assert int(f.read().rsplit(")", 1)[1].split()[1]) == server.proc.pid
+        proc.stdin.close()  # no task: it exits as a worker does without one
+        assert proc.wait(60) == 0 and proc.stdout.read() == b""
+
+        killed = server.fork(worker_env(False))
+        assert killed.started(timeout=60)
+        killed.kill()
+        assert killed.wait(60) == -signal.SIGKILL and not killed.server_lost
+
+        orphan = server.fork(worker_env(False))
+        assert orphan.started(timeout=60)
+        os.kill(server.proc.pid, signal.SIGKILL)
+        # the server cannot say how it ended: it died with it (PR_SET_PDEATHSIG), and nothing hangs
+        assert orphan.wait(60) == -signal.SIGKILL and orphan.server_lost
+        server.proc.wait(60)
+        assert server.fork(worker_env(False)) is None
+        assert server.exit_text() == " (it was killed by SIGKILL)"
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory):
+    """A one-layer Llama wide enough that the kernel's parallel passes (embeddings, projections
+    ≥ PARALLEL_MIN elements) and torch's thread pool (the forwards) both run in the task."""
+    from peft import get_peft_model
+
+    quiet()
+    root = tmp_path_factory.mktemp("wide")
+    torch.manual_seed(7)
+    arch = ARCHITECTURES["llama"]
+    sizes = {"vocab_size": 512, "hidden_size": 512, "intermediate_size": 1024, "num_attention_heads": 4}
+    model = arch.build(**sizes)
+    model.save_pretrained(root / "base")
+    get_peft_model(model, arch.lora(r=8)).save_pretrained(root / "lora")
+    return root / "base", root / "lora"
+
+
+class RecordingRunner(ProcessRunner):
+    """Keeps every task process it starts."""
+
+    def __init__(self):
+        super().__init__()
+        self.started = []
+
+    def _start(self, task, log_path):
+        proc = super()._start(task, log_path)
+        self.started.append(proc)
+        return proc
+
+
+def test_forked_and_spawned_tasks_give_the_same_metrics_bit_for_bit_and_a_dead_server_is_no_hang(
+    tmp_path, wide_model
+):
+    base, lora = wide_model
+    spec = ProbeSpec(
+        base=ModelRef(str(base)),
+        adapters=(AdapterRef(str(lora), "lora"),),
+        targets=(Target.parse("cpu/bfloat16"),),
+        checks=("weights", "outputs", "activations"),
+    )
+    runner = RecordingRunner()
+    runner.warm()
+    engine = Engine(tmp_path, runner=runner)
+    forked = engine.submit(spec)
+    assert forked.wait(600) and forked.state == "succeeded", forked.error
+    assert runner.started and all(isinstance(p, ForkedProcess) for p in runner.started)
+    # the server had one thread at every fork (a process given up before its fork reads None)
+    assert {p.threads for p in runner.started if p.pid is not None} == {1}
+
+    # The server dies: every task of the next job spawns its own worker, and its log says why.
+    runner.started.clear()
+    os.kill(runner._server.proc.pid, signal.SIGKILL)
+    runner._server.proc.wait(60)
+    spawned = engine.submit(spec)
+    assert spawned.wait(900) and spawned.state == "succeeded", spawned.error
+    assert runner.started and not any(isinstance(p, ForkedProcess) for p in runner.started)
+    logs = sorted((spawned.run_dir / "logs").glob("*.log"))
+    assert logs and all(
+        "weightdrift: the fork server cannot serve (it was killed by SIGKILL); this task's process is spawned"
+        in log.read_text()
+        for log in logs
+    )
+    engine.shutdown("test over")
+
+    def table(job):
+        return engine.store.open(job.run_id).metrics()
+
+    assert_frame_equal(table(forked), table(spawned), check_exact=True)
+    # the parallel passes ran: tensors this large take them
+    weights = table(forked).query("check == 'weights'")
+    assert (weights["numel"] >= 1 << 17).any()
