@@ -385,6 +385,45 @@ def test_mixtral_reference_says_its_experts_ran_the_per_expert_loop(runs: dict) 
     assert not other["note"].fillna("").str.contains("per-expert").any()
 
 
+def test_marian_tensors_computed_when_built_are_compared_with_a_fresh_build(
+    workspace: dict, tmp_path: Path
+) -> None:
+    """Marian's sinusoidal position embeddings are parameters it computes when built and never saves: the
+    weights rows compare them with a fresh float64 build (float32 builds them from float32 sines: the very
+    values; bfloat16 rounds them), and the activations check re-runs each embedding alone with the
+    arguments it was called with (an input shape, not a tensor), which gives the reference's output."""
+    model, adapter = workspace["marian"]
+    run = _submit(
+        Engine(tmp_path / "home", runner=InProcessRunner()),
+        ProbeSpec(
+            base=ModelRef(path=str(model)),
+            adapters=(AdapterRef(path=str(adapter), name="lora"),),
+            targets=tuple(Target.parse(t) for t in TARGETS),
+            checks=("weights", "activations"),
+            probe=ProbeInputs(batch=2, seq_len=6),
+        ),
+    )
+    table = run.metrics()
+    assert "broken" not in set(table.verdict)
+    assert not [n for n in run.notes() if "no local drift" in n]
+    embeddings = [f"model.{stack}.embed_positions" for stack in ("decoder", "encoder")]
+    built = table[(table.check == "weights") & table.tensor.isin([f"{e}.weight" for e in embeddings])]
+    assert sorted(zip(built.target, built.tensor, built.verdict, built.reference, strict=True)) == [
+        (t, f"{e}.weight", verdict, "fresh build (float64)")
+        for t, verdict in (("cpu/bfloat16", "within tolerance"), ("cpu/float32", "identical"))
+        for e in embeddings
+    ]
+    assert set(built.note) == {
+        "computed by MarianSinusoidalPositionalEmbedding when the model is built and not saved in the "
+        "checkpoint: compared with a fresh float64 build of it"
+    }
+    local = table[(table.check == "activations") & table.tensor.isin([f"local:{e}" for e in embeddings])]
+    assert len(local) == 2 * 2 * 2  # both embeddings, base and adapter, both targets
+    assert set(local[local.target == "cpu/float32"].verdict) == {"identical"}
+    assert set(local[local.target == "cpu/bfloat16"].verdict) == {"within tolerance"}
+    assert set(local["shape"]) == {"6x16"}  # a row per position, as the embedding returns them
+
+
 def _with_task_type(adapter: Path, folder: Path, task_type: str) -> Path:
     """A copy of the adapter whose adapter_config.json names `task_type`."""
     shutil.copytree(adapter, folder)

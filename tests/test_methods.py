@@ -20,7 +20,7 @@ from tiny_models import ARCHITECTURES, quiet
 from core.engine.jobs import Engine
 from core.engine.runners import InProcessRunner
 from core.engine.store import RunRecord
-from core.methods import adapter_keys, formulas
+from core.methods import adapter_keys, formulas, peft_path
 from core.spec import AdapterRef, ModelRef, ProbeInputs, ProbeSpec, Target
 
 METHODS = ("loha", "lokr", "vera", "adalora")
@@ -270,10 +270,10 @@ def test_peft_float64_delta_and_merge_equal_the_formula_written_here(workspace: 
     layers = adapter_keys.adapted_modules(model)
     assert sorted(layers) == sorted(expected)
     for m, (layer, names) in layers.items():
-        delta = formulas.peft_delta(layer, names[0])
+        delta = peft_path.peft_delta(layer, names[0])
         assert (delta - expected[m]).abs().max() <= 1e-15 * expected[m].abs().max(), m
         assert (
-            formulas.peft_delta_source(layer, names[0]) == f"{config['peft_type'].lower()}.get_delta_weight"
+            peft_path.peft_delta_source(layer, names[0]) == f"{config['peft_type'].lower()}.get_delta_weight"
         )
     merged = model.merge_and_unload().state_dict()
     for m, d in expected.items():
@@ -287,7 +287,7 @@ def test_peft_float32_delta_is_float32_rounding_of_the_formula(workspace: dict, 
     config, tensors, base = _files(workspace, name)
     expected = _expected_delta(config, tensors, base)
     for m, (layer, names) in adapter_keys.adapted_modules(_peft(workspace, name, torch.float32)).items():
-        delta = formulas.peft_delta(layer, names[0])
+        delta = peft_path.peft_delta(layer, names[0])
         assert delta.dtype == torch.float32
         rel = ((delta.double() - expected[m]).norm() / expected[m].norm()).item()
         assert 0 < rel < 1e-6, (m, rel)  # float32 products: ~1e-7 relative, never exact here

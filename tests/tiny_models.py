@@ -269,6 +269,24 @@ ARCHITECTURES: dict[str, Architecture] = {
         task_type=None,
         kind="speech",
     ),
+    # LoRA on the convolutions: the stem's patch embedding and the second stage's downsampling
+    "convnext": Architecture(
+        "ConvNeXt (image classifier, LoRA on convolutions)",
+        "ConvNextForImageClassification",
+        "ConvNextConfig",
+        {
+            "num_channels": 3,
+            "patch_size": 2,
+            "num_stages": 2,
+            "hidden_sizes": [8, 16],
+            "depths": [1, 1],
+            "image_size": 16,
+            "num_labels": 3,
+        },
+        lora_targets=("patch_embeddings", "downsampling_layer.1"),
+        task_type=None,
+        kind="vision",
+    ),
     "mamba": Architecture(
         "Mamba (state-space model)",
         "MambaForCausalLM",
@@ -320,6 +338,28 @@ ARCHITECTURES: dict[str, Architecture] = {
         },
         lora_targets=("q_proj", "v_proj"),
         kind="moe",
+    ),
+    # sinusoidal position embeddings: parameters the model computes when built and never saves
+    "marian": Architecture(
+        "Marian",
+        "MarianMTModel",
+        "MarianConfig",
+        {
+            "vocab_size": 64,
+            "d_model": 16,
+            "encoder_layers": 1,
+            "decoder_layers": 1,
+            "encoder_attention_heads": 2,
+            "decoder_attention_heads": 2,
+            "encoder_ffn_dim": 32,
+            "decoder_ffn_dim": 32,
+            "max_position_embeddings": 32,
+            "pad_token_id": 0,
+            "decoder_start_token_id": 0,
+        },
+        lora_targets=("q_proj", "v_proj"),
+        task_type="SEQ_2_SEQ_LM",
+        kind="seq2seq",
     ),
 }
 
