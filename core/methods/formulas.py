@@ -36,7 +36,7 @@ from core.methods.adapter_keys import (
     saved_module_names,
 )
 
-ADDITIVE = ("lora", "loha", "lokr", "vera", "adalora")
+ADDITIVE = ("lora", "loha", "lokr", "vera", "adalora", "fourierft", "shira")
 """Layer kinds whose merge adds PEFT's ``get_delta_weight`` to W as it is (ΔW does not depend on W)."""
 
 
@@ -421,6 +421,49 @@ def _adalora_delta(
     return _t(b @ (a * e), fifo) * scaling / (ranknum + 1e-5)
 
 
+def _no_fan_in_fan_out(config: Mapping[str, Any], mod: AdapterModule, kind: str) -> None:
+    if config.get("fan_in_fan_out"):
+        raise ValueError(
+            f"module {mod.module}: {kind} with fan_in_fan_out is not supported by reference_deltas"
+        )
+
+
+def _fourierft_delta(
+    config: Mapping[str, Any], mod: AdapterModule, tensors: Mapping[str, torch.Tensor], weight: torch.Tensor
+) -> torch.Tensor:
+    """FourierFT: the real part of the inverse 2-D DFT of a spectrum that is zero but at n frequencies,
+    times ``scaling``: ``ΔW[m, n] = s/(MN)·Σ_k c_k·cos(2π(m·u_k/M + n·v_k/N))``, written as cosines and
+    sines (no FFT). The frequencies (u_k, v_k) are not saved: PEFT draws them as the first n of
+    ``randperm(M·N)`` from ``random_loc_seed``, which this reproduces."""
+    _no_fan_in_fan_out(config, mod, "FourierFT")
+    spectrum = _need(mod, "fourierft_spectrum", tensors)
+    rows, cols = weight.shape
+    n = int(_pattern_value(config.get("n_frequency_pattern"), mod.module, config.get("n_frequency", 1000)))
+    _check_shape(mod, "fourierft_spectrum", spectrum.shape, (n,))
+    generator = torch.Generator().manual_seed(int(config.get("random_loc_seed", 777)))
+    flat = torch.randperm(rows * cols, generator=generator)[:n]
+    u, v = (flat // cols).double(), (flat % cols).double()
+    a = 2 * math.pi * torch.outer(torch.arange(rows, dtype=torch.float64), u) / rows  # (M, n)
+    b = 2 * math.pi * torch.outer(torch.arange(cols, dtype=torch.float64), v) / cols  # (N, n)
+    # cos(a + b) = cos a cos b − sin a sin b, summed over the frequencies with their coefficients
+    total = (torch.cos(a) * spectrum) @ torch.cos(b).T - (torch.sin(a) * spectrum) @ torch.sin(b).T
+    return total * float(config.get("scaling", 150.0)) / (rows * cols)
+
+
+def _shira_delta(
+    config: Mapping[str, Any], mod: AdapterModule, tensors: Mapping[str, torch.Tensor], weight: torch.Tensor
+) -> torch.Tensor:
+    """SHiRA: a sparse ΔW, ``shira_weight`` at the positions ``shira_indices`` (2, k) lists, zero elsewhere
+    (PEFT's scale, 1 on load, is not saved)."""
+    _no_fan_in_fan_out(config, mod, "SHiRA")
+    values = _need(mod, "shira_weight", tensors)
+    index = tensors[mod.keys["shira_indices"]].long() if "shira_indices" in mod.keys else None
+    if index is None or index.shape != (2, values.shape[0]):
+        raise ValueError(f"module {mod.module}: shira_indices missing or not (2, {values.shape[0]})")
+    delta = torch.zeros(weight.shape, dtype=torch.float64)
+    return delta.index_put_((index[0], index[1]), values, accumulate=True)  # repeated positions add up
+
+
 _FORMULAS = {
     "lora": _lora_delta,
     "pissa": _lora_delta,
@@ -432,6 +475,8 @@ _FORMULAS = {
     "lokr": _lokr_delta,
     "vera": _vera_delta,
     "adalora": _adalora_delta,
+    "fourierft": _fourierft_delta,
+    "shira": _shira_delta,
 }
 
 
@@ -457,6 +502,7 @@ def reference_deltas(
     * IA3: ``W ⊙ l − W``.
     * LoHa ``(W1a W1b) ⊙ (W2a W2b)·alpha/r``; LoKr ``(W1 ⊗ W2)·alpha/r``; VeRA ``(λb·B)(λd·A)`` with the
       shared projections sliced to the module; AdaLoRA ``B(A ⊙ E)·alpha/(init_r + 1e-5)`` (Linear only).
+    * FourierFT: the real inverse DFT of its sparse spectrum, times ``scaling``; SHiRA: its sparse values.
 
     Raises ``ValueError`` naming the module and key when a tensor is missing, a shape does not fit
     the base weight (an adapter made for another base), or the method is not supported.

@@ -14,14 +14,16 @@ from core.methods.formulas import ADDITIVE
 
 def _kind_of_layer(layer: nn.Module, adapter: str) -> str:
     """Which merge rule a PEFT tuner layer uses for ``adapter`` (lora, dora, boft, oft, ia3, loha, lokr,
-    vera, adalora)."""
+    vera, adalora, fourierft, shira)."""
     from peft.tuners.adalora import layer as adalora
     from peft.tuners.boft import layer as boft
+    from peft.tuners.fourierft import layer as fourierft
     from peft.tuners.ia3 import layer as ia3
     from peft.tuners.loha import layer as loha
     from peft.tuners.lokr import layer as lokr
     from peft.tuners.lora import layer as lora
     from peft.tuners.oft import layer as oft
+    from peft.tuners.shira import layer as shira
     from peft.tuners.vera import layer as vera
 
     kind = None
@@ -45,6 +47,10 @@ def _kind_of_layer(layer: nn.Module, adapter: str) -> str:
         kind = "oft"
     elif isinstance(layer, ia3.IA3Layer) and adapter in layer.ia3_l:
         kind = "ia3"
+    elif isinstance(layer, fourierft.FourierFTLayer) and adapter in layer.fourierft_spectrum:
+        kind = "fourierft"
+    elif isinstance(layer, shira.ShiraLayer) and adapter in layer.shira_weight:
+        kind = "shira"
     if kind is None:
         raise ValueError(f"layer {type(layer).__name__} has no supported adapter '{adapter}'")
     # The additive methods merge by adding get_delta_weight for every layer type; the other rules
@@ -79,7 +85,8 @@ def peft_delta(layer: nn.Module, adapter_name: str) -> torch.Tensor:
     with torch.no_grad():
         weight = dequantize_module_weight(layer.get_base_layer()).detach()
         if kind in ADDITIVE:
-            return layer.get_delta_weight(adapter_name)
+            delta = layer.get_delta_weight(adapter_name)
+            return delta.to_dense() if delta.is_sparse else delta  # SHiRA's is a sparse tensor
         if kind == "dora":
             delta = layer.get_delta_weight(adapter_name)
             w = weight.to(delta.dtype)
