@@ -26,31 +26,33 @@ def _kind_of_layer(layer: nn.Module, adapter: str) -> str:
     from peft.tuners.shira import layer as shira
     from peft.tuners.vera import layer as vera
 
+    # (layer class, the dict of its adapters, kind), first match wins: AdaLoRA's layers are LoraLayers too,
+    # so they are asked first; LoRA's dict is either of two, and DoRA is one of its variants (below)
+    by_class = (
+        (adalora.AdaLoraLayer, "lora_A", "adalora"),
+        (loha.LoHaLayer, "_available_adapters", "loha"),
+        (lokr.LoKrLayer, "_available_adapters", "lokr"),
+        (vera.VeraLayer, "vera_lambda_b", "vera"),
+        (lora.LoraLayer, "", "lora"),
+        (boft.BOFTLayer, "boft_R", "boft"),
+        (oft.OFTLayer, "oft_R", "oft"),
+        (ia3.IA3Layer, "ia3_l", "ia3"),
+        (fourierft.FourierFTLayer, "fourierft_spectrum", "fourierft"),
+        (shira.ShiraLayer, "shira_weight", "shira"),
+    )
     kind = None
-    # AdaLoRA's layers are LoraLayers too: asked first
-    if isinstance(layer, adalora.AdaLoraLayer) and adapter in layer.lora_A:
-        kind = "adalora"
-    elif isinstance(layer, loha.LoHaLayer) and adapter in layer._available_adapters:
-        kind = "loha"
-    elif isinstance(layer, lokr.LoKrLayer) and adapter in layer._available_adapters:
-        kind = "lokr"
-    elif isinstance(layer, vera.VeraLayer) and adapter in layer.vera_lambda_b:
-        kind = "vera"
-    elif isinstance(layer, lora.LoraLayer) and (adapter in layer.lora_A or adapter in layer.lora_embedding_A):
-        variant = layer.lora_variant.get(adapter)
-        if variant is not None and type(variant).__name__ != "DoraLinearVariant":
-            raise ValueError(f"LoRA variant {type(variant).__name__} is not supported by peft_delta")
-        kind = "lora" if variant is None else "dora"
-    elif isinstance(layer, boft.BOFTLayer) and adapter in layer.boft_R:
-        kind = "boft"
-    elif isinstance(layer, oft.OFTLayer) and adapter in layer.oft_R:
-        kind = "oft"
-    elif isinstance(layer, ia3.IA3Layer) and adapter in layer.ia3_l:
-        kind = "ia3"
-    elif isinstance(layer, fourierft.FourierFTLayer) and adapter in layer.fourierft_spectrum:
-        kind = "fourierft"
-    elif isinstance(layer, shira.ShiraLayer) and adapter in layer.shira_weight:
-        kind = "shira"
+    for cls, holder, name in by_class:
+        if not isinstance(layer, cls):
+            continue
+        if name != "lora" and adapter in getattr(layer, holder):
+            kind = name
+            break
+        if name == "lora" and (adapter in layer.lora_A or adapter in layer.lora_embedding_A):
+            variant = layer.lora_variant.get(adapter)
+            if variant is not None and type(variant).__name__ != "DoraLinearVariant":
+                raise ValueError(f"LoRA variant {type(variant).__name__} is not supported by peft_delta")
+            kind = "lora" if variant is None else "dora"
+            break
     if kind is None:
         raise ValueError(f"layer {type(layer).__name__} has no supported adapter '{adapter}'")
     # The additive methods merge by adding get_delta_weight for every layer type; the other rules
