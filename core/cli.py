@@ -450,7 +450,6 @@ def cmd_scenarios(args) -> int:
     return EXIT_OK
 
 
-
 def cmd_snapshot(args) -> int:
     """`run`, then its captures packed into one file (`core.engine.snapshot`)."""
     from core.engine.snapshot import write_snapshot

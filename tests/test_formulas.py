@@ -14,7 +14,8 @@ from tiny_models import ARCHITECTURES
 
 from core.methods import adapter_keys, formulas
 from core.methods.adapter_keys import adapted_modules, adapter_type
-from core.methods.formulas import merged_weights, peft_delta, peft_delta_source, reference_deltas
+from core.methods.formulas import merged_weights, reference_deltas
+from core.methods.peft_path import peft_delta, peft_delta_source
 
 # Max |merged − (W + ΔW_ref)| in float64, per method. The checks run the same float64 arithmetic
 # in a different order, so they land at 0 to a few 1e-17 (measured on the demo: LoRA 0, DoRA 2.8e-17,

@@ -20,7 +20,7 @@ from tiny_models import ARCHITECTURES, quiet
 from core.engine.jobs import Engine
 from core.engine.runners import InProcessRunner
 from core.engine.store import RunRecord
-from core.methods import adapter_keys, formulas
+from core.methods import adapter_keys, formulas, peft_path
 from core.spec import AdapterRef, ModelRef, ProbeInputs, ProbeSpec, Target
 
 METHODS = ("loha", "lokr", "vera", "adalora")
@@ -270,10 +270,10 @@ def test_peft_float64_delta_and_merge_equal_the_formula_written_here(workspace: 
     layers = adapter_keys.adapted_modules(model)
     assert sorted(layers) == sorted(expected)
     for m, (layer, names) in layers.items():
-        delta = formulas.peft_delta(layer, names[0])
+        delta = peft_path.peft_delta(layer, names[0])
         assert (delta - expected[m]).abs().max() <= 1e-15 * expected[m].abs().max(), m
         assert (
-            formulas.peft_delta_source(layer, names[0]) == f"{config['peft_type'].lower()}.get_delta_weight"
+            peft_path.peft_delta_source(layer, names[0]) == f"{config['peft_type'].lower()}.get_delta_weight"
         )
     merged = model.merge_and_unload().state_dict()
     for m, d in expected.items():
@@ -287,7 +287,7 @@ def test_peft_float32_delta_is_float32_rounding_of_the_formula(workspace: dict, 
     config, tensors, base = _files(workspace, name)
     expected = _expected_delta(config, tensors, base)
     for m, (layer, names) in adapter_keys.adapted_modules(_peft(workspace, name, torch.float32)).items():
-        delta = formulas.peft_delta(layer, names[0])
+        delta = peft_path.peft_delta(layer, names[0])
         assert delta.dtype == torch.float32
         rel = ((delta.double() - expected[m]).norm() / expected[m].norm()).item()
         assert 0 < rel < 1e-6, (m, rel)  # float32 products: ~1e-7 relative, never exact here
@@ -462,3 +462,50 @@ def test_adalora_module_pruned_by_rank_pattern_loads_rounded_to_bfloat16(
     rel = {m: deltas.loc[m, "max_abs"] / expected[m].abs().max().item() for m in expected}
     assert 1e-4 < rel[ADALORA_PRUNED] < 1e-2
     assert all(v < 1e-6 for m, v in rel.items() if m != ADALORA_PRUNED), rel
+
+
+@pytest.mark.parametrize("kind", ["fourierft", "shira"])
+def test_fourierft_and_shira_deltas_equal_the_formula_written_here(workspace: dict, kind: str) -> None:
+    """FourierFT: the real part of the inverse FFT of its spectrum laid out at the frequencies the PEFT layer
+    holds; SHiRA: its values at its indices, a sparse tensor made dense. Core's float64 formulas (cosines and
+    sines with the frequencies drawn anew from the seed; an index_put) against these, and PEFT's float32 ΔW
+    against both."""
+    from peft import FourierFTConfig, ShiraConfig, get_peft_model, get_peft_model_state_dict
+
+    targets = ["q_proj", "down_proj"]
+    config = (
+        FourierFTConfig(n_frequency=20, scaling=2.0, target_modules=targets)
+        if kind == "fourierft"
+        else ShiraConfig(r=2, random_seed=3, target_modules=targets, init_weights=False)
+    )
+    torch.manual_seed(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = get_peft_model(_load(workspace["models"]["llama"], torch.float32), config)
+    generator = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.copy_(0.1 * torch.randn(p.shape, generator=generator))
+    tensors = get_peft_model_state_dict(model)
+    saved = json.loads(json.dumps(model.peft_config["default"].to_dict(), default=list))
+    base = {k: v.double() for k, v in load_file(workspace["models"]["llama"] / "model.safetensors").items()}
+    got = formulas.reference_deltas(saved, tensors, base)
+    layers = adapter_keys.adapted_modules(model)
+    assert sorted(got) == sorted(layers) and len(got) == 4  # q_proj and down_proj of both layers
+    for m, (layer, _) in layers.items():
+        shape = base[f"{m}.weight"].shape
+        if kind == "fourierft":
+            dense = torch.zeros(shape, dtype=torch.float64)
+            rows, cols = layer.indices["default"]
+            dense[rows, cols] = layer.fourierft_spectrum["default"].detach().double()
+            expected = torch.fft.ifft2(dense).real * 2.0
+        else:
+            values = layer.shira_weight["default"].detach().double()
+            expected = torch.sparse_coo_tensor(layer.shira_indices["default"], values, shape).to_dense()
+        assert expected.abs().max() > 0, m
+        assert (got[m] - expected).abs().max() <= 1e-13 * expected.abs().max(), m
+        delta = peft_path.peft_delta(layer, "default")
+        assert delta.dtype == torch.float32 and not delta.is_sparse
+        rel = ((delta.double() - expected).norm() / expected.norm()).item()
+        assert rel < 1e-6, (m, rel)  # float32 rounding (SHiRA: none, its values are float32 as saved)

@@ -269,6 +269,24 @@ ARCHITECTURES: dict[str, Architecture] = {
         task_type=None,
         kind="speech",
     ),
+    # LoRA on the convolutions: the stem's patch embedding and the second stage's downsampling
+    "convnext": Architecture(
+        "ConvNeXt (image classifier, LoRA on convolutions)",
+        "ConvNextForImageClassification",
+        "ConvNextConfig",
+        {
+            "num_channels": 3,
+            "patch_size": 2,
+            "num_stages": 2,
+            "hidden_sizes": [8, 16],
+            "depths": [1, 1],
+            "image_size": 16,
+            "num_labels": 3,
+        },
+        lora_targets=("patch_embeddings", "downsampling_layer.1"),
+        task_type=None,
+        kind="vision",
+    ),
     "mamba": Architecture(
         "Mamba (state-space model)",
         "MambaForCausalLM",
@@ -321,6 +339,28 @@ ARCHITECTURES: dict[str, Architecture] = {
         lora_targets=("q_proj", "v_proj"),
         kind="moe",
     ),
+    # sinusoidal position embeddings: parameters the model computes when built and never saves
+    "marian": Architecture(
+        "Marian",
+        "MarianMTModel",
+        "MarianConfig",
+        {
+            "vocab_size": 64,
+            "d_model": 16,
+            "encoder_layers": 1,
+            "decoder_layers": 1,
+            "encoder_attention_heads": 2,
+            "decoder_attention_heads": 2,
+            "encoder_ffn_dim": 32,
+            "decoder_ffn_dim": 32,
+            "max_position_embeddings": 32,
+            "pad_token_id": 0,
+            "decoder_start_token_id": 0,
+        },
+        lora_targets=("q_proj", "v_proj"),
+        task_type="SEQ_2_SEQ_LM",
+        kind="seq2seq",
+    ),
 }
 
 
@@ -359,19 +399,26 @@ class Method:
     config_class: str
     kwargs: dict = field(default_factory=dict)
     prompt_learning: bool = False  # virtual tokens: no ΔW, nothing to merge
+    # which of the base's modules (`config`'s `modules`) it adapts: its attention projections, its
+    # layer norms (LN tuning) or its token embedding
+    adapts: str = "attention"
+    # whether core has a float64 formula for its ΔW and merge (False: `deltas` and `merge` say `not covered`)
+    covered: bool = True
 
-    def config(self, targets: tuple[str, ...], feedforward: str, task_type: str | None):
-        """The PEFT config on `targets` (IA3 adds the `feedforward` module, which it scales on the input).
+    def config(self, modules: dict, task_type: str | None):
+        """The PEFT config on the base's `modules` of the kind it `adapts` (`attention`, `norm`, `embedding`;
+        IA3 adds the `feedforward` module, which it scales on the input).
 
         Every weight-based method is made with its init off, so that ΔW is not zero."""
         import peft
 
         kwargs = {"task_type": task_type, **self.kwargs}
+        targets = modules[self.adapts]
         if not self.prompt_learning:
-            kwargs["target_modules"] = list(targets)
+            kwargs["target_modules"] = [targets] if isinstance(targets, str) else list(targets)
         if self.config_class == "IA3Config":
-            kwargs["target_modules"] = [*targets, feedforward]
-            kwargs["feedforward_modules"] = [feedforward]
+            kwargs["target_modules"] = [*targets, modules["feedforward"]]
+            kwargs["feedforward_modules"] = [modules["feedforward"]]
         return getattr(peft, self.config_class)(**kwargs)
 
 
@@ -416,6 +463,42 @@ METHODS: dict[str, Method] = {
         {"num_virtual_tokens": 3, "encoder_hidden_size": 16},
         prompt_learning=True,
     ),
+    # LoRA's per-module rank and alpha (a regular expression: v_proj on OPT, value on RoBERTa) and its
+    # layer selection; LoRA on the token embedding
+    "lora_patterns": Method(
+        "LoRA (`rank_pattern`, `alpha_pattern`, `layers_to_transform`)",
+        "LoraConfig",
+        {
+            "r": 4,
+            "lora_alpha": 8,
+            "rank_pattern": {"v_proj|value": 2},
+            "alpha_pattern": {"v_proj|value": 3},
+            "layers_to_transform": [0],
+            "init_lora_weights": False,
+        },
+    ),
+    "lora_embedding": Method(
+        "LoRA on the token embedding",
+        "LoraConfig",
+        {"r": 4, "lora_alpha": 8, "init_lora_weights": False},
+        adapts="embedding",
+    ),
+    "hra": Method("HRA", "HRAConfig", {"r": 2, "init_weights": False}, covered=False),
+    "fourierft": Method("FourierFT", "FourierFTConfig", {"n_frequency": 16, "scaling": 1.0}),
+    "miss": Method("MiSS", "MissConfig", {"r": 2, "init_weights": False}, covered=False),
+    "randlora": Method(
+        "RandLoRA", "RandLoraConfig", {"r": 4, "randlora_alpha": 8, "init_weights": False}, covered=False
+    ),
+    "shira": Method("SHiRA", "ShiraConfig", {"r": 2, "random_seed": 0, "init_weights": False}),
+    "delora": Method("DeLoRA", "DeloraConfig", {"r": 2, "init_weights": False}, covered=False),
+    "trainable_tokens": Method(
+        "trainable tokens",
+        "TrainableTokensConfig",
+        {"token_indices": [1, 2, 3]},
+        adapts="embedding",
+        covered=False,
+    ),
+    "ln_tuning": Method("LN tuning", "LNTuningConfig", adapts="norm", covered=False),
 }
 
 

@@ -3,13 +3,14 @@
 
 - **Accumulated**: a module's output in the target's own forward against the reference's output.
 - **Local**: a leaf module (a projection, a norm, an embedding, a PEFT adapter layer, the head)
-  re-run in the target's device and dtype on the *reference's* input to it, cast to the target's
-  dtype, against the reference's output: the error the module adds by itself. Where accumulated
+  re-run in the target's device and dtype with exactly the arguments it was called with (positional
+  and keyword), each tensor among them the *reference's*, cast to the target's dtype, against the
+  reference's output: the error the module adds by itself. Where accumulated
   drift jumps and local drift is small, the error was inherited; where local drift is large, that
   module is the cause.
 
-The reference target runs first (`Check.reference_first`): it keeps every recorded output and each
-leaf's input. A target's worker then reads those back one tensor at a time (`safe_open`) and
+The reference target runs first (`Check.reference_first`): it keeps every recorded output and the tensors
+among each leaf call's arguments. A target's worker then reads those back one tensor at a time (`safe_open`) and
 compares each output as its hook sees it, so no worker ever holds the whole model's activations:
 its capture keeps a metric row and a bounded sketch per module output (the tensors too on a small
 model, `checkpoint.keeps_tensors`).
@@ -30,6 +31,7 @@ from typing import Any
 
 import pandas as pd
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from core.capture import BASE, Capture, TensorKey
 from core.checks.base import CaptureContext, Check, Reference, tolerance
@@ -44,6 +46,7 @@ NAME = "activations"
 LOCAL = "local:"  # a local-drift row's tensor name: LOCAL + the module's
 INPUT = "input:"  # a leaf's input, kept by the reference capture only (never a row)
 CALL_SEP = "@"  # "model.shared@1": the second call of a module called more than once
+INPUT_SEP = "#"  # "input:model.x#1": the second tensor among a leaf call's arguments
 ACCUMULATED, LOCAL_DRIFT = "accumulated", "local"
 WORSE = ("drift", "broken")
 # PEFT's wrapper prefix: module paths read as in the bare base model
@@ -89,6 +92,31 @@ def split_name(name: str) -> tuple[str, str, int]:
 def call_name(path: str, call: int) -> str:
     """The tensor name of a module's `call`-th output (the first call bears the bare path)."""
     return path if call == 0 else f"{path}{CALL_SEP}{call}"
+
+
+def input_name(call: str, n: int) -> str:
+    """The name of the `n`-th tensor among a leaf call's arguments (the first bears the call's name)."""
+    return call if n == 0 else f"{call}{INPUT_SEP}{n}"
+
+
+# Where a leaf call's argument was a tensor, in the skeleton a target keeps of the call.
+_SLOT = object()
+
+
+def _with_reference_inputs(
+    flat: list[Any], reference: _ReferenceFile, adapter: str, call: str
+) -> list[Any] | None:
+    """A leaf call's flattened arguments with the reference's tensor in each tensor's place; None where
+    the reference kept none for one of them."""
+    filled, n = [], 0
+    for v in flat:
+        if v is _SLOT:
+            v = reference.input_of(adapter, input_name(call, n))
+            n += 1
+            if v is None:
+                return None
+        filled.append(v)
+    return filled
 
 
 def hooked_modules(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module]], set[int]]:
@@ -150,7 +178,8 @@ class _ReferenceFile:
             self.aliases = meta.get(NAME, {}).get("input_alias", {})
 
     def input_of(self, adapter: str, name: str) -> torch.Tensor | None:
-        """The reference's input to leaf call `name`: kept apart, or the output it is an alias of."""
+        """The reference's input `name` of a leaf call (`input_name`): kept apart, or the output it is an
+        alias of."""
         alias = self.aliases.get(adapter, {}).get(name)
         return self.get(TensorKey(NAME, adapter, alias if alias is not None else INPUT + name))
 
@@ -290,19 +319,27 @@ class ActivationsCheck(Check):
         produced: dict[int, tuple[weakref.ref, int, str]] = {}
         aliases: dict[str, str] = out.meta[NAME].setdefault("input_alias", {}).setdefault(adapter, {})
 
+        # Per leaf call on a target: its arguments, positional and keyword, with each tensor's place left
+        # for the reference's tensor (`_local` re-runs the module on exactly those): no tensor is held.
+        skeletons: dict[str, tuple[Any, list[Any]]] = {}
+
         def on_input(path: str):
             def hook(module, args, kwargs):
-                if id(module) not in leaves or not is_reference:
-                    return
-                x = first_tensor(list(args) + list(kwargs.values()))
-                if x is None:
+                if id(module) not in leaves:
                     return
                 name = name_of(module, path)
-                seen = produced.get(id(x))
-                if seen is not None and seen[0]() is x and seen[1] == x._version:
-                    aliases[name] = seen[2]
-                else:
-                    out.keep(TensorKey(NAME, adapter, INPUT + name), x)
+                flat, tree = tree_flatten((args, kwargs))
+                if not is_reference:
+                    if compare_now:
+                        skeletons[name] = (tree, [_SLOT if torch.is_tensor(v) else v for v in flat])
+                    return
+                for n, x in enumerate(v for v in flat if torch.is_tensor(v)):
+                    slot = input_name(name, n)
+                    seen = produced.get(id(x))
+                    if seen is not None and seen[0]() is x and seen[1] == x._version:
+                        aliases[slot] = seen[2]
+                    else:
+                        out.keep(TensorKey(NAME, adapter, INPUT + slot), x)
 
             return hook
 
@@ -332,7 +369,7 @@ class ActivationsCheck(Check):
                 h.remove()
         try:
             if compare_now:
-                self._local(ctx, out, adapter, leaf_calls, reference, keep)
+                self._local(ctx, out, adapter, leaf_calls, skeletons, reference, keep)
         finally:
             reference.close()
 
@@ -386,24 +423,34 @@ class ActivationsCheck(Check):
         out: Capture,
         adapter: str,
         leaf_calls: list[tuple[torch.nn.Module, str]],
+        skeletons: dict[str, tuple[Any, list[Any]]],
         reference: _ReferenceFile,
         keep: bool,
     ) -> None:
-        """Re-run each leaf call on the reference's input to it, cast to the target's dtype, one at a time."""
+        """Re-run each leaf call alone, one at a time, with exactly the arguments it was called with
+        (positional and keyword), each tensor among them the reference's, a floating one cast to the
+        target's dtype: Marian's position embedding takes a shape and a past length, not a tensor."""
         order = out.meta[NAME]["order"][adapter]
         dtype = getattr(torch, ctx.target.float_dtype)
         skipped = []
         for module, name in leaf_calls:
-            x = reference.input_of(adapter, name)
-            if x is None:
+            tree, flat = skeletons.get(name, (None, None))
+            filled = None if flat is None else _with_reference_inputs(flat, reference, adapter, name)
+            if filled is None:
                 skipped.append(name)
                 continue
             param = next(module.parameters())
-            x = x.to(param.device, dtype=dtype if x.is_floating_point() else x.dtype)
+            filled = [
+                v.to(param.device, dtype=dtype if v.is_floating_point() else v.dtype)
+                if torch.is_tensor(v)
+                else v
+                for v in filled
+            ]
+            args, kwargs = tree_unflatten(filled, tree)
             try:
                 with torch.no_grad():
-                    y = first_tensor(module(x))
-            except Exception as e:  # a leaf that needs more than its first input: said, not fatal
+                    y = first_tensor(module(*args, **kwargs))
+            except Exception as e:  # said, not fatal: the module's accumulated rows stand
                 skipped.append(f"{name} ({type(e).__name__})")
                 continue
             if y is None:

@@ -209,19 +209,32 @@ class Check(ABC):
         """
         reference = self.reference_for(spec, key, None, scratch=True)
         ref = reference.tensors.get(key.encode())
-        note = reference.notes.get(key.encode(), "")
+        return self.measure_against(
+            spec, target, key, tensor, ref, reference.label, reference.notes.get(key.encode(), "")
+        )
+
+    def measure_against(
+        self,
+        spec: ProbeSpec,
+        target: Target,
+        key: TensorKey,
+        tensor: torch.Tensor,
+        ref: torch.Tensor | None,
+        label: str,
+        note: str = "",
+    ) -> Measured:
+        """Compare one captured tensor with `ref` (labelled `label`) where it is: its row, sketch and hash;
+        a `broken` key-mismatch row where `ref` is None."""
         dtype = str(tensor.dtype).removeprefix("torch.")
         if ref is None:
-            return Measured(
-                reference.label, note, dtype, missing_reference_row(tensor), None, content_hash(tensor)
-            )
+            return Measured(label, note, dtype, missing_reference_row(tensor), None, content_hash(tensor))
         tol = tolerance(spec, self.role_of(spec, key), getattr(torch, target.float_dtype))
         stats, sketch = metrics.measure(tensor, ref, tol)
         row = metrics.stats_to_row(stats)
         # the same bits hash alike: hash the reference where it is already on the host
         same = stats.bitwise_equal and ref.dtype == tensor.dtype
         digest = content_hash(ref if same else tensor)
-        return Measured(reference.label, note, dtype, row, sketch, digest)
+        return Measured(label, note, dtype, row, sketch, digest)
 
     def role_of(self, spec: ProbeSpec, key: TensorKey) -> str:
         """The role a tensor's row has and its tolerance is looked up by: `describe`'s, unless the check

@@ -17,7 +17,7 @@ import torch
 
 from core.capture import Capture, TensorKey
 from core.checks.base import CaptureContext, Check, Reference, add_note
-from core.methods import adapter_keys, formulas
+from core.methods import adapter_keys, formulas, peft_path
 from core.models.checkpoint import Checkpoint, read_adapter_config, read_checkpoint
 from core.models.conversion import layer_of, read_loaded
 from core.models.loading import Loaded
@@ -71,8 +71,8 @@ class DeltasCheck(Check):
             for module, (layer, names) in adapter_keys.adapted_modules(loaded.model).items():
                 if adapter not in names:
                     continue
-                out.add(TensorKey(self.name, adapter, module), formulas.peft_delta(layer, adapter))
-                sources[module] = formulas.peft_delta_source(layer, adapter)
+                out.add(TensorKey(self.name, adapter, module), peft_path.peft_delta(layer, adapter))
+                sources[module] = peft_path.peft_delta_source(layer, adapter)
         # AdaLoRA modules its budget pruned: PEFT rebuilds them on load (see `rows`)
         resized = (
             [k.split(".lora_E")[0] for k in (config.get("rank_pattern") or {})] if kind == "adalora" else []

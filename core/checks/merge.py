@@ -38,7 +38,7 @@ import torch
 from core.capture import Capture, TensorKey
 from core.checks.base import CaptureContext, Check, Reference, add_note, tolerance
 from core.checks.outputs import forward_output, nonfinite_output
-from core.methods import adapter_keys, formulas
+from core.methods import adapter_keys, formulas, peft_path
 from core.models import merging
 from core.models.checkpoint import read_adapter_config, read_checkpoint
 from core.models.conversion import layer_of
@@ -125,8 +125,8 @@ class MergeCheck(Check):
         sources = {}
         for module, layer in layers.items():
             try:
-                self._add(out, adapter, "delta", "peft", module, formulas.peft_delta(layer, adapter))
-                sources[module] = formulas.peft_delta_source(layer, adapter)
+                self._add(out, adapter, "delta", "peft", module, peft_path.peft_delta(layer, adapter))
+                sources[module] = peft_path.peft_delta_source(layer, adapter)
             except ValueError as e:  # a layer type peft_delta does not cover: said, not fatal
                 sources[module] = f"not compared: {e}"
         meta["delta_sources"] = sources

@@ -25,9 +25,12 @@ from core.models.checkpoint import (
     read_adapter_config,
 )
 from core.models.conversion import KeyConversion, for_folder, layer_of, remember
-from core.models.loading import Loaded
+from core.models.loading import Loaded, fresh_build
 from core.models.targets import dequantized_state
 from core.spec import ProbeSpec
+
+# The reference of a tensor the model computes when built and the checkpoint does not hold.
+FRESH_BUILD = "fresh build (float64)"
 
 
 class WeightsCheck(Check):
@@ -37,7 +40,7 @@ class WeightsCheck(Check):
 
     def capture(self, ctx: CaptureContext, loaded: Loaded, out: Capture) -> None:
         if loaded.adapter is None:
-            self._capture_base(ctx.spec.base.path, loaded.model, out)
+            self._capture_base(ctx, loaded.model, out)
         else:
             from peft import get_peft_model_state_dict
 
@@ -46,15 +49,20 @@ class WeightsCheck(Check):
             for name, tensor in state.items():
                 out.add(TensorKey(self.name, adapter, name), tensor)
 
-    def _capture_base(self, path: str, model: torch.nn.Module, out: Capture) -> None:
+    def _capture_base(self, ctx: CaptureContext, model: torch.nn.Module, out: Capture) -> None:
         """The state dict (tied tensors once), plus the non-persistent buffers the checkpoint holds.
 
         Meta says which tensors are tied, which are non-persistent buffers, which loaded tensors
-        transformers renamed or built from other checkpoint tensors on load, and which checkpoint
-        tensors the model has no parameter or buffer for (it does not use them).
+        transformers renamed or built from other checkpoint tensors on load, which checkpoint
+        tensors the model has no parameter or buffer for (it does not use them), and which tensors the
+        model computes when built and the checkpoint does not hold (`built`: compared here, with a fresh
+        build of them).
         """
+        from core.models.checkpoint import keeps_tensors
+
         # The conversion first: the comparator measures each tensor as it is added, against the file
         # tensors transformers made it from.
+        path = ctx.spec.base.path
         checkpoint = Checkpoint.open(path)
         conversion = KeyConversion.of(model, checkpoint.names())
         remember(path, checkpoint, conversion)
@@ -62,6 +70,8 @@ class WeightsCheck(Check):
         state, dequantized = dequantized_state(model)
         seen: dict[int, str] = {}
         tied: dict[str, str] = {}
+        random = set(getattr(model, NOT_IN_CHECKPOINT, []))
+        built: dict[str, str] = {}  # name -> the class of the module that computes it
         for name, tensor in state.items():
             ptr = tensor.data_ptr()
             if ptr in seen and tensor.numel() > 0:
@@ -69,7 +79,20 @@ class WeightsCheck(Check):
                 tied[name] = seen[ptr]
                 continue
             seen[ptr] = name
-            out.add(TensorKey(self.name, BASE, name), tensor)
+            key = TensorKey(self.name, BASE, name)
+            fresh = None if conversion.sources(name) or name in random else fresh_build(model, name)
+            if fresh is None:
+                out.add(key, tensor)
+                continue
+            # Computed when the model is built and never saved (Marian's sinusoidal position embeddings):
+            # the file has nothing to say about it, a fresh build of it has.
+            built[name] = type(model.get_submodule(name.rpartition(".")[0])).__name__
+            measured = self.measure_against(ctx.spec, ctx.target, key, tensor, fresh, FRESH_BUILD)
+            out.results[key.encode()] = measured.as_dict()
+            if measured.sketch is not None:
+                out.sketches[key.encode()] = measured.sketch
+            if keeps_tensors(ctx.spec):
+                out.keep(key, tensor)
         # A buffer registered with persistent=False is outside the state dict, yet a checkpoint saved
         # before it became one (BERT's `position_ids`) still holds it: the model uses its own values,
         # so those are what the file is compared with.
@@ -93,6 +116,7 @@ class WeightsCheck(Check):
             # loaded names the checkpoint has no tensor for (a task head it lacks): random on load
             not_in_checkpoint=list(getattr(model, NOT_IN_CHECKPOINT, [])),
             dequantized=dequantized,  # name -> format note (`core.models.targets.format_note`)
+            built=built,
         )
 
     def _checkpoint(self, spec: ProbeSpec, source: str) -> Checkpoint:
@@ -153,6 +177,7 @@ class WeightsCheck(Check):
         unused = meta.get("unused", {})
         not_in_checkpoint = set(meta.get("not_in_checkpoint", []))
         dequantized = meta.get("dequantized", {})
+        built = meta.get("built", {})
         for row in rows:
             if row["adapter"] is None and row["tensor"] in dequantized:
                 add_note(row, f"quantized: {dequantized[row['tensor']]}")
@@ -161,6 +186,12 @@ class WeightsCheck(Check):
                 self._saved_module_labels(row, saved)
             if row["adapter"] is None and row["tensor"] in not_in_checkpoint:
                 self._not_in_checkpoint(spec, row, meta.get("model_class", "the model"))
+            if row["adapter"] is None and row["tensor"] in built:
+                add_note(
+                    row,
+                    f"computed by {built[row['tensor']]} when the model is built and not saved in the "
+                    "checkpoint: compared with a fresh float64 build of it",
+                )
             if row["adapter"] is None:
                 partners = [k for k, v in tied.items() if v == row["tensor"]]
                 if partners:
@@ -168,7 +199,8 @@ class WeightsCheck(Check):
                 if row["tensor"] in buffers:
                     add_note(row, "non-persistent buffer (not in the state dict): the model's own values")
             ref_dtype = row.get("reference_dtype")
-            if ref_dtype and ref_dtype != row["dtype"] and row["verdict"] != "identical":
+            cast = row["adapter"] is not None or row["tensor"] not in built  # a fresh build was not cast
+            if cast and ref_dtype and ref_dtype != row["dtype"] and row["verdict"] != "identical":
                 add_note(row, f"cast {ref_dtype} → {row['dtype']} on load")
         # What the checkpoints hold and the target did not load: the reference's tensors (when it
         # holds any) and the checkpoints' indexes (nothing read). A base tensor accounts for the file

@@ -15,7 +15,20 @@ from typing import Any
 import torch
 from torch import nn
 
-ADAPTER_TYPES = ("lora", "dora", "pissa", "boft", "oft", "ia3", "loha", "lokr", "vera", "adalora")
+ADAPTER_TYPES = (
+    "lora",
+    "dora",
+    "pissa",
+    "boft",
+    "oft",
+    "ia3",
+    "loha",
+    "lokr",
+    "vera",
+    "adalora",
+    "fourierft",
+    "shira",
+)
 """Adapter types `formulas` knows the merge rule of."""
 PROMPT_LEARNING = ("prompt_tuning", "multitask_prompt_tuning", "p_tuning", "prefix_tuning", "cpt")
 """Adapter types whose trained tensors are virtual tokens fed with the input (PEFT's prompt learning):
@@ -72,6 +85,9 @@ _PARAM_NAMES = (
     "lora_A",
     "lora_B",
     "lora_E",
+    "fourierft_spectrum",
+    "shira_weight",
+    "shira_indices",
 )
 
 # VeRA's random projections, one pair shared by every adapted module, saved once at the top level

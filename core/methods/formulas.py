@@ -3,9 +3,9 @@
 (a) :func:`reference_deltas` computes, per adapted module, the effective weight change
     ``ΔW = W_merged - W`` from the checkpoint tensors alone (adapter file + base weights), in float64
     on the CPU, with each method's merge rule written out here rather than taken from PEFT's layers.
-(b) :func:`peft_delta` computes the same ``ΔW`` on a loaded PEFT layer, in the layer's dtype and on
-    its device, with PEFT's own functions, exactly as PEFT's (unsafe, default) merge would, without
-    touching the layer.
+(b) `core.methods.peft_path.peft_delta` computes the same ``ΔW`` on a loaded PEFT layer, in the
+    layer's dtype and on its device, with PEFT's own functions, exactly as PEFT's (unsafe, default)
+    merge would, without touching the layer.
 
 Comparing the two measures how far a device/dtype drifts from the exact math. Semantics follow the
 installed PEFT 0.21.2 (``peft/tuners/{lora,boft,oft,ia3,loha,lokr,vera,adalora}``). Only weight
@@ -24,7 +24,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch import nn
 
 from core.methods.adapter_keys import (
     ADAPTER_TYPES,
@@ -37,7 +36,7 @@ from core.methods.adapter_keys import (
     saved_module_names,
 )
 
-ADDITIVE = ("lora", "loha", "lokr", "vera", "adalora")
+ADDITIVE = ("lora", "loha", "lokr", "vera", "adalora", "fourierft", "shira")
 """Layer kinds whose merge adds PEFT's ``get_delta_weight`` to W as it is (ΔW does not depend on W)."""
 
 
@@ -60,12 +59,7 @@ def _base_weight(mod: AdapterModule, base_weights: Mapping[str, torch.Tensor]) -
             f"module {mod.module}: base weights have no '{key}' (e.g. they have '{example}'); "
             "was this adapter made for a different base model?"
         )
-    weight = base_weights[key].detach().to(device="cpu", dtype=torch.float64)
-    if weight.ndim != 2:
-        raise ValueError(
-            f"module {mod.module}: only 2-d (Linear) weights are supported, got {tuple(weight.shape)}"
-        )
-    return weight
+    return base_weights[key].detach().to(device="cpu", dtype=torch.float64)
 
 
 def _check_shape(
@@ -119,11 +113,24 @@ def _lora_delta(
     a = _need(mod, "lora_A.weight", tensors)
     b = _need(mod, "lora_B.weight", tensors)
     r, scaling = _lora_rank_and_scaling(config, mod.module)
+    if weight.ndim > 2:
+        return _lora_conv_delta(mod, a, b, r, scaling, weight)
     fifo = bool(config.get("fan_in_fan_out"))
     out_f, in_f = _t(weight, fifo).shape
     _check_shape(mod, "lora_A.weight", a.shape, (r, in_f))
     _check_shape(mod, "lora_B.weight", b.shape, (out_f, r))
     return _t(scaling * (b @ a), fifo)
+
+
+def _lora_conv_delta(
+    mod: AdapterModule, a: torch.Tensor, b: torch.Tensor, r: int, scaling: float, weight: torch.Tensor
+) -> torch.Tensor:
+    """LoRA on a convolution: A is a convolution with W's kernel (r, in, *k), B a 1×1 one (out, r, 1…), so
+    ``ΔW[o, i, …] = s·Σ_r B[o, r]·A[r, i, …]`` (PEFT's Conv get_delta_weight, a convolution of A by B)."""
+    out_f, in_f, *kernel = weight.shape
+    _check_shape(mod, "lora_A.weight", a.shape, (r, in_f, *kernel))
+    _check_shape(mod, "lora_B.weight", b.shape, (out_f, r, *[1] * len(kernel)))
+    return scaling * torch.einsum("or,ri...->oi...", b.reshape(out_f, r), a)
 
 
 def _dora_delta(
@@ -414,6 +421,49 @@ def _adalora_delta(
     return _t(b @ (a * e), fifo) * scaling / (ranknum + 1e-5)
 
 
+def _no_fan_in_fan_out(config: Mapping[str, Any], mod: AdapterModule, kind: str) -> None:
+    if config.get("fan_in_fan_out"):
+        raise ValueError(
+            f"module {mod.module}: {kind} with fan_in_fan_out is not supported by reference_deltas"
+        )
+
+
+def _fourierft_delta(
+    config: Mapping[str, Any], mod: AdapterModule, tensors: Mapping[str, torch.Tensor], weight: torch.Tensor
+) -> torch.Tensor:
+    """FourierFT: the real part of the inverse 2-D DFT of a spectrum that is zero but at n frequencies,
+    times ``scaling``: ``ΔW[m, n] = s/(MN)·Σ_k c_k·cos(2π(m·u_k/M + n·v_k/N))``, written as cosines and
+    sines (no FFT). The frequencies (u_k, v_k) are not saved: PEFT draws them as the first n of
+    ``randperm(M·N)`` from ``random_loc_seed``, which this reproduces."""
+    _no_fan_in_fan_out(config, mod, "FourierFT")
+    spectrum = _need(mod, "fourierft_spectrum", tensors)
+    rows, cols = weight.shape
+    n = int(_pattern_value(config.get("n_frequency_pattern"), mod.module, config.get("n_frequency", 1000)))
+    _check_shape(mod, "fourierft_spectrum", spectrum.shape, (n,))
+    generator = torch.Generator().manual_seed(int(config.get("random_loc_seed", 777)))
+    flat = torch.randperm(rows * cols, generator=generator)[:n]
+    u, v = (flat // cols).double(), (flat % cols).double()
+    a = 2 * math.pi * torch.outer(torch.arange(rows, dtype=torch.float64), u) / rows  # (M, n)
+    b = 2 * math.pi * torch.outer(torch.arange(cols, dtype=torch.float64), v) / cols  # (N, n)
+    # cos(a + b) = cos a cos b − sin a sin b, summed over the frequencies with their coefficients
+    total = (torch.cos(a) * spectrum) @ torch.cos(b).T - (torch.sin(a) * spectrum) @ torch.sin(b).T
+    return total * float(config.get("scaling", 150.0)) / (rows * cols)
+
+
+def _shira_delta(
+    config: Mapping[str, Any], mod: AdapterModule, tensors: Mapping[str, torch.Tensor], weight: torch.Tensor
+) -> torch.Tensor:
+    """SHiRA: a sparse ΔW, ``shira_weight`` at the positions ``shira_indices`` (2, k) lists, zero elsewhere
+    (PEFT's scale, 1 on load, is not saved)."""
+    _no_fan_in_fan_out(config, mod, "SHiRA")
+    values = _need(mod, "shira_weight", tensors)
+    index = tensors[mod.keys["shira_indices"]].long() if "shira_indices" in mod.keys else None
+    if index is None or index.shape != (2, values.shape[0]):
+        raise ValueError(f"module {mod.module}: shira_indices missing or not (2, {values.shape[0]})")
+    delta = torch.zeros(weight.shape, dtype=torch.float64)
+    return delta.index_put_((index[0], index[1]), values, accumulate=True)  # repeated positions add up
+
+
 _FORMULAS = {
     "lora": _lora_delta,
     "pissa": _lora_delta,
@@ -425,6 +475,8 @@ _FORMULAS = {
     "lokr": _lokr_delta,
     "vera": _vera_delta,
     "adalora": _adalora_delta,
+    "fourierft": _fourierft_delta,
+    "shira": _shira_delta,
 }
 
 
@@ -441,7 +493,8 @@ def reference_deltas(
 
     * LoRA / PiSSA: ``s·B@A``, ``s = alpha/r`` (``alpha/sqrt(r)`` with rsLoRA), rank_pattern and
       alpha_pattern honoured, transposed with fan_in_fan_out; on embeddings ``s·(B@A)ᵀ`` from
-      ``lora_embedding_A``/``lora_embedding_B``. For PiSSA this is the change relative to
+      ``lora_embedding_A``/``lora_embedding_B``; on convolutions ``s·Σ_r B[:, r]·A[r]`` over the kernel.
+      For PiSSA this is the change relative to
       the *residual* base PEFT computes in memory when it loads the adapter (``W − top-r SVD``), which
       is what PEFT's ``get_delta_weight`` and merge add; see :func:`merged_weights`.
     * DoRA: ``m ⊙ (W + sBA)/‖W + sBA‖ − W`` with a per-output-row norm.
@@ -449,6 +502,7 @@ def reference_deltas(
     * IA3: ``W ⊙ l − W``.
     * LoHa ``(W1a W1b) ⊙ (W2a W2b)·alpha/r``; LoKr ``(W1 ⊗ W2)·alpha/r``; VeRA ``(λb·B)(λd·A)`` with the
       shared projections sliced to the module; AdaLoRA ``B(A ⊙ E)·alpha/(init_r + 1e-5)`` (Linear only).
+    * FourierFT: the real inverse DFT of its sparse spectrum, times ``scaling``; SHiRA: its sparse values.
 
     Raises ``ValueError`` naming the module and key when a tensor is missing, a shape does not fit
     the base weight (an adapter made for another base), or the method is not supported.
@@ -460,13 +514,18 @@ def reference_deltas(
     modules = adapter_module_keys(adapter_tensors, saved_module_names(adapter_config))
     if not modules:
         raise ValueError("adapter checkpoint holds no adapter tensors")
+    out = {}
     with torch.no_grad():
-        return {
-            name: formula(
-                adapter_config, mod, adapter_tensors, _module_base_weight(mod, adapter_tensors, base_weights)
-            )
-            for name, mod in modules.items()
-        }
+        for name, mod in modules.items():
+            weight = _module_base_weight(mod, adapter_tensors, base_weights)
+            # a convolution's ΔW is written out for plain LoRA; the other rules are for Linear layers
+            if weight.ndim != 2 and (kind != "lora" or base_rewriting_init(adapter_config)):
+                raise ValueError(
+                    f"module {mod.module}: only 2-d (Linear) weights are supported for {kind}, "
+                    f"got {tuple(weight.shape)}"
+                )
+            out[name] = formula(adapter_config, mod, adapter_tensors, weight)
+    return out
 
 
 def _module_base_weight(
@@ -567,128 +626,3 @@ def sequential_merged_weights(
             current[name + ".weight"] = weight
             touched.add(name)
     return {name: current[name + ".weight"] for name in sorted(touched)}
-
-
-# --------------------------------------------------------------------------------------------------
-# (b) PEFT's own path, on a loaded layer
-# --------------------------------------------------------------------------------------------------
-
-
-def _kind_of_layer(layer: nn.Module, adapter: str) -> str:
-    """Which merge rule a PEFT tuner layer uses for ``adapter`` (lora, dora, boft, oft, ia3, loha, lokr,
-    vera, adalora)."""
-    from peft.tuners.adalora import layer as adalora
-    from peft.tuners.boft import layer as boft
-    from peft.tuners.ia3 import layer as ia3
-    from peft.tuners.loha import layer as loha
-    from peft.tuners.lokr import layer as lokr
-    from peft.tuners.lora import layer as lora
-    from peft.tuners.oft import layer as oft
-    from peft.tuners.vera import layer as vera
-
-    kind = None
-    # AdaLoRA's layers are LoraLayers too: asked first
-    if isinstance(layer, adalora.AdaLoraLayer) and adapter in layer.lora_A:
-        kind = "adalora"
-    elif isinstance(layer, loha.LoHaLayer) and adapter in layer._available_adapters:
-        kind = "loha"
-    elif isinstance(layer, lokr.LoKrLayer) and adapter in layer._available_adapters:
-        kind = "lokr"
-    elif isinstance(layer, vera.VeraLayer) and adapter in layer.vera_lambda_b:
-        kind = "vera"
-    elif isinstance(layer, lora.LoraLayer) and (adapter in layer.lora_A or adapter in layer.lora_embedding_A):
-        variant = layer.lora_variant.get(adapter)
-        if variant is not None and type(variant).__name__ != "DoraLinearVariant":
-            raise ValueError(f"LoRA variant {type(variant).__name__} is not supported by peft_delta")
-        kind = "lora" if variant is None else "dora"
-    elif isinstance(layer, boft.BOFTLayer) and adapter in layer.boft_R:
-        kind = "boft"
-    elif isinstance(layer, oft.OFTLayer) and adapter in layer.oft_R:
-        kind = "oft"
-    elif isinstance(layer, ia3.IA3Layer) and adapter in layer.ia3_l:
-        kind = "ia3"
-    if kind is None:
-        raise ValueError(f"layer {type(layer).__name__} has no supported adapter '{adapter}'")
-    # The additive methods merge by adding get_delta_weight for every layer type; the other rules
-    # below are written for Linear layers (conv and embedding variants reshape or transpose differently).
-    linear = {"dora": lora.Linear, "boft": boft.Linear, "oft": oft.Linear, "ia3": ia3.Linear}.get(kind)
-    if linear is not None and not isinstance(layer, linear):
-        raise ValueError(f"peft_delta supports {kind} on Linear layers only, not {type(layer).__name__}")
-    return kind
-
-
-def peft_delta(layer: nn.Module, adapter_name: str) -> torch.Tensor:
-    """``ΔW`` of ``adapter_name`` on a loaded PEFT layer, as PEFT computes it, before it meets ``W``.
-
-    Runs on the layer's device with PEFT's own functions, in the dtype PEFT computes the adapter in
-    (PEFT keeps adapters in float32 on a bfloat16 model by default): LoRA/PiSSA, LoHa, LoKr, VeRA and
-    AdaLoRA ``get_delta_weight`` as is (their merge adds it to W); DoRA ``m/‖W+ΔW‖ ⊙ (W+ΔW) − W``
-    with the DoRA module's ``get_weight_norm``; BOFT ``get_delta_weight`` → (rotation, scale) applied
-    to ``W``; OFT ``get_delta_weight`` → rotation
-    applied to ``W``; IA3 ``W * ia3_l − W``. The multiplicative methods need ``W``: it is upcast
-    exactly to the adapter's dtype. Rounding the merged weight back into ``W``'s dtype is the merge
-    check's concern, not this one's.
-
-    The layer is never modified (weights stay bitwise equal). Raises ``ValueError`` if an adapter is
-    already merged into the layer, since ``W`` is then no longer the base weight.
-    """
-    from peft.utils.integrations import dequantize_module_weight
-    from peft.utils.other import transpose
-
-    kind = _kind_of_layer(layer, adapter_name)
-    if layer.merged_adapters:
-        raise ValueError(f"layer has merged adapters {layer.merged_adapters}; unmerge before peft_delta")
-    with torch.no_grad():
-        weight = dequantize_module_weight(layer.get_base_layer()).detach()
-        if kind in ADDITIVE:
-            return layer.get_delta_weight(adapter_name)
-        if kind == "dora":
-            delta = layer.get_delta_weight(adapter_name)
-            w = weight.to(delta.dtype)
-            dora = layer.lora_magnitude_vector[adapter_name]
-            # __wrapped__ skips PEFT's cache decorator, which would clear the DoRA module's cache
-            norm = type(dora).get_weight_norm.__wrapped__(
-                dora, w, transpose(delta, layer.fan_in_fan_out), scaling=1
-            )
-            factor = transpose((dora.weight / norm).view(-1, 1), layer.fan_in_fan_out)
-            return factor * (w + delta) - w
-        if kind == "boft":
-            rotation, scale = layer.get_delta_weight(adapter_name)
-            w = weight.to(rotation.dtype)
-            return torch.mm(rotation, w.t()).t() * scale - w
-        if kind == "oft":
-            module = layer.oft_R[adapter_name]
-            # with coft, get_weight writes the projected parameters back: restore them afterwards
-            saved = module.weight.detach().clone() if module.coft else None
-            try:
-                rotation = layer.get_delta_weight(adapter_name)
-            finally:
-                if saved is not None:
-                    module.weight.copy_(saved)
-            w = weight.to(rotation.dtype)
-            return torch.mm(rotation, w.t()).t() - w
-        scale = transpose(layer.ia3_l[adapter_name].detach(), layer.fan_in_fan_out)
-        w = weight.to(scale.dtype)
-        return w * scale - w
-
-
-def peft_delta_source(layer: nn.Module, adapter: str) -> str:
-    """Which PEFT functions :func:`peft_delta` uses for this layer and adapter, in words."""
-    kind = _kind_of_layer(layer, adapter)
-    if kind in ADDITIVE:
-        return f"{kind}.get_delta_weight"
-    if kind == "dora":
-        return "lora.get_delta_weight + DoraLinearLayer.get_weight_norm: m/‖W+ΔW‖ ⊙ (W+ΔW)"
-    if kind == "boft":
-        how = "fbd_cuda" if getattr(layer, "fbd_cuda_available", False) else "torch.block_diag"
-        return f"boft.get_delta_weight (rotation, scale) applied to W, block diagonal via {how}"
-    if kind == "oft":
-        module = layer.oft_R[adapter]
-        if module.use_cayley_neumann:
-            how = f"Cayley-Neumann series, {module.num_cayley_neumann_terms} terms"
-        else:
-            how = "exact Cayley (linalg.solve)"
-        coft = ", coft projection" if module.coft else ""
-        return f"oft.get_delta_weight rotation ({how}{coft}) applied to W"
-    dim = "input dim (feedforward)" if layer.is_feedforward else "output dim"
-    return f"ia3_l scaling W along the {dim}"

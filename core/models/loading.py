@@ -188,6 +188,31 @@ def _seeded_fill(model: torch.nn.Module, names: list[str], config) -> None:
             t.copy_(values.to(device=t.device, dtype=t.dtype))
 
 
+def fresh_build(model: torch.nn.Module, name: str) -> torch.Tensor | None:
+    """Tensor `name` of `model` as a fresh build of the model makes it, in float64 on the CPU: its module
+    copied and initialised anew by the model's own `_init_weights` (what transformers runs for a tensor
+    the checkpoint does not hold, Marian's sinusoidal position embeddings). None where that build is
+    not deterministic (two builds from different seeds differ) or cannot be made."""
+    import copy
+
+    owner_name, _, leaf = name.rpartition(".")
+    try:
+        owner = model.get_submodule(owner_name)
+        builds = []
+        for seed in (0, 1):
+            fresh = copy.deepcopy(owner).to(device="cpu", dtype=torch.float64)
+            for t in [*fresh.parameters(recurse=False), *fresh.buffers(recurse=False)]:
+                t.__dict__.pop("_is_hf_initialized", None)  # transformers skips tensors it marked done
+            with torch.random.fork_rng(devices=[]), torch.no_grad():
+                torch.manual_seed(seed)
+                model._init_weights(fresh)
+            builds.append(getattr(fresh, leaf).detach())
+    except Exception:  # a model without transformers' init, a module that cannot be copied
+        return None
+    same = builds[0].shape == builds[1].shape and torch.equal(builds[0], builds[1])
+    return builds[0] if same else None
+
+
 # Set by `load_base` on the model: its notes (`load_notes`).
 LOAD_NOTES = "weightdrift_load_notes"
 EAGER_EXPERTS_NOTE = (

@@ -1,0 +1,141 @@
+"""Adapter math, path (b) of `core.methods.formulas`: ``ΔW`` on a loaded PEFT layer, in the layer's
+dtype and on its device, with PEFT's own functions, exactly as PEFT's (unsafe, default) merge would,
+without touching the layer. Comparing it with the float64 formulas of path (a) measures how far a
+device/dtype drifts from the exact math.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from core.methods.formulas import ADDITIVE
+
+
+def _kind_of_layer(layer: nn.Module, adapter: str) -> str:
+    """Which merge rule a PEFT tuner layer uses for ``adapter`` (lora, dora, boft, oft, ia3, loha, lokr,
+    vera, adalora, fourierft, shira)."""
+    from peft.tuners.adalora import layer as adalora
+    from peft.tuners.boft import layer as boft
+    from peft.tuners.fourierft import layer as fourierft
+    from peft.tuners.ia3 import layer as ia3
+    from peft.tuners.loha import layer as loha
+    from peft.tuners.lokr import layer as lokr
+    from peft.tuners.lora import layer as lora
+    from peft.tuners.oft import layer as oft
+    from peft.tuners.shira import layer as shira
+    from peft.tuners.vera import layer as vera
+
+    # (layer class, the dict of its adapters, kind), first match wins: AdaLoRA's layers are LoraLayers too,
+    # so they are asked first; LoRA's dict is either of two, and DoRA is one of its variants (below)
+    by_class = (
+        (adalora.AdaLoraLayer, "lora_A", "adalora"),
+        (loha.LoHaLayer, "_available_adapters", "loha"),
+        (lokr.LoKrLayer, "_available_adapters", "lokr"),
+        (vera.VeraLayer, "vera_lambda_b", "vera"),
+        (lora.LoraLayer, "", "lora"),
+        (boft.BOFTLayer, "boft_R", "boft"),
+        (oft.OFTLayer, "oft_R", "oft"),
+        (ia3.IA3Layer, "ia3_l", "ia3"),
+        (fourierft.FourierFTLayer, "fourierft_spectrum", "fourierft"),
+        (shira.ShiraLayer, "shira_weight", "shira"),
+    )
+    kind = None
+    for cls, holder, name in by_class:
+        if not isinstance(layer, cls):
+            continue
+        if name != "lora" and adapter in getattr(layer, holder):
+            kind = name
+            break
+        if name == "lora" and (adapter in layer.lora_A or adapter in layer.lora_embedding_A):
+            variant = layer.lora_variant.get(adapter)
+            if variant is not None and type(variant).__name__ != "DoraLinearVariant":
+                raise ValueError(f"LoRA variant {type(variant).__name__} is not supported by peft_delta")
+            kind = "lora" if variant is None else "dora"
+            break
+    if kind is None:
+        raise ValueError(f"layer {type(layer).__name__} has no supported adapter '{adapter}'")
+    # The additive methods merge by adding get_delta_weight for every layer type; the other rules
+    # below are written for Linear layers (conv and embedding variants reshape or transpose differently).
+    linear = {"dora": lora.Linear, "boft": boft.Linear, "oft": oft.Linear, "ia3": ia3.Linear}.get(kind)
+    if linear is not None and not isinstance(layer, linear):
+        raise ValueError(f"peft_delta supports {kind} on Linear layers only, not {type(layer).__name__}")
+    return kind
+
+
+def peft_delta(layer: nn.Module, adapter_name: str) -> torch.Tensor:
+    """``ΔW`` of ``adapter_name`` on a loaded PEFT layer, as PEFT computes it, before it meets ``W``.
+
+    Runs on the layer's device with PEFT's own functions, in the dtype PEFT computes the adapter in
+    (PEFT keeps adapters in float32 on a bfloat16 model by default): LoRA/PiSSA, LoHa, LoKr, VeRA and
+    AdaLoRA ``get_delta_weight`` as is (their merge adds it to W); DoRA ``m/‖W+ΔW‖ ⊙ (W+ΔW) − W``
+    with the DoRA module's ``get_weight_norm``; BOFT ``get_delta_weight`` → (rotation, scale) applied
+    to ``W``; OFT ``get_delta_weight`` → rotation
+    applied to ``W``; IA3 ``W * ia3_l − W``. The multiplicative methods need ``W``: it is upcast
+    exactly to the adapter's dtype. Rounding the merged weight back into ``W``'s dtype is the merge
+    check's concern, not this one's.
+
+    The layer is never modified (weights stay bitwise equal). Raises ``ValueError`` if an adapter is
+    already merged into the layer, since ``W`` is then no longer the base weight.
+    """
+    from peft.utils.integrations import dequantize_module_weight
+    from peft.utils.other import transpose
+
+    kind = _kind_of_layer(layer, adapter_name)
+    if layer.merged_adapters:
+        raise ValueError(f"layer has merged adapters {layer.merged_adapters}; unmerge before peft_delta")
+    with torch.no_grad():
+        weight = dequantize_module_weight(layer.get_base_layer()).detach()
+        if kind in ADDITIVE:
+            delta = layer.get_delta_weight(adapter_name)
+            return delta.to_dense() if delta.is_sparse else delta  # SHiRA's is a sparse tensor
+        if kind == "dora":
+            delta = layer.get_delta_weight(adapter_name)
+            w = weight.to(delta.dtype)
+            dora = layer.lora_magnitude_vector[adapter_name]
+            # __wrapped__ skips PEFT's cache decorator, which would clear the DoRA module's cache
+            norm = type(dora).get_weight_norm.__wrapped__(
+                dora, w, transpose(delta, layer.fan_in_fan_out), scaling=1
+            )
+            factor = transpose((dora.weight / norm).view(-1, 1), layer.fan_in_fan_out)
+            return factor * (w + delta) - w
+        if kind == "boft":
+            rotation, scale = layer.get_delta_weight(adapter_name)
+            w = weight.to(rotation.dtype)
+            return torch.mm(rotation, w.t()).t() * scale - w
+        if kind == "oft":
+            module = layer.oft_R[adapter_name]
+            # with coft, get_weight writes the projected parameters back: restore them afterwards
+            saved = module.weight.detach().clone() if module.coft else None
+            try:
+                rotation = layer.get_delta_weight(adapter_name)
+            finally:
+                if saved is not None:
+                    module.weight.copy_(saved)
+            w = weight.to(rotation.dtype)
+            return torch.mm(rotation, w.t()).t() - w
+        scale = transpose(layer.ia3_l[adapter_name].detach(), layer.fan_in_fan_out)
+        w = weight.to(scale.dtype)
+        return w * scale - w
+
+
+def peft_delta_source(layer: nn.Module, adapter: str) -> str:
+    """Which PEFT functions :func:`peft_delta` uses for this layer and adapter, in words."""
+    kind = _kind_of_layer(layer, adapter)
+    if kind in ADDITIVE:
+        return f"{kind}.get_delta_weight"
+    if kind == "dora":
+        return "lora.get_delta_weight + DoraLinearLayer.get_weight_norm: m/‖W+ΔW‖ ⊙ (W+ΔW)"
+    if kind == "boft":
+        how = "fbd_cuda" if getattr(layer, "fbd_cuda_available", False) else "torch.block_diag"
+        return f"boft.get_delta_weight (rotation, scale) applied to W, block diagonal via {how}"
+    if kind == "oft":
+        module = layer.oft_R[adapter]
+        if module.use_cayley_neumann:
+            how = f"Cayley-Neumann series, {module.num_cayley_neumann_terms} terms"
+        else:
+            how = "exact Cayley (linalg.solve)"
+        coft = ", coft projection" if module.coft else ""
+        return f"oft.get_delta_weight rotation ({how}{coft}) applied to W"
+    dim = "input dim (feedforward)" if layer.is_feedforward else "output dim"
+    return f"ia3_l scaling W along the {dim}"
