@@ -126,15 +126,21 @@ def test_killed_worker_fails_the_job_and_the_engine_goes_on(tmp_path, demo_works
     engine = Engine(tmp_path, runner=ProcessRunner())
     base = demo_workspace["models"]["tiny-llama"]
     lora = AdapterRef(demo_workspace["adapters"]["lora"]["path"], "lora")
-    job = engine.submit(_spec(base, ["cpu/float32"], adapters=[lora]))
+    # every demo adapter: a forked task starts at once and runs for seconds, not a fraction of one
+    every = [
+        AdapterRef(a["path"], n) for n, a in demo_workspace["adapters"].items() if a["base"] == "tiny-llama"
+    ]
+    job = engine.submit(_spec(base, ["cpu/float32"], adapters=every))
     deadline = time.monotonic() + 60
-    pids = []
-    while not pids and time.monotonic() < deadline:
-        pids = _worker_pids()
+    killed = False
+    while not killed and not job.done_event.is_set() and time.monotonic() < deadline:
+        for pid in _worker_pids():
+            with contextlib.suppress(ProcessLookupError):  # a task that ended between the two
+                os.kill(pid, signal.SIGKILL)
+                killed = True
+                break
         time.sleep(0.05)
-    assert pids, "no worker process appeared"
-    time.sleep(0.5)
-    os.kill(pids[0], signal.SIGKILL)
+    assert killed, "no worker process appeared while the job ran"
     assert job.wait(60)
     assert job.state == "failed"
     assert "SIGKILL" in job.error and "cpu/float32" in job.error

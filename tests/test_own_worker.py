@@ -44,7 +44,7 @@ class VariantCheck(Check):
     def reference(self, spec, keys, reference_capture):
         return Reference(label="none", tensors={}, notes={})
 
-    def tables(self, spec, captures):
+    def tables(self, spec, captures, reference_capture=None):
         return {"variant_probe": pd.DataFrame({"label": [c.label for c in captures]})}
 
 
@@ -137,4 +137,4 @@ def test_every_scenario_builds_a_valid_spec_on_a_cpu_machine(name, tmp_path, dem
     devices = [Device("cpu", "cpu", "cpu")]
     spec = scenario_spec(name, demo_workspace, devices)
     Engine(tmp_path, runner=InProcessRunner(), devices=devices).validate(spec)
-    assert SCENARIOS[name].page in ("merge", "memory", "adapters", "drift", "activations")
+    assert SCENARIOS[name].page in ("merge", "memory", "adapters", "drift", "activations", "outputs")

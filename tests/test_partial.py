@@ -21,7 +21,7 @@ from core.engine.store import PARTIAL_DIR, Store
 from core.spec import AdapterRef, ModelRef, ProbeSpec, Target
 
 ALL_CHECKS = tuple(CHECKS)
-EARLY = ["weights", "deltas", "outputs", "activations", "merge", "memory"]
+EARLY = ["weights", "deltas", "outputs", "activations", "merge", "memory", "generate"]
 
 
 class GatedRunner(InProcessRunner):
@@ -55,12 +55,17 @@ def _spec(manifest: dict) -> ProbeSpec:
 def test_capture_passes_split_a_small_base_only(demo_workspace, monkeypatch):
     spec = _spec(demo_workspace)
     checks = get_checks(spec.checks)
-    assert capture_passes(spec, checks) == [("weights", "deltas"), ("outputs", "merge", "activations")]
+    assert capture_passes(spec, checks) == [
+        ("weights", "deltas"),
+        ("outputs", "merge", "activations", "generate"),
+    ]
     # one kind of check alone: one pass
     assert capture_passes(spec, get_checks(("outputs", "merge"))) == [("outputs", "merge")]
     assert capture_passes(spec, get_checks(("memory",))) == []
     monkeypatch.setattr(core.spec, "CAPTURE_PASSES_UP_TO", 0)  # a base larger than the limit
-    assert capture_passes(spec, checks) == [("weights", "deltas", "outputs", "merge", "activations")]
+    assert capture_passes(spec, checks) == [
+        ("weights", "deltas", "outputs", "merge", "activations", "generate")
+    ]
 
 
 def test_rows_come_while_the_run_goes_on_and_the_table_is_a_single_pass_one(
@@ -115,13 +120,13 @@ def test_rows_come_while_the_run_goes_on_and_the_table_is_a_single_pass_one(
         "cpu/float32 · weights, deltas",
         "cpu/bfloat16 · weights, deltas",
         "cpu/float64",  # the reference has the one pass that needs it: no part in its label
-        "cpu/float32 · outputs, merge, activations",
-        "cpu/bfloat16 · outputs, merge, activations",
+        "cpu/float32 · outputs, merge, activations, generate",
+        "cpu/bfloat16 · outputs, merge, activations, generate",
     ]
     partials = [label for label in labels if label.startswith("compare · ")]
     assert partials == [
         "compare · weights, deltas",
-        "compare · outputs, merge, activations",
+        "compare · outputs, merge, activations, generate",
         "compare · memory",
     ]
     assert labels[-1] == "compare"

@@ -200,8 +200,20 @@ def behaviours(capture: Capture, reference: dict[str, torch.Tensor]) -> list[tup
             or tensor.dim() != 3
         ):
             continue
-        found.append((key, next_token_behaviour(ref, tensor, None if mask is None else torch.tensor(mask))))
+        keep = None if mask is None else _probe_positions(torch.tensor(mask), tensor.shape[:2])
+        if mask is None or keep is not None:
+            found.append((key, next_token_behaviour(ref, tensor, keep)))
     return found
+
+
+def _probe_positions(mask: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor | None:
+    """The probe's attention mask over logits of (batch, positions) `shape`: prompt learning puts its
+    virtual tokens first, and their positions are no probe position (kept out); None where the two
+    cannot be lined up."""
+    extra = shape[1] - mask.shape[1]
+    if mask.shape[0] != shape[0] or extra < 0:
+        return None
+    return torch.cat([torch.zeros(shape[0], extra, dtype=mask.dtype), mask], dim=1)
 
 
 # A row's private mark from `extra_columns` for `rows`: its rows are identical, the reference's are not.
