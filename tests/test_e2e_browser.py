@@ -532,6 +532,8 @@ SCENARIO_PAGES = (
     ),
     ("adapters", "loop-pissa-lora", "Adapter consistency", "base mutated by pissa", "12-adapters.png"),
     ("activations", "bf16-activations", "Activations", "parts from the reference at", "13-activations.png"),
+    # the generated texts side by side, the first divergence marked (⟦)
+    ("outputs", "generation-parts", "Outputs", "Generated text", "14-outputs-generation.png"),
 )
 
 

@@ -8,7 +8,14 @@ import streamlit as st
 from dashboard.figures.outputs import generations_side_by_side, kl_position_figure, outputs_figure
 from dashboard.state import metrics_table, run_table
 from dashboard.text import inert, literal
-from dashboard.ui import METRIC_COLUMN_CONFIG, check_not_run, csv_download, figure_download, finished_run
+from dashboard.ui import (
+    METRIC_COLUMN_CONFIG,
+    check_not_run,
+    csv_download,
+    figure_download,
+    finished_run,
+    scenario_buttons,
+)
 
 HEALTH = {
     "health_nan": "NaN",
@@ -18,11 +25,12 @@ HEALTH = {
 }
 
 st.title("Outputs")
-record = finished_run("outputs")
+record = finished_run("outputs", "outputs")
 table = metrics_table(record)
 rows = table[table["check"] == "outputs"] if len(table) else table
 if rows.empty:
     check_not_run(record, "outputs", "outputs", "This run did not run the `outputs` check.")
+scenario_buttons("outputs")  # e.g. generation-parts: where a target's generated text parts
 rows = rows.assign(adapter=rows["adapter"].fillna("base model"))
 
 st.caption(
