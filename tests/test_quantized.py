@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from tiny_models import save_with_lora
 
 from core.capture import Capture
@@ -235,3 +236,29 @@ def test_merge_page_shows_the_finding(scenario_run, monkeypatch: pytest.MonkeyPa
     for sentence in report.served_elsewhere(record.table("pairwise")):
         assert any(sentence in s for s in infos), (sentence, infos)
     assert any(b.label.startswith("QLoRA served on bfloat16 and float32") for b in at.button)
+
+
+def test_memory_placement_of_a_4bit_base_holds_its_packed_weights(tmp_path: Path) -> None:
+    """The memory check on `cpu/nf4`: every stage sampled, and the placement map names each quantized
+    weight as bitsandbytes holds it (4-bit values packed two to a uint8 byte), the adapter in float32."""
+    model, adapter = save_with_lora("llama", tmp_path, seed=3)
+    spec = ProbeSpec(
+        base=ModelRef(path=str(model)),
+        adapters=(AdapterRef(path=str(adapter), name="lora"),),
+        targets=(Target.parse("cpu/nf4"),),
+        checks=("memory",),
+        probe=ProbeInputs(input_ids=IDS),
+    )
+    engine = Engine(tmp_path / "home", runner=InProcessRunner())
+    job = engine.submit(spec)
+    assert job.wait(300) and job.state == "succeeded", job.error
+    record = engine.store.open(job.run_id)
+    placement, timeline = record.table("placement"), record.table("memory_timeline")
+    assert {"base loaded", "adapter lora loaded", "first forward"} <= set(timeline["stage"])
+    q = placement[placement["name"].str.endswith("layers.0.self_attn.q_proj.base_layer.weight")].iloc[0]
+    with safe_open(str(model / "model.safetensors"), "pt") as f:
+        saved = f.get_slice("model.layers.0.self_attn.q_proj.weight").get_shape()
+    assert q["dtype"] == "uint8" and q["device"] == "cpu"
+    assert q["bytes"] == q["numel"] and 2 * q["numel"] == saved[0] * saved[1]  # two 4-bit values a byte
+    lora_a = placement[(placement["role"] == "lora_A") & (placement["adapter"] == "lora")]
+    assert len(lora_a) and set(lora_a["dtype"]) == {"float32"}
