@@ -602,6 +602,9 @@ def _run_scenario(
         button.wait_for(state="hidden", timeout=STEP_TIMEOUT_S * 1000)
     page.wait_for_timeout(1000)
     wait_idle(page)
+    # the screenshot starts at the text the result must show (the generated texts sit below the charts)
+    page.locator(MAIN).get_by_text(expect).first.evaluate("e => e.scrollIntoView({block: 'start'})")
+    page.wait_for_timeout(500)
     _shot(page, shot)
     return elapsed
 
