@@ -135,9 +135,6 @@ def tie_run(demo_workspace, tmp_path_factory):
 def test_bfloat16_generation_parts_at_the_tie_and_float32_generates_as_model_generate(
     tie_run, demo_workspace
 ):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     code, record = tie_run
     assert record.status == "succeeded", record.error
     gens = record.table("generations")
@@ -147,22 +144,11 @@ def test_bfloat16_generation_parts_at_the_tie_and_float32_generates_as_model_gen
     assert pd.isna(tie.loc["cpu/float32", "first_divergence"])
     assert pd.isna(tie.loc["cpu/float64", "first_divergence"])  # the reference's own row
     # the captured greedy tokens are what model.generate(do_sample=False) decodes on cpu/float32
-    model = AutoModelForCausalLM.from_pretrained(demo_workspace["models"]["tiny-llama"], dtype=torch.float32)
-    model = PeftModel.from_pretrained(model, demo_workspace["adapters"]["lora_tie"]["path"]).eval()
     for prompt in (TIE_PROMPT, SECOND):
-        ids = torch.tensor([list(prompt.encode())])
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=12,
-                pad_token_id=2,
-            )
         row = gens[
             (gens["target"] == "cpu/float32") & (gens["adapter"] == "lora_tie") & (gens["prompt"] == prompt)
         ]
-        assert list(row["tokens"].iloc[0]) == out[0, ids.shape[1] :].tolist()
+        assert list(row["tokens"].iloc[0]) == _greedy(demo_workspace, torch.float32, None, prompt)
     metrics = record.metrics()
     generate = metrics[metrics["check"] == "generate"]
     assert set(generate.loc[generate["first_divergence"].notna(), "target"]) == {"cpu/bfloat16"}
@@ -194,8 +180,8 @@ def test_kl_columns_equal_an_independent_computation_from_the_captures(tie_run):
 WITNESS_MODULE, WITNESS_SCALE = "model.layers.3.mlp.down_proj", 0.01
 
 
-def _greedy(demo, dtype, hook_scale: float | None) -> list[int]:
-    """The test's own greedy decoding of TIE_PROMPT with lora_tie (the witness's hook where asked)."""
+def _greedy(demo, dtype, hook_scale: float | None, prompt: str = TIE_PROMPT) -> list[int]:
+    """The test's own greedy decoding of `prompt` with lora_tie (the witness's hook where asked)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -204,7 +190,7 @@ def _greedy(demo, dtype, hook_scale: float | None) -> list[int]:
     if hook_scale is not None:
         module = next(m for n, m in model.named_modules() if n.endswith(WITNESS_MODULE))
         module.register_forward_hook(lambda mod, args, out: out * (1 + hook_scale))
-    ids = torch.tensor([list(TIE_PROMPT.encode())])
+    ids = torch.tensor([list(prompt.encode())])
     with torch.no_grad():
         out = model.generate(
             input_ids=ids,
