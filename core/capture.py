@@ -172,20 +172,27 @@ class Capture:
     def sketch(self, key: TensorKey) -> Sketch | None:
         """The sketch of a tensor compared in the worker (read from the folder on first use)."""
         encoded = key.encode()
-        if encoded in self.sketches:
-            return self.sketches[encoded]
-        record = self.results.get(encoded)
-        if not record or not record.get("sketch") or self.folder is None:
-            return None
-        path = self.folder / "sketches.safetensors"
+        if encoded not in self.sketches:
+            self._read_sketches([encoded])
+        return self.sketches.get(encoded)
+
+    def _read_sketches(self, encoded: list[str]) -> None:
+        """Read the sketches of these keys that are in the folder and not yet read, opening its file once."""
+        wanted = [
+            k
+            for k in encoded
+            if k not in self.sketches
+            and (self.results.get(k) or {}).get("sketch")
+            and self.folder is not None
+        ]
+        if not wanted:
+            return
         from safetensors import safe_open
 
-        prefix = encoded + SKETCH_SEP
-        with safe_open(str(path), framework="np") as f:
-            arrays = {part: f.get_tensor(prefix + part) for part in Sketch.ARRAY_PARTS}
-        sketch = Sketch.from_parts(record["sketch"], arrays)
-        self.sketches[encoded] = sketch
-        return sketch
+        with safe_open(str(self.folder / "sketches.safetensors"), framework="np") as f:
+            for k in wanted:
+                arrays = {part: f.get_tensor(k + SKETCH_SEP + part) for part in Sketch.ARRAY_PARTS}
+                self.sketches[k] = Sketch.from_parts(self.results[k]["sketch"], arrays)
 
     def save(self, folder: Path) -> Path:
         """Write into a temporary sibling folder, then rename it into place."""
@@ -212,7 +219,8 @@ class Capture:
             "meta": self.meta,
             "results": self.results,
         }
-        (tmp / "capture.json").write_text(json.dumps(doc, indent=2, sort_keys=True, default=str))
+        # one line: json's C encoder runs only without indent (a capture has a record per tensor)
+        (tmp / "capture.json").write_text(json.dumps(doc, sort_keys=True, default=str))
         if folder.exists():
             # out of the way in one rename, so a reader (the dashboard's drill-down while the run goes
             # on) finds the old capture or the new one, not a half-removed folder
@@ -231,10 +239,7 @@ class Capture:
         Its tensors, results, sketches, notes and per-check metadata join this capture's; the earlier
         environment is kept (the same target on the same machine), load timings add up.
         """
-        if earlier.folder is not None:
-            for key, record in earlier.results.items():
-                if record.get("sketch"):
-                    earlier.sketch(TensorKey.decode(key))  # read now: saving replaces its folder
+        earlier._read_sketches(list(earlier.results))  # read now: saving replaces its folder
         self.tensors = {**earlier.tensors, **self.tensors}
         self.results = {**earlier.results, **self.results}
         self.sketches = {**earlier.sketches, **self.sketches}

@@ -55,18 +55,61 @@ def _overlap(a, b):
     return a[0] < b[1] and b[0] < a[1]
 
 
-def test_devices_run_in_parallel_and_one_device_is_serialised(tmp_path, demo_workspace):
+@pytest.mark.parametrize("small", [False, True])
+def test_devices_run_in_parallel_and_one_device_is_serialised(tmp_path, demo_workspace, monkeypatch, small):
+    """Devices run at once; a device's targets one after the other, but a small model's CPU targets, each
+    in a process of its own, at once."""
+    monkeypatch.setattr("core.engine.jobs.small_base", lambda spec: small)
     runner = RecordingRunner()
     engine = Engine(tmp_path, runner=runner, devices=FAKE_DEVICES)
     base = demo_workspace["models"]["tiny-llama"]
-    job = engine.submit(_spec(base, ["cpu/float32", "cpu/bfloat16", "cuda:0/float32", "cuda:1/float32"]))
+    job = engine.submit(_spec(base, ["cpu/float32", "cpu/bfloat16", "cuda:0/float32", "cuda:0/bfloat16"]))
     assert job.wait(20)
     s = runner.spans
-    assert _overlap(s["cuda:0/float32"], s["cuda:1/float32"])
-    assert _overlap(s["cpu/float32"], s["cuda:0/float32"]) or _overlap(s["cpu/bfloat16"], s["cuda:0/float32"])
-    assert not _overlap(s["cpu/float32"], s["cpu/bfloat16"])
+    assert _overlap(s["cuda:0/float32"], s["cpu/float32"]) or _overlap(s["cuda:0/float32"], s["cpu/bfloat16"])
+    assert not _overlap(s["cuda:0/float32"], s["cuda:0/bfloat16"])  # a GPU's targets: always in turn
+    assert _overlap(s["cpu/float32"], s["cpu/bfloat16"]) == small
     # compare starts after every capture ended
     assert s["compare"][0] >= max(v[1] for k, v in s.items() if k != "compare")
+
+
+def test_a_small_models_lanes(demo_workspace):
+    """Per target on the CPU, the reference after the first pass, memory timelines in lanes of their own;
+    on a GPU, one lane; not small: one lane per device."""
+    from core.engine.jobs import task_lanes
+    from core.engine.worker import Task
+
+    spec = _spec(demo_workspace["models"]["tiny-llama"], ["cpu/float32", "cpu/bfloat16"])
+
+    def task(target, checks, variant=None, part=False):
+        return Task(
+            kind="capture", run_dir="x", spec={}, target=target, checks=checks, variant=variant, part=part
+        )
+
+    tasks = [
+        task("cpu/float32", ("weights",), part=True),
+        task("cpu/bfloat16", ("weights",), part=True),
+        task("cpu/float64", ("outputs",)),
+        task("cpu/float32", ("outputs",), part=True),
+        task("cpu/bfloat16", ("outputs",), part=True),
+        *(task(t, ("memory",), v) for t in ("cpu/float32", "cpu/bfloat16") for v in ("a", "b")),
+        task("cpu/float32", ("adapters",), "isolated"),
+    ]
+    lanes, after = task_lanes(tasks, spec, small=True, cpus=2)
+    assert {lane: [t.label for t in ts] for lane, ts in lanes.items()} == {
+        "cpu · cpu/float32": [
+            "cpu/float32 · weights",
+            "cpu/float32 · outputs",
+            "cpu/float32 · adapters:isolated",
+        ],
+        "cpu · cpu/bfloat16": ["cpu/bfloat16 · weights", "cpu/bfloat16 · outputs"],
+        "cpu · cpu/float64": ["cpu/float64"],
+        "cpu · fresh 0": ["cpu/float32 · memory:a", "cpu/bfloat16 · memory:a"],
+        "cpu · fresh 1": ["cpu/float32 · memory:b", "cpu/bfloat16 · memory:b"],
+    }
+    assert after == {"cpu/float64": ["cpu/float32 · weights", "cpu/bfloat16 · weights"]}
+    lanes, after = task_lanes(tasks, spec, small=False, cpus=2)
+    assert list(lanes) == ["cpu"] and lanes["cpu"] == tasks and after == {}
 
 
 def test_missing_device_is_refused(tmp_path, demo_workspace):

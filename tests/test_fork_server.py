@@ -54,7 +54,8 @@ def test_a_forked_task_process_is_made_like_a_spawned_worker_and_dies_with_its_s
         assert orphan.wait(60) == -signal.SIGKILL and orphan.server_lost
         server.proc.wait(60)
         assert server.fork(worker_env(False)) is None
-        assert server.exit_text() == " (it was killed by SIGKILL)"
+        # then the end of its log, if it wrote one (a library's warning at import, on some machines)
+        assert server.exit_text().startswith(" (it was killed by SIGKILL)")
     finally:
         server.stop()
 

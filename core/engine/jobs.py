@@ -13,6 +13,7 @@ Worker threads never touch a UI: the dashboard polls `Job.snapshot()` or the sto
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -47,19 +48,56 @@ def capture_passes(spec: ProbeSpec, checks: list) -> list[tuple[str, ...]]:
     the checkpoint files (no forward pass, no reference target), whose rows come first, then for the
     others. A larger one is loaded once, for all of them.
     """
-    from core.models.checkpoint import Checkpoint, CheckpointError
-    from core.spec import CAPTURE_PASSES_UP_TO
-
     shared = [c for c in checks if not c.own_worker]
     first = tuple(c.name for c in shared if not c.needs_reference_target)
     rest = tuple(c.name for c in shared if c.needs_reference_target)
     if not first or not rest:
         return [first or rest] if shared else []
+    return [first, rest] if small_base(spec) else [first + rest]
+
+
+def small_base(spec: ProbeSpec) -> bool:
+    """Whether the run's base checkpoint holds at most CAPTURE_PASSES_UP_TO bytes (a hub id, or weights
+    transformers finds elsewhere, count as large)."""
+    from core.models.checkpoint import Checkpoint, CheckpointError
+    from core.spec import CAPTURE_PASSES_UP_TO
+
     try:
-        small = Checkpoint.open(spec.base.path).nbytes <= CAPTURE_PASSES_UP_TO
-    except CheckpointError:  # a hub id, or weights transformers finds elsewhere: assume it is large
-        small = False
-    return [first, rest] if small else [first + rest]
+        return Checkpoint.open(spec.base.path).nbytes <= CAPTURE_PASSES_UP_TO
+    except CheckpointError:
+        return False
+
+
+def task_lanes(
+    tasks: list[Task], spec: ProbeSpec, small: bool, cpus: int
+) -> tuple[dict[str, list[Task]], dict[str, list[str]]]:
+    """The capture tasks by lane (each lane's in order, the lanes at once), and the labels a task waits
+    for before it starts beyond its lane's order.
+
+    A lane is a device (cuda:0 of two Ray nodes are two devices): one model in its memory at a time.
+    A small model (`small`: up to CAPTURE_PASSES_UP_TO, run in worker processes) on the CPU is held
+    by several processes at once, each with its numerics of its own: each target's tasks form a lane
+    (its passes join one capture, in order), the reference's task waits for the first pass (whose rows
+    fill the first page), and the memory timelines (fresh interpreters, mostly importing libraries,
+    each sampling its own process) take `cpus` lanes of their own, at a lower CPU priority
+    (`ProcessRunner`).
+    """
+    lanes: dict[str, list[Task]] = {}
+    after: dict[str, list[str]] = {}
+    first_pass = [t.label for t in tasks if t.variant is None and t.part and t.checks == tasks[0].checks]
+    fresh = 0
+    for task in tasks:
+        target = Target.parse(task.target)
+        lane = target.device if target.node is None else f"{target.node}/{target.device}"
+        if small and target.node is None and target.device == "cpu":
+            if not task.imports_ahead:
+                lane, fresh = f"cpu · fresh {fresh % cpus}", fresh + 1
+            else:
+                lane = f"cpu · {task.target}"
+                if task.target == str(spec.reference) and spec.reference not in spec.targets:
+                    after[task.label] = first_pass
+        lanes.setdefault(lane, []).append(task)
+    return lanes, after
 
 
 @dataclass
@@ -460,12 +498,8 @@ class Engine:
         tasks = self._capture_tasks(job)
         groups = self._compare_groups(job, tasks)
         reference = str(job.spec.reference)
-        by_device: dict[str, list[Task]] = {}
-        for task in tasks:
-            target = Target.parse(task.target)
-            # cuda:0 of two Ray nodes are two devices: neither waits for the other
-            where = target.device if target.node is None else f"{target.node}/{target.device}"
-            by_device.setdefault(where, []).append(task)
+        small = job.runner.concurrent and small_base(job.spec)
+        by_device, after = task_lanes(tasks, job.spec, small, os.cpu_count() or 1)
         outcomes: list[tuple[Task, Outcome]] = []
         ended: dict[str, threading.Event] = {t.label: threading.Event() for t in tasks}
         succeeded: set[str] = set()
@@ -476,11 +510,14 @@ class Engine:
 
         def waits_for(task: Task) -> list[str]:
             """A check whose targets read the reference's capture while they capture (activations):
-            its tasks start once the reference's task with that check has ended."""
+            its tasks start once the reference's task with that check has ended; and what `task_lanes`
+            says it waits for."""
             wanted = first_checks.intersection(task.checks)
             if not wanted or task.target == reference:
-                return []
-            return [t.label for t in tasks if t.target == reference and wanted.intersection(t.checks)]
+                return after.get(task.label, [])
+            return after.get(task.label, []) + [
+                t.label for t in tasks if t.target == reference and wanted.intersection(t.checks)
+            ]
 
         def ready(group: _Group, also: str | None = None) -> bool:
             return all(label in succeeded or label == also for label in group.needs)

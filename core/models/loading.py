@@ -355,12 +355,12 @@ class _Float32Fallback(torch.overrides.TorchFunctionMode):
         self.used = used
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        from torch.utils._pytree import tree_flatten, tree_map
-
         kwargs = kwargs or {}
         try:
             return func(*args, **kwargs)
         except (RuntimeError, NotImplementedError) as e:
+            from torch.utils._pytree import tree_flatten, tree_map
+
             floating = [
                 t
                 for t in tree_flatten((args, kwargs))[0]
