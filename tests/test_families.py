@@ -190,7 +190,20 @@ METHOD_BASES = {
 # classifier head, which RoBERTa's has not): a finding of that stage; the earlier stages' rows stand.
 PEFT_MERGE_FAILURES = {
     ("roberta_cls", method): "AttributeError: 'RobertaClassificationHead' object has no attribute 'weight'"
-    for method in ("ia3", "loha", "lokr", "vera", "boft", "oft", "fourierft", "shira")
+    for method in (
+        "ia3",
+        "loha",
+        "lokr",
+        "vera",
+        "boft",
+        "oft",
+        "fourierft",
+        "shira",
+        "hra",
+        "miss",
+        "randlora",
+        "delora",
+    )
 }
 # LoRA inits PEFT runs on the base weight in float32 at most (it refuses a float64 base).
 FLOAT32_INITS = {"pissa": "PiSSA", "olora": "OLoRA"}
