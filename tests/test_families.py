@@ -1,6 +1,6 @@
 """Every supported model family and PEFT method, on tiny random models built here (tests/tiny_models.py)
-with an adapter made by PEFT, run through the engine (in process) on `cpu/float32 cpu/bfloat16` with the
-default checks and the merge check; docs/supported.md's "Supported models and methods" tables are this module's
+with an adapter made by PEFT, run through the engine (in process) on `cpu/float32 cpu/bfloat16` with every
+check; docs/supported.md's "Supported models and methods" tables are this module's
 parameter lists (a test below keeps them equal).
 
 Each family's probe (pixel values; audio features with decoder ids; token ids) is what its model
@@ -23,6 +23,7 @@ from safetensors import safe_open
 from tiny_models import ARCHITECTURES, METHODS, save_method, save_with_lora
 
 from core import report
+from core.checks import CHECKS as REGISTRY
 from core.engine.jobs import Engine
 from core.engine.runners import InProcessRunner
 from core.engine.store import RunRecord
@@ -42,7 +43,14 @@ from core.spec import DEFAULT_CHECKS, QUANTIZED_FORMATS, AdapterRef, ModelRef, P
 # The families with assertions of their own below (probe shapes, logits, attention blocks).
 FAMILIES = ("vit", "whisper", "mixtral", "bart", "wav2vec2")
 TARGETS = ("cpu/float32", "cpu/bfloat16")
-CHECKS = (*DEFAULT_CHECKS, "merge")
+# Every check there is, in the one run per family and per group of methods.
+CHECKS = tuple(REGISTRY)
+# The families whose model generates nothing from the probe, and why `generate` says it does not apply.
+NO_GENERATION = {
+    **{f: "has no generation head" for f in ("roberta", "roberta_cls", "bert", "distilbert", "bert_qa")},
+    **{f: "has no generation head" for f in ("vit", "wav2vec2", "convnext", "clip")},
+    "whisper": "the model takes no token ids",
+}
 
 
 @pytest.fixture(scope="module")
@@ -152,9 +160,13 @@ def test_every_architecture_runs_every_check_and_nothing_is_broken(
         rows = lora[lora.target == target]
         base = table[(table.target == target) & table.adapter.isna()]
         by_check = rows.groupby("check").size().to_dict()
-        assert set(by_check) == set(CHECKS), (target, by_check)
-        # the base alone: its weights against the file and its outputs against the reference
-        assert {"weights", "outputs"} <= set(base.check), target
+        # memory's rows are the load's (no adapter of their own); generate's where the model generates
+        expected = set(CHECKS) - {"memory"} - ({"generate"} if name in NO_GENERATION else set())
+        assert set(by_check) == expected, (target, by_check)
+        # the base alone: its weights against the file, its outputs against the reference, each module's
+        # activations; the memory rows of each load variant
+        assert {"weights", "outputs", "activations", "memory"} <= set(base.check), target
+        assert ("generate" in set(base.check)) == (name not in NO_GENERATION), target
         # every adapted module: one ΔW row, its lora_A and lora_B, and a merged row per merge path
         deltas = rows[(rows.check == "deltas") & (rows.role == "delta")]
         assert set(deltas.tensor) == modules and len(deltas) == len(modules), target
@@ -168,6 +180,12 @@ def test_every_architecture_runs_every_check_and_nothing_is_broken(
             set(outputs.module)
         )
         assert outputs.max_abs.notna().all()
+    notes = "\n".join(runs[name].notes())
+    # generate and the memory check's unload (after its merge) ran through
+    assert "generate failed" not in notes and "\nunload() failed" not in notes, notes
+    if name in NO_GENERATION:
+        for who in ("base", "lora"):
+            assert f"generate · {who}: " in notes and NO_GENERATION[name] in notes, notes
 
 
 # Each PEFT method on a decoder and an encoder: base → the modules a method adapts, by kind (Method.adapts;
@@ -190,7 +208,20 @@ METHOD_BASES = {
 # classifier head, which RoBERTa's has not): a finding of that stage; the earlier stages' rows stand.
 PEFT_MERGE_FAILURES = {
     ("roberta_cls", method): "AttributeError: 'RobertaClassificationHead' object has no attribute 'weight'"
-    for method in ("ia3", "loha", "lokr", "vera", "boft", "oft", "fourierft", "shira")
+    for method in (
+        "ia3",
+        "loha",
+        "lokr",
+        "vera",
+        "boft",
+        "oft",
+        "fourierft",
+        "shira",
+        "hra",
+        "miss",
+        "randlora",
+        "delora",
+    )
 }
 # LoRA inits PEFT runs on the base weight in float32 at most (it refuses a float64 base).
 FLOAT32_INITS = {"pissa": "PiSSA", "olora": "OLoRA"}
@@ -287,6 +318,12 @@ def test_every_method_runs_every_check_on_a_decoder_and_an_encoder(
     assert (len(reported) > 0 and "broken" in set(reported.verdict)) == bool(tied)
     judged = rows.drop(reported.index)
     assert "broken" not in set(judged.verdict)
+    # PiSSA and OLoRA replace W by a residual when they load, by design: the adapters check says so (the base
+    # weights and the outputs with the adapter disabled differ from the base's), for these and no other
+    rewritten = judged[(judged.check == "adapters") & (judged.reason == "base mutated")]
+    assert (len(rewritten) > 0) == (method in FLOAT32_INITS), rewritten[["tensor", "note"]].values
+    assert set(rewritten.role) <= {"disabled", "base weight"}
+    judged = judged.drop(rewritten.index)
     float32 = judged[judged.target == "cpu/float32"]
     assert set(float32.verdict) <= {"identical", "within tolerance"}, float32[
         ~float32.verdict.isin(["identical", "within tolerance"])
@@ -298,9 +335,20 @@ def test_every_method_runs_every_check_on_a_decoder_and_an_encoder(
         note = f"{FLOAT32_INITS[method]} cannot be initialised in float64; loaded in float32 and upcast to float64"
         assert f"{method}: {note}" in run.notes()
     findings = {check: run.table(f"{check}_findings") for check in ("deltas", "merge")}
+    memory = table[table.check == "memory"]  # the loads', shared by the group's methods
+    assert set(memory.target) == set(TARGETS) and "broken" not in set(memory.verdict)
+    notes = "\n".join(run.notes())
+    # generate and the memory check's unload (after its merge) ran through
+    assert "generate failed" not in notes and "\nunload() failed" not in notes, notes
     for target in TARGETS:
         at = rows[rows.target == target]
         assert len(at[at.check == "outputs"]) == 1 and len(at[at.check == "weights"]) == len(weights)
+        # each module's output with the method loaded; its load alone (isolated) against the base
+        assert len(at[at.check == "activations"]) and len(at[at.check == "adapters"]), target
+        if base in NO_GENERATION:
+            assert at[at.check == "generate"].empty and f"generate · {method}: " in notes
+        else:
+            assert len(at[at.check == "generate"]) == 1, target
         # against float64: its reference ran (PiSSA and OLoRA load in float32 there, then upcast)
         assert set(at[at.check == "outputs"].reference) == {"cpu/float64"}, run.notes()
         own = {check: f[(f.adapter == method) & (f.target == target)] for check, f in findings.items()}
@@ -692,7 +740,7 @@ def test_a_classifier_adapter_on_a_base_without_its_head(workspace: dict, tmp_pa
             base=ModelRef(path=str(base)),
             adapters=(AdapterRef(path=str(tmp_path / "cls"), name="cls"),),
             targets=tuple(Target.parse(t) for t in TARGETS),
-            checks=CHECKS,
+            checks=(*DEFAULT_CHECKS, "merge"),
             probe=ProbeInputs(batch=2, seq_len=6),
         ),
     )

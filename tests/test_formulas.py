@@ -502,7 +502,7 @@ def test_missing_tensor_and_unknown_keys_are_clear_errors(demo_workspace: dict, 
     with pytest.raises(ValueError, match="modules_to_save"):
         reference_deltas(config, extra, base64)
     with pytest.raises(ValueError, match="not supported"):
-        reference_deltas(dict(config, peft_type="HRA"), tensors, base64)
+        reference_deltas(dict(config, peft_type="C3A"), tensors, base64)
 
 
 def test_adapter_module_keys() -> None:

@@ -1,5 +1,5 @@
-"""LoHa, LoKr, VeRA and AdaLoRA: ΔW and merge against float64 formulas written out here, on tiny random
-models built in fixtures (a Llama, and a GPT-2 whose Conv1D layers store W as (in, out)).
+"""LoHa, LoKr, VeRA, AdaLoRA, FourierFT, SHiRA, HRA, MiSS, RandLoRA and DeLoRA: ΔW and merge against
+float64 formulas written out here, on tiny random models built in fixtures (a Llama, and a GPT-2 whose Conv1D layers store W as (in, out)).
 
 The formulas below (`_expected_delta`) are this test's own, written from the adapter files and the
 configs this module makes, independently of `core.methods.formulas` (torch.kron and diagonal matrices where
@@ -414,25 +414,27 @@ def test_loras_before_a_vera_are_merged_together(runs: dict) -> None:
 def test_an_adapter_merge_cannot_cover_says_so_and_the_loras_before_it_merge(
     workspace: dict, tmp_path: Path
 ) -> None:
-    """HRA (no formula here) as the last adapter: a finding row and a note name it; the LoRAs still merge."""
-    from peft import HRAConfig, get_peft_model
+    """LN tuning (no formula here: it replaces the layer norms whole) as the last adapter: a finding row and
+    a note name it; the LoRAs still merge."""
+    from peft import LNTuningConfig, get_peft_model
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = get_peft_model(
-            _load(workspace["models"]["llama"], torch.float32), HRAConfig(r=2, target_modules=["q_proj"])
+            _load(workspace["models"]["llama"], torch.float32),
+            LNTuningConfig(target_modules=["input_layernorm"]),
         )
-    model.save_pretrained(tmp_path / "hra")
-    ws = {**workspace, "adapters": {**workspace["adapters"], "hra": tmp_path / "hra"}}
-    run = _run(ws, "llama", ["lora_a", "lora_b", "hra"], ("merge",), tmp_path / "home")
+    model.save_pretrained(tmp_path / "ln")
+    ws = {**workspace, "adapters": {**workspace["adapters"], "ln": tmp_path / "ln"}}
+    run = _run(ws, "llama", ["lora_a", "lora_b", "ln"], ("merge",), tmp_path / "home")
     table = run.metrics()
     assert "subset merge_adapter combined" in set(table[table.adapter == "lora_a+lora_b"].stage)
-    assert not len(table[table.adapter == "hra"])
+    assert not len(table[table.adapter == "ln"])
     findings = run.table("merge_findings")
-    hra = findings[findings.adapter == "hra"]
-    assert list(zip(hra.target, hra.finding, strict=True)) == [("cpu/float32", "not covered")]
-    assert "hra is a hra adapter; its merge rule is not covered" in hra.detail.iloc[0]
-    assert f"merge: {hra.detail.iloc[0]}" in run.notes()
+    ln = findings[findings.adapter == "ln"]
+    assert list(zip(ln.target, ln.finding, strict=True)) == [("cpu/float32", "not covered")]
+    assert "ln is a ln_tuning adapter; its merge rule is not covered" in ln.detail.iloc[0]
+    assert f"merge: {ln.detail.iloc[0]}" in run.notes()
 
 
 def test_adalora_module_pruned_by_rank_pattern_loads_rounded_to_bfloat16(
@@ -509,3 +511,135 @@ def test_fourierft_and_shira_deltas_equal_the_formula_written_here(workspace: di
         assert delta.dtype == torch.float32 and not delta.is_sparse
         rel = ((delta.double() - expected).norm() / expected.norm()).item()
         assert rel < 1e-6, (m, rel)  # float32 rounding (SHiRA: none, its values are float32 as saved)
+
+
+# HRA, MiSS (its three inits), RandLoRA (also on GPT-2's Conv1D, fan_in_fan_out) and DeLoRA: name → (base,
+# PEFT config class, its arguments). Ranks chosen so that the formulas' corners are exercised: MiSS r 5 leaves
+# a narrower last slice of q_proj's 32 inputs; RandLoRA r 3 gives 11 bases (32/3, rounded up), so PEFT's two
+# flattening orders pair different (rank, basis) indices; down_proj (48 in, 32 out) is wider than tall.
+NEWER = {
+    "hra": ("llama", "HRAConfig", {"r": 3}),
+    "hra_gs": ("llama", "HRAConfig", {"r": 3, "apply_GS": True}),
+    "miss": ("llama", "MissConfig", {"r": 5}),
+    "miss_bat": ("llama", "MissConfig", {"r": 4, "init_weights": "bat"}),
+    "miss_mini": ("llama", "MissConfig", {"r": 2, "init_weights": "mini", "mini_r": 4}),
+    "randlora": ("llama", "RandLoraConfig", {"r": 3, "randlora_alpha": 6}),
+    "randlora_gpt2": ("gpt2", "RandLoraConfig", {"r": 4, "randlora_alpha": 8, "fan_in_fan_out": True}),
+    "delora": ("llama", "DeloraConfig", {"r": 2, "rank_pattern": {"down_proj": 3}}),
+}
+
+
+def _newer_expected(name: str, config: dict, tensors: dict, base: dict) -> dict[str, torch.Tensor]:
+    """Module → ΔW in float64, written here from the methods' definitions with matrices where core writes
+    loops, gathers and QR: HRA's reflections multiplied out (Gram–Schmidt by hand), MiSS's block tiled with
+    torch.cat and its bat blocks one by one, RandLoRA's scaled bases flattened as PEFT's layer flattens them,
+    DeLoRA's diagonal matrices."""
+    t = {k.removeprefix("base_model.model."): v.double() for k, v in tensors.items()}
+    kind = config["peft_type"].lower()
+    suffix = {"hra": ".hra_u", "miss": ".miss_block", "randlora": ".randlora_lambda", "delora": ".delora_A"}[
+        kind
+    ]
+    out = {}
+    for m in sorted(k.removesuffix(suffix) for k in t if k.endswith(suffix)):
+        w = base[f"{m}.weight"]
+        if kind == "hra":
+            u = t[f"{m}.hra_u"]
+            if config["apply_GS"]:  # classical Gram–Schmidt
+                q = []
+                for i in range(u.shape[1]):
+                    v = u[:, i] - sum(((qj @ u[:, i]) * qj for qj in q), torch.zeros_like(u[:, i]))
+                    q.append(v / v.norm())
+                q = torch.stack(q, dim=1)
+                h = torch.eye(u.shape[0], dtype=torch.float64) - 2 * q @ q.T
+            else:
+                h = torch.eye(u.shape[0], dtype=torch.float64)
+                for i in range(u.shape[1]):
+                    v = u[:, i : i + 1] / u[:, i].norm()
+                    h = h @ (torch.eye(u.shape[0], dtype=torch.float64) - 2 * v @ v.T)
+            out[m] = w @ h - w
+        elif kind == "miss":
+            block, (n_out, n_in) = t[f"{m}.miss_block"], w.shape
+            if config["init_weights"] == "bat":
+                r = config["r"]
+                d = torch.zeros_like(w)
+                for a in range(n_out // r):
+                    for c in range(n_in // r):
+                        rows, cols = slice(a * r, (a + 1) * r), slice(c * r, (c + 1) * r)
+                        d[rows, cols] = w[rows, cols] @ block[a] + block[a]
+                out[m] = d
+            else:
+                if config["init_weights"] == "mini":
+                    block = block.repeat(1, n_out // config["mini_r"])
+                tiles = -(-n_in // block.shape[0])
+                out[m] = torch.cat([block.T] * tiles, dim=1)[:, :n_in]
+        elif kind == "randlora":
+            fifo = config["fan_in_fan_out"]
+            n_out, n_in = (w.shape[1], w.shape[0]) if fifo else w.shape
+            lam, gamma = t[f"{m}.randlora_lambda"], t[f"{m}.randlora_gamma"]
+            (r, n), small = lam.shape, min(n_in, n_out)
+            a, b = t[f"{m}.randlora_A"], t[f"{m}.randlora_B"]
+            scaled = (lam[:, :, None] * a[:, :, :small] * gamma[None]).reshape(r * n, small)
+            flat_b = b[: max(n_in, n_out), :n].reshape(-1, n * r)
+            d = flat_b @ scaled
+            d = d if n_in <= n_out else d.T
+            out[m] = (d.T if fifo else d) * config["randlora_alpha"] / config["r"]
+        else:
+            a, b = t[f"{m}.delora_A"], t[f"{m}.delora_B"]
+            r = a.shape[0]
+            assert r == _pattern(config, "rank_pattern", m, config["r"])
+            diag = torch.diag(t[f"{m}.delora_lambda"] / r / (a.norm(dim=1) * b.norm(dim=0)))
+            out[m] = b @ diag @ a @ torch.diag(t[f"{m}.delora_w_norm"])
+        assert out[m].shape == w.shape, m
+    return out
+
+
+@pytest.mark.parametrize("name", NEWER)
+def test_hra_miss_randlora_and_delora_deltas_equal_peft_and_the_formula_written_here(
+    workspace: dict, name: str
+) -> None:
+    """Core's float64 ΔW against the formula written here and against PEFT's own (`peft_delta`: its
+    get_delta_weight, HRA's reflections applied to W, MiSS's merge of a zero W) on the same adapter in float64.
+    Bitwise for MiSS's default and mini inits (both sides copy the block's values, no arithmetic); otherwise
+    within 4e-15 of max |ΔW|, i.e. about 18 float64 ulps of the largest element: the same float64 sums of at
+    most 48 products in another order (measured: at most 1.1e-15; HRA with Gram–Schmidt against a QR of
+    a well-conditioned basis is no worse). PEFT's float32 ΔW within float32 rounding of it."""
+    import peft
+    from peft import get_peft_model, get_peft_model_state_dict
+
+    base_name, cls, kwargs = NEWER[name]
+    targets = ["c_attn", "c_fc"] if base_name == "gpt2" else ["q_proj", "down_proj"]
+    torch.manual_seed(11)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = get_peft_model(
+            _load(workspace["models"][base_name], torch.float32),
+            getattr(peft, cls)(target_modules=targets, **kwargs),
+        )
+    generator = torch.Generator().manual_seed(12)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.copy_(0.1 * torch.randn(p.shape, generator=generator))
+    tensors = get_peft_model_state_dict(model)
+    config = json.loads(json.dumps(model.peft_config["default"].to_dict(), default=str))
+    base = {k: v.double() for k, v in load_file(workspace["models"][base_name] / "model.safetensors").items()}
+    expected = _newer_expected(name, config, tensors, base)
+    got = formulas.reference_deltas(config, tensors, base)
+    assert sorted(got) == sorted(expected) and len(got) == 4  # both targets of both layers
+    for m, d in expected.items():
+        assert d.abs().max() > 1e-3 * base[f"{m}.weight"].abs().max(), m  # ΔW is not negligible
+        assert got[m].dtype == torch.float64
+        assert (got[m] - d).abs().max() <= 4e-15 * d.abs().max(), m
+    layers32 = adapter_keys.adapted_modules(model)
+    for m, (layer, _) in layers32.items():  # float32: PEFT's own arithmetic, rounded
+        delta = peft_path.peft_delta(layer, "default")
+        assert delta.dtype == torch.float32
+        rel = ((delta.double() - expected[m]).norm() / expected[m].norm()).item()
+        assert rel < 1e-6, (m, rel)
+    for m, (layer, _) in adapter_keys.adapted_modules(model.double()).items():
+        delta = peft_path.peft_delta(layer, "default")
+        assert delta.dtype == torch.float64
+        if name in ("miss", "miss_mini"):
+            assert torch.equal(delta, got[m]) and torch.equal(got[m], expected[m]), m
+        assert (delta - got[m]).abs().max() <= 4e-15 * got[m].abs().max(), m
+        assert peft_path.peft_delta_source(layer, "default")

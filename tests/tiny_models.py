@@ -483,14 +483,12 @@ METHODS: dict[str, Method] = {
         {"r": 4, "lora_alpha": 8, "init_lora_weights": False},
         adapts="embedding",
     ),
-    "hra": Method("HRA", "HRAConfig", {"r": 2, "init_weights": False}, covered=False),
+    "hra": Method("HRA", "HRAConfig", {"r": 2, "init_weights": False}),
     "fourierft": Method("FourierFT", "FourierFTConfig", {"n_frequency": 16, "scaling": 1.0}),
-    "miss": Method("MiSS", "MissConfig", {"r": 2, "init_weights": False}, covered=False),
-    "randlora": Method(
-        "RandLoRA", "RandLoraConfig", {"r": 4, "randlora_alpha": 8, "init_weights": False}, covered=False
-    ),
+    "miss": Method("MiSS", "MissConfig", {"r": 2, "init_weights": False}),
+    "randlora": Method("RandLoRA", "RandLoraConfig", {"r": 4, "randlora_alpha": 8, "init_weights": False}),
     "shira": Method("SHiRA", "ShiraConfig", {"r": 2, "random_seed": 0, "init_weights": False}),
-    "delora": Method("DeLoRA", "DeloraConfig", {"r": 2, "init_weights": False}, covered=False),
+    "delora": Method("DeLoRA", "DeloraConfig", {"r": 2, "init_weights": False}),
     "trainable_tokens": Method(
         "trainable tokens",
         "TrainableTokensConfig",

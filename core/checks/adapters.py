@@ -43,7 +43,7 @@ from core.checks.base import (
 )
 from core.checks.outputs import forward_output
 from core.methods import consistency
-from core.models.checkpoint import CheckpointError, LoadError, read_adapter_config
+from core.models.checkpoint import CheckpointError, LoadError, _first_line, read_adapter_config
 from core.models.conversion import layer_of, read_loaded
 from core.models.loading import STRATEGIES
 from core.numerics import metrics
@@ -120,8 +120,11 @@ class AdaptersCheck(Check):
             try:
                 with model.disable_adapter():
                     out.add(TensorKey(self.name, name, DISABLED + kind), forward_output(model, ctx.probe)[1])
-            except Exception as e:  # a PEFT model kind without disable_adapter(): say so, go on
-                step["notes"].append(f"disable_adapter() failed: {type(e).__name__}: {e}")
+            except Exception as e:  # a PEFT model kind without disable_adapter(): say so (a row), go on
+                # e.g. PEFT 0.21 on prompt learning for a classifier, which has no prepare_inputs_for_generation
+                step["disable_error"] = f"disable_adapter() failed: {type(e).__name__}: {_first_line(e)}"
+                step["notes"].append(step["disable_error"])
+                out.notes.append(f"{variant} · {name}: {step['disable_error']}")
             changed = consistency.changed_tensors(pristine, fp)
             tensors = dict(consistency.base_parameters(model)) if changed else {}
             for tensor_name in changed:
@@ -280,6 +283,22 @@ class AdaptersCheck(Check):
                         _mutation_text(step, pissa) + "; disable_adapter() does not give the base model back",
                     )
                 rows.append(row)
+            elif step.get("disable_error"):
+                rows.append(
+                    {
+                        **labels,
+                        **state,
+                        "reference": "base model",
+                        "tensor": DISABLED + kind,
+                        "role": "disabled",
+                        "shape": "",
+                        "numel": 0,
+                        "bitwise_equal": False,
+                        "verdict": "within tolerance",
+                        "explanation": f"not compared: {step['disable_error']}",
+                        "reason": "",
+                    }
+                )
             # prediction vs isolated
             if strategy != GROUND_TRUTH:
                 ref = iso.get(TensorKey(self.name, name, kind)) if iso is not None else None

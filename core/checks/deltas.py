@@ -23,8 +23,16 @@ from core.models.conversion import layer_of, read_loaded
 from core.models.loading import Loaded
 from core.spec import ProbeSpec, Target
 
-# Methods whose ΔW depends on W itself (rotations, scalings, DoRA's norm).
-MULTIPLICATIVE = ("dora", "boft", "oft", "ia3")
+# Methods whose ΔW depends on W itself (rotations, reflections, scalings, DoRA's norm); MiSS's does with
+# init_weights="bat" (`applies_to_w`).
+MULTIPLICATIVE = ("dora", "boft", "oft", "ia3", "hra")
+
+
+def applies_to_w(kind: str, config: dict) -> bool:
+    """Whether the method's ΔW depends on the W it is loaded onto."""
+    return kind in MULTIPLICATIVE or (kind == "miss" and config.get("init_weights") == "bat")
+
+
 # Capture names of a saved module's tensors: this prefix, then the tensor's key in the adapter file.
 SAVED_PREFIX = adapter_keys.SAVED_MODULE + ":"
 # The deltas meta is keyed by adapter name; the findings sit beside under a key no adapter name can be
@@ -77,7 +85,12 @@ class DeltasCheck(Check):
         resized = (
             [k.split(".lora_E")[0] for k in (config.get("rank_pattern") or {})] if kind == "adalora" else []
         )
-        meta[adapter] = {"kind": kind, "sources": sources, "resized": resized}
+        meta[adapter] = {
+            "kind": kind,
+            "applies_to_w": applies_to_w(kind, config),
+            "sources": sources,
+            "resized": resized,
+        }
 
     def _capture_saved_modules(self, loaded: Loaded, config: dict, out: Capture) -> None:
         """The target's copies of the modules the adapter saves whole, under `SAVED_PREFIX` + file key."""
@@ -186,7 +199,10 @@ class DeltasCheck(Check):
                     f"lora_B and lora_E to {target_dtype} doing so (modules it does not resize keep the "
                     "file's float32)",
                 )
-            if adapter.get("kind") in MULTIPLICATIVE and target_dtype in ("bfloat16", "float16"):
+            uses_w = adapter.get(
+                "applies_to_w", adapter.get("kind") in MULTIPLICATIVE
+            )  # older captures: by kind
+            if uses_w and target_dtype in ("bfloat16", "float16"):
                 add_note(
                     row,
                     f"{adapter['kind']} applies the adapter to W, which is {target_dtype} on this "

@@ -29,6 +29,7 @@ import pandas as pd
 
 from core.capture import Capture, TensorKey
 from core.checks.base import CaptureContext, Check, Reference
+from core.methods import adapter_keys
 from core.models import memory
 from core.models.conversion import layer_of
 from core.models.loading import Loaded
@@ -157,6 +158,12 @@ class MemoryCheck(Check):
         stage("merge")
         merge_error = None
         names = [a.name for a in groups[-1]]
+        virtual = _prompt_learning(groups[-1])
+        if virtual:  # no weight to merge into, nothing to unload: the PEFT model wraps the base as it is
+            notes.append(
+                f"{', '.join(virtual)}: {adapter_keys.VIRTUAL_TOKENS}: the merge and unload stages do not apply"
+            )
+            names = []
         if names:
             try:
                 model.base_model.merge_adapter(adapter_names=names)
@@ -368,6 +375,21 @@ def adapter_groups(adapters: tuple[AdapterRef, ...]) -> list[list[AdapterRef]]:
         groups[-1].append(adapter)
         last = kind
     return groups or [[]]
+
+
+def _prompt_learning(group: list[AdapterRef]) -> list[str]:
+    """The adapters of `group` that are prompt learning (virtual tokens: nothing to merge)."""
+    from core.models.checkpoint import LoadError, read_adapter_config
+
+    out = []
+    for adapter in group:
+        try:
+            kind = adapter_keys.adapter_type(read_adapter_config(adapter))
+        except (LoadError, ValueError):
+            continue
+        if kind in adapter_keys.PROMPT_LEARNING:
+            out.append(adapter.name)
+    return out
 
 
 def _one_line(e: BaseException) -> str:

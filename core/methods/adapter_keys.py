@@ -1,7 +1,8 @@
 """Adapter checkpoints and configs by name: which adapter type a config is, how checkpoint keys map to
 base-model modules and parameters (PEFT's ``base_model.model.`` prefix, ``modules_to_save`` copies, VeRA's
-shared projections, prompt learning's virtual tokens), the per-module config values the merge rules read,
-and which module of a loaded PEFT model holds which adapters. The ΔW math itself is in `formulas`.
+shared projections and RandLoRA's bases, prompt learning's virtual tokens), the per-module config values
+the merge rules read, a module's tensors as the formulas read them, and which module of a loaded PEFT
+model holds which adapters. The ΔW math itself is in `formulas` and `formulas_more`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ ADAPTER_TYPES = (
     "adalora",
     "fourierft",
     "shira",
+    "hra",
+    "miss",
+    "randlora",
+    "delora",
 )
 """Adapter types `formulas` knows the merge rule of."""
 PROMPT_LEARNING = ("prompt_tuning", "multitask_prompt_tuning", "p_tuning", "prefix_tuning", "cpt")
@@ -88,11 +93,29 @@ _PARAM_NAMES = (
     "fourierft_spectrum",
     "shira_weight",
     "shira_indices",
+    "hra_u",
+    "miss_block",
+    "randlora_lambda",
+    "randlora_gamma",
+    # RandLoRA's shared random bases: PEFT saves every module's reference to them as well as the top-level pair
+    "randlora_A",
+    "randlora_B",
+    "delora_A",
+    "delora_B",
+    "delora_lambda",
+    # DeLoRA's per-input-column norms of W, taken when the adapter was created and saved with it
+    "delora_w_norm",
 )
 
-# VeRA's random projections, one pair shared by every adapted module, saved once at the top level
-# (with save_projection=True, PEFT's default): checkpoint key -> parameter name in each module's keys.
-_SHARED_KEYS = {"base_model.vera_A": "vera_A", "base_model.vera_B": "vera_B"}
+# VeRA's random projections and RandLoRA's random bases, one pair shared by every adapted module, saved once
+# at the top level (with save_projection=True, PEFT's default): checkpoint key -> parameter name in each
+# module's keys.
+_SHARED_KEYS = {
+    "base_model.vera_A": "vera_A",
+    "base_model.vera_B": "vera_B",
+    "base_model.randlora_A": "randlora_A",
+    "base_model.randlora_B": "randlora_B",
+}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -164,7 +187,10 @@ class AdapterModule:
 
 
 def split_adapter_key(key: str) -> tuple[str, str] | None:
-    """``base_model.model.X.lora_A.weight`` → (``X``, ``lora_A.weight``); None if no adapter parameter."""
+    """``base_model.model.X.lora_A.weight`` → (``X``, ``lora_A.weight``); None if no adapter parameter (a
+    shared projection saved at the top level, ``base_model.vera_A``, belongs to no module)."""
+    if key in _SHARED_KEYS:
+        return None
     path = key[len(_PEFT_PREFIX) :] if key.startswith(_PEFT_PREFIX) else key
     param = next((p for p in _PARAM_NAMES if path.endswith("." + p)), None)
     if param is None:
@@ -234,8 +260,59 @@ def adapter_module_keys(
             "trainable tokens and modules_to_save copies the config does not list are not covered "
             "by reference_deltas"
         )
-    # every module reads the shared projections (VeRA), so each lists their keys as its own
-    return {m: AdapterModule(module=m, keys={**k, **shared}) for m, k in sorted(modules.items())}
+    # every module reads the shared projections (VeRA, RandLoRA), so each lists their keys as its own (a
+    # module's own copy of them, which RandLoRA saves too, first)
+    return {m: AdapterModule(module=m, keys={**shared, **k}) for m, k in sorted(modules.items())}
+
+
+# --------------------------------------------------------------------------------------------------
+# A module's tensors, as the float64 formulas (`formulas`, `formulas_more`) read them
+# --------------------------------------------------------------------------------------------------
+
+
+def _need(mod: AdapterModule, param: str, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The float64 tensor of ``param`` of ``mod``, or a ValueError naming what is missing."""
+    key = mod.keys.get(param)
+    if key is None:
+        raise ValueError(
+            f"module {mod.module}: adapter checkpoint lacks '{param}' (has: {', '.join(sorted(mod.keys))})"
+        )
+    return tensors[key].detach().to(device="cpu", dtype=torch.float64)
+
+
+def _base_weight(mod: AdapterModule, base_weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The float64 base weight of ``mod``, or a ValueError saying the adapter does not fit this base."""
+    key = mod.module + ".weight"
+    if key not in base_weights:
+        example = next(iter(base_weights), "<empty>")
+        raise ValueError(
+            f"module {mod.module}: base weights have no '{key}' (e.g. they have '{example}'); "
+            "was this adapter made for a different base model?"
+        )
+    return base_weights[key].detach().to(device="cpu", dtype=torch.float64)
+
+
+def _check_shape(
+    mod: AdapterModule, what: str, got: torch.Size | tuple[int, ...], want: tuple[int, ...]
+) -> None:
+    """ValueError naming the module when a tensor shape disagrees with the base weight."""
+    if tuple(got) != tuple(want):
+        raise ValueError(
+            f"module {mod.module}: {what} has shape {tuple(got)} but the base weight needs {tuple(want)}; "
+            "was this adapter made for a different base model?"
+        )
+
+
+def _t(x: torch.Tensor, fan_in_fan_out: bool) -> torch.Tensor:
+    """Transpose when the base stores its weight as (in, out) (GPT-2 style Conv1D)."""
+    return x.T if fan_in_fan_out else x
+
+
+def _no_fan_in_fan_out(config: Mapping[str, Any], mod: AdapterModule, kind: str) -> None:
+    if config.get("fan_in_fan_out"):
+        raise ValueError(
+            f"module {mod.module}: {kind} with fan_in_fan_out is not supported by reference_deltas"
+        )
 
 
 def _adapter_names(layer: nn.Module) -> list[str]:

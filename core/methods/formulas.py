@@ -2,13 +2,14 @@
 
 (a) :func:`reference_deltas` computes, per adapted module, the effective weight change
     ``ΔW = W_merged - W`` from the checkpoint tensors alone (adapter file + base weights), in float64
-    on the CPU, with each method's merge rule written out here rather than taken from PEFT's layers.
+    on the CPU, with each method's merge rule written out here (HRA, MiSS, RandLoRA and DeLoRA in
+    `core.methods.formulas_more`) rather than taken from PEFT's layers.
 (b) `core.methods.peft_path.peft_delta` computes the same ``ΔW`` on a loaded PEFT layer, in the
     layer's dtype and on its device, with PEFT's own functions, exactly as PEFT's (unsafe, default)
     merge would, without touching the layer.
 
 Comparing the two measures how far a device/dtype drifts from the exact math. Semantics follow the
-installed PEFT 0.21.2 (``peft/tuners/{lora,boft,oft,ia3,loha,lokr,vera,adalora}``). Only weight
+installed PEFT 0.21.2 (``peft/tuners/<method>/layer.py``). Only weight
 deltas are covered: bias changes (``lora_bias``, IA3 scaling the bias of non-feedforward layers) are
 outside ``ΔW``.
 
@@ -25,57 +26,25 @@ from typing import Any
 
 import torch
 
+from core.methods import formulas_more
 from core.methods.adapter_keys import (
     ADAPTER_TYPES,
     AdapterModule,
+    _base_weight,
+    _check_shape,
     _ia3_is_feedforward,
     _lora_rank_and_scaling,
+    _need,
+    _no_fan_in_fan_out,
     _pattern_value,
+    _t,
     adapter_module_keys,
     adapter_type,
     saved_module_names,
 )
 
-ADDITIVE = ("lora", "loha", "lokr", "vera", "adalora", "fourierft", "shira")
+ADDITIVE = ("lora", "loha", "lokr", "vera", "adalora", "fourierft", "shira", "randlora", "delora")
 """Layer kinds whose merge adds PEFT's ``get_delta_weight`` to W as it is (ΔW does not depend on W)."""
-
-
-def _need(mod: AdapterModule, param: str, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """The float64 tensor of ``param`` of ``mod``, or a ValueError naming what is missing."""
-    key = mod.keys.get(param)
-    if key is None:
-        raise ValueError(
-            f"module {mod.module}: adapter checkpoint lacks '{param}' (has: {', '.join(sorted(mod.keys))})"
-        )
-    return tensors[key].detach().to(device="cpu", dtype=torch.float64)
-
-
-def _base_weight(mod: AdapterModule, base_weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """The float64 base weight of ``mod``, or a ValueError saying the adapter does not fit this base."""
-    key = mod.module + ".weight"
-    if key not in base_weights:
-        example = next(iter(base_weights), "<empty>")
-        raise ValueError(
-            f"module {mod.module}: base weights have no '{key}' (e.g. they have '{example}'); "
-            "was this adapter made for a different base model?"
-        )
-    return base_weights[key].detach().to(device="cpu", dtype=torch.float64)
-
-
-def _check_shape(
-    mod: AdapterModule, what: str, got: torch.Size | tuple[int, ...], want: tuple[int, ...]
-) -> None:
-    """ValueError naming the module when a tensor shape disagrees with the base weight."""
-    if tuple(got) != tuple(want):
-        raise ValueError(
-            f"module {mod.module}: {what} has shape {tuple(got)} but the base weight needs {tuple(want)}; "
-            "was this adapter made for a different base model?"
-        )
-
-
-def _t(x: torch.Tensor, fan_in_fan_out: bool) -> torch.Tensor:
-    """Transpose when the base stores its weight as (in, out) (GPT-2 style Conv1D)."""
-    return x.T if fan_in_fan_out else x
 
 
 # --------------------------------------------------------------------------------------------------
@@ -421,13 +390,6 @@ def _adalora_delta(
     return _t(b @ (a * e), fifo) * scaling / (ranknum + 1e-5)
 
 
-def _no_fan_in_fan_out(config: Mapping[str, Any], mod: AdapterModule, kind: str) -> None:
-    if config.get("fan_in_fan_out"):
-        raise ValueError(
-            f"module {mod.module}: {kind} with fan_in_fan_out is not supported by reference_deltas"
-        )
-
-
 def _fourierft_delta(
     config: Mapping[str, Any], mod: AdapterModule, tensors: Mapping[str, torch.Tensor], weight: torch.Tensor
 ) -> torch.Tensor:
@@ -477,6 +439,10 @@ _FORMULAS = {
     "adalora": _adalora_delta,
     "fourierft": _fourierft_delta,
     "shira": _shira_delta,
+    "hra": formulas_more.hra_delta,
+    "miss": formulas_more.miss_delta,
+    "randlora": formulas_more.randlora_delta,
+    "delora": formulas_more.delora_delta,
 }
 
 
@@ -503,6 +469,9 @@ def reference_deltas(
     * LoHa ``(W1a W1b) ⊙ (W2a W2b)·alpha/r``; LoKr ``(W1 ⊗ W2)·alpha/r``; VeRA ``(λb·B)(λd·A)`` with the
       shared projections sliced to the module; AdaLoRA ``B(A ⊙ E)·alpha/(init_r + 1e-5)`` (Linear only).
     * FourierFT: the real inverse DFT of its sparse spectrum, times ``scaling``; SHiRA: its sparse values.
+    * HRA ``W·H − W`` (H: Householder reflections); MiSS its block added to W's input slices (``bat``:
+      ``W_ac·B_a + B_a`` per block); RandLoRA the scaled shared random bases' product; DeLoRA
+      ``B·diag(λ/(r‖A‖‖B‖))·A`` scaled per input column by the saved norms of W (`core.methods.formulas_more`).
 
     Raises ``ValueError`` naming the module and key when a tensor is missing, a shape does not fit
     the base weight (an adapter made for another base), or the method is not supported.

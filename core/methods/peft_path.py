@@ -14,15 +14,19 @@ from core.methods.formulas import ADDITIVE
 
 def _kind_of_layer(layer: nn.Module, adapter: str) -> str:
     """Which merge rule a PEFT tuner layer uses for ``adapter`` (lora, dora, boft, oft, ia3, loha, lokr,
-    vera, adalora, fourierft, shira)."""
+    vera, adalora, fourierft, shira, hra, miss, randlora, delora)."""
     from peft.tuners.adalora import layer as adalora
     from peft.tuners.boft import layer as boft
+    from peft.tuners.delora import layer as delora
     from peft.tuners.fourierft import layer as fourierft
+    from peft.tuners.hra import layer as hra
     from peft.tuners.ia3 import layer as ia3
     from peft.tuners.loha import layer as loha
     from peft.tuners.lokr import layer as lokr
     from peft.tuners.lora import layer as lora
+    from peft.tuners.miss import layer as miss
     from peft.tuners.oft import layer as oft
+    from peft.tuners.randlora import layer as randlora
     from peft.tuners.shira import layer as shira
     from peft.tuners.vera import layer as vera
 
@@ -39,6 +43,10 @@ def _kind_of_layer(layer: nn.Module, adapter: str) -> str:
         (ia3.IA3Layer, "ia3_l", "ia3"),
         (fourierft.FourierFTLayer, "fourierft_spectrum", "fourierft"),
         (shira.ShiraLayer, "shira_weight", "shira"),
+        (hra.HRALayer, "hra_u", "hra"),
+        (miss.MissLayer, "miss_block", "miss"),
+        (randlora.RandLoraLayer, "randlora_lambda", "randlora"),
+        (delora.DeloraLayer, "delora_A", "delora"),
     )
     kind = None
     for cls, holder, name in by_class:
@@ -57,7 +65,14 @@ def _kind_of_layer(layer: nn.Module, adapter: str) -> str:
         raise ValueError(f"layer {type(layer).__name__} has no supported adapter '{adapter}'")
     # The additive methods merge by adding get_delta_weight for every layer type; the other rules
     # below are written for Linear layers (conv and embedding variants reshape or transpose differently).
-    linear = {"dora": lora.Linear, "boft": boft.Linear, "oft": oft.Linear, "ia3": ia3.Linear}.get(kind)
+    linear = {
+        "dora": lora.Linear,
+        "boft": boft.Linear,
+        "oft": oft.Linear,
+        "ia3": ia3.Linear,
+        "hra": hra.HRALinear,
+        "miss": miss.MissLinear,
+    }.get(kind)
     if linear is not None and not isinstance(layer, linear):
         raise ValueError(f"peft_delta supports {kind} on Linear layers only, not {type(layer).__name__}")
     return kind
@@ -68,7 +83,10 @@ def peft_delta(layer: nn.Module, adapter_name: str) -> torch.Tensor:
 
     Runs on the layer's device with PEFT's own functions, in the dtype PEFT computes the adapter in
     (PEFT keeps adapters in float32 on a bfloat16 model by default): LoRA/PiSSA, LoHa, LoKr, VeRA and
-    AdaLoRA ``get_delta_weight`` as is (their merge adds it to W); DoRA ``m/‖W+ΔW‖ ⊙ (W+ΔW) − W``
+    AdaLoRA, FourierFT, SHiRA, RandLoRA and DeLoRA ``get_delta_weight`` as is (their merge adds it to W);
+    HRA ``W·H − W`` with its ``get_delta_weight`` H (the reflections); MiSS its ``get_delta_weight_miss``
+    of a zero W (its block laid over W's inputs, what its merge adds), with ``init_weights="bat"`` its
+    ``get_delta_weight`` of W; DoRA ``m/‖W+ΔW‖ ⊙ (W+ΔW) − W``
     with the DoRA module's ``get_weight_norm``; BOFT ``get_delta_weight`` → (rotation, scale) applied
     to ``W``; OFT ``get_delta_weight`` → rotation
     applied to ``W``; IA3 ``W * ia3_l − W``. The multiplicative methods need ``W``: it is upcast
@@ -114,9 +132,29 @@ def peft_delta(layer: nn.Module, adapter_name: str) -> torch.Tensor:
                     module.weight.copy_(saved)
             w = weight.to(rotation.dtype)
             return torch.mm(rotation, w.t()).t() - w
+        if kind == "hra":
+            reflections = layer.get_delta_weight(adapter_name)
+            w = weight.to(reflections.dtype)
+            return torch.mm(w, reflections) - w
+        if kind == "miss":
+            return _miss_delta(layer, adapter_name, weight)
         scale = transpose(layer.ia3_l[adapter_name].detach(), layer.fan_in_fan_out)
         w = weight.to(scale.dtype)
         return w * scale - w
+
+
+def _miss_delta(layer: nn.Module, adapter: str, weight: torch.Tensor) -> torch.Tensor:
+    """MiSS's ΔW with PEFT's own functions: ``get_delta_weight(W)`` for ``bat`` (it returns ΔW); otherwise
+    its merge function on a zero W, which returns exactly what the merge adds to W."""
+    block = layer.miss_block[adapter]
+    saved = block.data
+    try:
+        if layer.miss_fn == "bat":
+            return layer.get_delta_weight(adapter, weight)
+        return layer.get_delta_weight_miss(adapter, torch.zeros_like(weight, dtype=block.dtype))
+    finally:
+        # a half-precision block on the CPU is written back by both (with "mini": repeated, a new shape)
+        block.data = saved
 
 
 def peft_delta_source(layer: nn.Module, adapter: str) -> str:
@@ -137,5 +175,12 @@ def peft_delta_source(layer: nn.Module, adapter: str) -> str:
             how = "exact Cayley (linalg.solve)"
         coft = ", coft projection" if module.coft else ""
         return f"oft.get_delta_weight rotation ({how}{coft}) applied to W"
+    if kind == "hra":
+        how = "Gram–Schmidt, I − 2QQᵀ" if layer.hra_apply_GS[adapter] else "a product of reflections"
+        return f"hra.get_delta_weight H ({how}) applied to W: W·H − W"
+    if kind == "miss":
+        if layer.miss_fn == "bat":
+            return "miss.get_delta_weight of W (W_ac·B_a + B_a per block)"
+        return "miss.get_delta_weight_miss of a zero W (its block laid over W's input slices)"
     dim = "input dim (feedforward)" if layer.is_feedforward else "output dim"
     return f"ia3_l scaling W along the {dim}"

@@ -68,6 +68,39 @@ def first_divergence(tokens: list[int], reference: list[int]) -> int | None:
     return None if len(tokens) == len(reference) else min(len(tokens), len(reference))
 
 
+def _config(model):
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(inner, "config", None)
+
+
+def _is_encoder_decoder(model) -> bool:
+    return bool(getattr(_config(model), "is_encoder_decoder", False))
+
+
+def _virtual_tokens(model) -> int:
+    """How many virtual tokens a prompt-learning PEFT model puts before the input (0 for any other)."""
+    config = getattr(model, "active_peft_config", None)
+    if config is None or not getattr(config, "is_prompt_learning", False):
+        return 0
+    return int(getattr(config, "num_virtual_tokens", 0) or 0)
+
+
+def position_limit(model) -> tuple[int, str] | None:
+    """How many positions the model's (decoder's) config says it holds, and the field that says so; None
+    where it names none (relative positions, a state-space model). Decoding past it fails in a model with
+    a table of learned positions (GPT-2, OPT: an index error), so `generate` stops there."""
+    config = _config(model)
+    if config is None:
+        return None
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    for field in ("max_target_positions", "n_positions", "max_position_embeddings"):
+        value = getattr(config, field, None)
+        if isinstance(value, int) and value > 0:
+            return value, field
+    return None
+
+
 def can_generate(model) -> str | None:
     """None where `model.generate` can decode; else why not, in a sentence."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -97,16 +130,30 @@ class GenerateCheck(Check):
         rows = prompt_rows(ctx.probe)
         rows = rows if prompts else rows[:1]
         tokenizer = load_tokenizer(ctx.spec.base, required=False)
-        found = []
+        limit = position_limit(loaded.model)
+        found, capped = [], []
         for i, ids in enumerate(rows):
+            budget = ctx.spec.max_new_tokens
+            if limit is not None:
+                # positions the generation starts from: the prompt, or an encoder-decoder's decoder start
+                # token; and prompt learning's virtual tokens, which take positions before them
+                used = (1 if _is_encoder_decoder(loaded.model) else len(ids)) + _virtual_tokens(loaded.model)
+                if limit[0] - used < budget:
+                    budget = max(limit[0] - used, 0)
+                    capped.append(f"{budget} for prompt {i + 1}")
             try:
-                tokens = greedy_tokens(loaded.model, ids, ctx.spec.max_new_tokens)
+                tokens = greedy_tokens(loaded.model, ids, budget) if budget else []
             except Exception as e:  # a model whose generate fails is noted, not a failed run
                 out.notes.append(f"generate · {_who(adapter)}: generate failed ({type(e).__name__}: {e})")
                 return
             prompt = prompts[i] if prompts else _decode(tokenizer, ids) or f"token ids {ids}"
             found.append({"prompt": prompt, "tokens": tokens, "text": _decode(tokenizer, tokens)})
         out.meta.setdefault(GENERATIONS, {})[adapter] = found
+        if capped:
+            out.notes.append(
+                f"generate · {_who(adapter)}: {', '.join(capped)} new tokens, not {ctx.spec.max_new_tokens}: "
+                f"the model holds {limit[0]} positions ({limit[1]}), the prompt's (and virtual tokens') included"
+            )
 
     def reference(
         self, spec: ProbeSpec, keys: list[TensorKey], reference_capture: Capture | None
