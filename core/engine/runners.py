@@ -133,11 +133,11 @@ def worker_env(preimport: bool) -> dict[str, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     env[PREIMPORT_ENV] = "1" if preimport else ""
-    # OpenMP's threads spin between parallel regions by default; when another process holds a core,
-    # every region of a small model's forward then waits a scheduler slice for the descheduled thread
-    # (a tiny Llama's forward with one busy process beside it, 2 threads: 75–205 ms spinning, 6.5 ms
-    # sleeping; bench/README.md says how it was measured).
-    # Sleeping instead changes no number, only who waits; a value the user set is kept.
+    # OpenMP's threads spin between parallel regions by default; when other processes hold the cores
+    # (a small model's tasks run beside each other), a small model's every region then waits a
+    # scheduler slice for its descheduled thread. `python -m bench.wait_policy` (docs/workers.md): a
+    # tiny Llama forward with two busy processes beside it, mean 75 ms by default, 7.7 ms sleeping;
+    # alone, 2.5 ms and 5.0 ms. Sleeping changes no number, only who waits; a value set is kept.
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return env
 
