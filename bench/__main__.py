@@ -203,8 +203,8 @@ def e2e_table(results: list[dict[str, Any]]) -> str:
     lines = [
         "| size | params | checkpoint GB | baseline load+fwd s (per dtype) | imports s | "
         "run wall s | run / baseline | run / baseline processes | peak RSS GB (tree, sampled) | "
-        "largest process peak GB | RSS / ckpt | run folder MB | folder / ckpt | exit |",
-        "|" + "---|" * 14,
+        "largest process peak GB | RSS / ckpt | peak PSS GB (tree) / ckpt | run folder MB | folder / ckpt | exit |",
+        "|" + "---|" * 15,
     ]
     for r in results:
         c, run, q = r["checkpoint"], r["run"], r["ratios"]
@@ -219,6 +219,7 @@ def e2e_table(results: list[dict[str, Any]]) -> str:
             f"{_x(q.get('run_over_baseline_processes'))} | {_gb(run['peak_rss_tree'])} | "
             f"{_gb(run['max_process_hwm'])}{' (sampler missed it)' if run['sampler_missed_peak'] else ''} | "
             f"{_x(q['peak_rss_over_checkpoint'])} | "
+            f"{_gb(run.get('peak_pss_tree'))} / {_x(q.get('peak_pss_over_checkpoint'))} | "
             f"{_x(run['run_bytes'] / 1e6 if 'run_bytes' in run else None, 1)} | "
             f"{_x(q['run_size_over_checkpoint'], 4)} | {run['returncode']}{' (timeout)' if run['timed_out'] else ''} |"
         )
