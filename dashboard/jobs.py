@@ -15,7 +15,7 @@ from core.engine.jobs import Job
 from dashboard.state import engine
 from dashboard.text import literal, trusted
 
-POLL_S = 0.5
+POLL_S = 1.0
 IDLE_POLL_S = 5.0
 STATE_ICON = {
     "queued": ":material/schedule:",
