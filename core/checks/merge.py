@@ -37,6 +37,7 @@ import torch
 
 from core.capture import Capture, TensorKey
 from core.checks.base import CaptureContext, Check, Reference, add_note, tolerance
+from core.checks.behaviour.merge_tables import SUBSET_SEP, UNTIE, findings_table, save_table, subset_label
 from core.checks.outputs import forward_output, nonfinite_output
 from core.methods import adapter_keys, formulas, peft_path
 from core.models import merging
@@ -48,8 +49,6 @@ from core.numerics import metrics
 from core.spec import AdapterRef, ProbeSpec, Target
 
 ROLES = ("merged", "roundtrip", "delta", "tied", adapter_keys.SAVED_MODULE, "output")
-SUBSET_SEP = "+"
-UNTIE = "untie before merging"
 SAVED_NOTE = (
     "modules_to_save: merge_and_unload puts the adapter's copy of this module in place of the base's "
     "(replaced, not merged: no W + ΔW); compared with the adapter file"
@@ -65,10 +64,6 @@ def parse_name(name: str) -> tuple[str, str, str]:
     """(role, stage, name) of a capture tensor name made by `key_name`."""
     role, stage, rest = name.split(":", 2)
     return role, stage, rest
-
-
-def _subset_label(names: list[str] | tuple[str, ...]) -> str:
-    return SUBSET_SEP.join(names)
 
 
 class MergeCheck(Check):
@@ -214,7 +209,7 @@ class MergeCheck(Check):
             meta["subset_note"] = why
             return
         names = [a.name for a in chosen]
-        label = _subset_label(names)
+        label = subset_label(names)
         meta["subset"] = names
         model = merging.load_with_adapters(ctx.spec, ctx.target, chosen)
         layers = {m: lay for m, (lay, _) in adapter_keys.adapted_modules(model).items()}
@@ -559,141 +554,3 @@ class MergeCheck(Check):
 def _exact_stage(stage: str) -> str:
     """The stage of the cpu/float64 capture an output is compared with: the exact model's unmerged one."""
     return "subset unmerged" if stage.startswith("subset") else "unmerged"
-
-
-def save_table(captures: list[Capture]) -> pd.DataFrame:
-    """The save report: per target, adapter and save path, whether it worked, the error and the fix."""
-    rows = []
-    for c in captures:
-        for adapter, info in c.meta.get("merge", {}).get("adapters", {}).items():
-            save = info.get("save")
-            if not save:
-                continue
-            shared = "; ".join(" ↔ ".join(g) for g in save.get("shared", []))
-            for attempt in save.get("attempts", []):
-                rows.append(
-                    {
-                        "target": c.target,
-                        "adapter": adapter,
-                        "method": attempt["method"],
-                        "ok": bool(attempt["ok"]),
-                        "error": attempt.get("error", ""),
-                        "shared_tensors": shared,
-                        "folder": attempt.get("folder", ""),
-                        "files": ", ".join(attempt.get("files") or []),
-                        "reload_error": save.get("reload_error", "")
-                        if attempt["method"] == "save_pretrained"
-                        else "",
-                        "fix": save.get("fix", "") if not attempt["ok"] else "",
-                    }
-                )
-    return pd.DataFrame(
-        rows,
-        columns=[
-            "target",
-            "adapter",
-            "method",
-            "ok",
-            "error",
-            "shared_tensors",
-            "folder",
-            "files",
-            "reload_error",
-            "fix",
-        ],
-    )
-
-
-def findings_table(captures: list[Capture]) -> pd.DataFrame:
-    """Adapters whose merge rule is not covered, tied adapted modules, NaN/Inf merged in, safe-merge
-    refusals, stages that could not apply or start from the loaded W, per target and adapter."""
-    rows = []
-    for c in captures:
-        merge_meta = c.meta.get("merge", {})
-        for adapter, info in merge_meta.get("adapters", {}).items():
-            for field, finding in (("not_covered", "not covered"), ("does_not_apply", "does not apply")):
-                if info.get(field):
-                    rows.append(
-                        {
-                            "target": c.target,
-                            "adapter": adapter,
-                            "finding": finding,
-                            "module": "",
-                            "detail": info[field],
-                        }
-                    )
-            for f in info.get("tied", []):
-                rows.append(
-                    {
-                        "target": c.target,
-                        "adapter": adapter,
-                        "finding": "tied",
-                        "module": f["module"],
-                        "detail": f"{f['pair']}: merging changes {', '.join(f['tied_to'])} too; {UNTIE}",
-                    }
-                )
-            for module, n in info.get("nonfinite_merged", {}).items():
-                rows.append(
-                    {
-                        "target": c.target,
-                        "adapter": adapter,
-                        "finding": "nonfinite_merge",
-                        "module": module,
-                        "detail": f"merge_adapter() with PEFT's default safe_merge=False wrote {n} NaN/Inf into W "
-                        "(merge_and_unload() runs the same merge; safe_merge=True refuses this module)",
-                    }
-                )
-            for module, error in info.get("safe_merge_errors", {}).items():
-                rows.append(
-                    {
-                        "target": c.target,
-                        "adapter": adapter,
-                        "finding": "safe_merge",
-                        "module": module,
-                        "detail": error,
-                    }
-                )
-            for stage in ("merge_adapter", "merge_and_unload"):
-                if info.get(f"{stage}_error"):
-                    rows.append(
-                        {
-                            "target": c.target,
-                            "adapter": adapter,
-                            "finding": stage,
-                            "module": "",
-                            "detail": info[f"{stage}_error"],
-                        }
-                    )
-            for module in info.get("restore_mismatch", []):
-                rows.append(
-                    {
-                        "target": c.target,
-                        "adapter": adapter,
-                        "finding": "restore",
-                        "module": module,
-                        "detail": "its parameters could not be restored bit for bit to the loaded ones: the stages "
-                        "after the first merge do not start from the loaded W",
-                    }
-                )
-        for module in merge_meta.get("subset_restore_mismatch", []):
-            rows.append(
-                {
-                    "target": c.target,
-                    "adapter": _subset_label(merge_meta.get("subset", [])),
-                    "finding": "restore",
-                    "module": module,
-                    "detail": "not restored bit for bit before the combined merge",
-                }
-            )
-        for field in ("subset_note", "subset_together_error"):
-            if merge_meta.get(field):
-                rows.append(
-                    {
-                        "target": c.target,
-                        "adapter": _subset_label(merge_meta.get("subset", [])),
-                        "finding": "subset",
-                        "module": "",
-                        "detail": merge_meta[field],
-                    }
-                )
-    return pd.DataFrame(rows, columns=["target", "adapter", "finding", "module", "detail"])
