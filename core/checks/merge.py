@@ -25,6 +25,12 @@ compare the merged model's tensors with the adapter file (there is no W + ΔW fo
 Tensor names in the capture are ``<role>:<stage>:<name>`` (see `key_name`); every output stage is
 compared with the unmerged output on the same target and with the cpu/float64 capture's unmerged
 output (the exact model), and a second verdict (`peft_verdict`) applies PEFT's own test tolerance.
+
+Outputs are kept and compared at compare time. The weights (every other role) are kept whole only where
+the run keeps tensors (`keeps_tensors`: small models, for the element-wise drill-down), and the compare
+task measures them; otherwise each is measured in the worker as it is produced (`_add`: its module's
+float64 reference alone, the round trip against the restore clone), by the same rule, and only its row,
+sketch and hash are kept, so the worker holds the model, the restore state and one module's reference.
 """
 
 from __future__ import annotations
@@ -36,19 +42,21 @@ import pandas as pd
 import torch
 
 from core.capture import Capture, TensorKey
-from core.checks.base import CaptureContext, Check, Reference, add_note, tolerance
+from core.checks.base import CaptureContext, Check, Measured, Reference, add_note, tolerance
 from core.checks.behaviour.merge_tables import SUBSET_SEP, UNTIE, findings_table, save_table, subset_label
 from core.checks.outputs import forward_output, nonfinite_output
 from core.methods import adapter_keys, formulas, peft_path
 from core.models import merging
-from core.models.checkpoint import read_adapter_config, read_checkpoint
+from core.models.checkpoint import keeps_tensors, read_adapter_config, read_checkpoint
 from core.models.conversion import layer_of
 from core.models.loading import Loaded
 from core.models.merging import ROUNDING_ULPS, scale_ulp
 from core.numerics import metrics
+from core.numerics.sketch import content_hash
 from core.spec import AdapterRef, ProbeSpec, Target
 
 ROLES = ("merged", "roundtrip", "delta", "tied", adapter_keys.SAVED_MODULE, "output")
+ROUNDTRIP_NOTE = "unmerge_adapter() must restore W: this is what it left"
 SAVED_NOTE = (
     "modules_to_save: merge_and_unload puts the adapter's copy of this module in place of the base's "
     "(replaced, not merged: no W + ΔW); compared with the adapter file"
@@ -101,8 +109,43 @@ class MergeCheck(Check):
             if adapter == ctx.spec.adapters[-1].name:
                 self._capture_subset(ctx, out)
 
-    def _add(self, out: Capture, adapter: str, role: str, stage: str, name: str, t: torch.Tensor) -> None:
-        out.add(TensorKey(self.name, adapter, key_name(role, stage, name)), t)
+    def _add(
+        self,
+        ctx: CaptureContext,
+        out: Capture,
+        adapter: str,
+        role: str,
+        stage: str,
+        name: str,
+        t,
+        before=None,
+    ) -> None:
+        """Keep an output (compared across targets later); a weight (every other role) too where the run
+        keeps tensors (`keeps_tensors`: the compare task measures it), else measure it here and now, as
+        the compare task would (`before`: W before the merge), and keep its row, sketch and hash."""
+        key = TensorKey(self.name, adapter, key_name(role, stage, name))
+        if role == "output" or keeps_tensors(ctx.spec):
+            out.add(key, t)
+            return
+        if role == "roundtrip":
+            ref, label, note = before, "W before merge (same target)", ""
+        else:
+            reference = self.reference_for(ctx.spec, key, None)
+            ref, note = reference.tensors.get(key.encode()), reference.notes.get(key.encode(), "")
+            label = {"tied": "base weight (checkpoint)", adapter_keys.SAVED_MODULE: "checkpoint"}.get(
+                role, "fp64 formula"
+            )
+        if ref is None:
+            dtype = str(t.dtype).removeprefix("torch.")
+            measured = Measured(label, note, dtype, _no_reference(t, label, note), None, content_hash(t))
+        else:
+            measured = self.measure_against(ctx.spec, ctx.target, key, t, ref, label, note)
+            if role == "merged":
+                before = None if before is None else before.detach().cpu()
+                measured.row["scale_ulp"] = scale_ulp(t.detach().cpu(), ref, before, _dtype(ctx.target))
+        out.results[key.encode()] = measured.as_dict()
+        if measured.sketch is not None:
+            out.sketches[key.encode()] = measured.sketch
 
     def _capture_adapter(self, ctx: CaptureContext, loaded: Loaded, out: Capture, meta: dict) -> None:
         adapter, model = loaded.adapter.name, loaded.model
@@ -113,14 +156,14 @@ class MergeCheck(Check):
         def output(stage: str, m) -> torch.Tensor:
             # Named for what the model returns: logits, or an encoder's last_hidden_state.
             kind, t = forward_output(m, ctx.probe)
-            self._add(out, adapter, "output", stage, kind, t)
+            self._add(ctx, out, adapter, "output", stage, kind, t)
             return t
 
         output("unmerged", model)
         sources = {}
         for module, layer in layers.items():
             try:
-                self._add(out, adapter, "delta", "peft", module, peft_path.peft_delta(layer, adapter))
+                self._add(ctx, out, adapter, "delta", "peft", module, peft_path.peft_delta(layer, adapter))
                 sources[module] = peft_path.peft_delta_source(layer, adapter)
             except ValueError as e:  # a layer type peft_delta does not cover: said, not fatal
                 sources[module] = f"not compared: {e}"
@@ -130,8 +173,10 @@ class MergeCheck(Check):
         tied = merging.tied_adapted_modules(model, adapter)
         meta["tied"] = [f.as_dict() for f in tied]
         state = merging.base_state(layers)
-        for module, params in state.items():
-            self._add(out, adapter, "before", "", module, params["weight"])
+        if keeps_tensors(ctx.spec):  # for the compare task's roundtrip rows and scale_ulp
+            for module, params in state.items():
+                self._add(ctx, out, adapter, "before", "", module, params["weight"])
+        before = {module: params["weight"] for module, params in state.items()}
 
         def restore() -> None:
             # The next stage must start from the loaded W, not from what a merge round trip left.
@@ -146,16 +191,19 @@ class MergeCheck(Check):
             meta["merge_adapter_error"] = merging.error_text(e)
         else:
             meta["nonfinite_merged"] = merging.nonfinite_written(layers, state)
-            self._merged_stage(out, adapter, model, layers, tied, "merge_adapter", output)
+            self._merged_stage(ctx, out, adapter, model, layers, tied, "merge_adapter", output, before)
             model.unmerge_adapter()
             for module, layer in layers.items():
-                self._add(out, adapter, "roundtrip", "unmerge_adapter", module, merging.base_weight(layer))
+                roundtrip = merging.base_weight(layer)
+                self._add(
+                    ctx, out, adapter, "roundtrip", "unmerge_adapter", module, roundtrip, before[module]
+                )
             output("unmerge_adapter", model)
             restore()
 
         # safe_merge, module by module so that every refused module is named.
         meta["safe_merge_errors"] = merging.merge_modules(model, [adapter], safe=True)
-        self._merged_stage(out, adapter, model, layers, tied, "safe_merge", output)
+        self._merged_stage(ctx, out, adapter, model, layers, tied, "safe_merge", output, before)
         restore()
 
         try:
@@ -171,31 +219,33 @@ class MergeCheck(Check):
             )
             return
         output("merge_and_unload", merged)
-        self._saved_modules_stage(out, loaded, merged)
+        self._saved_modules_stage(ctx, out, loaded, merged)
         if ctx.target == ctx.spec.reference:
             return  # the exact model's save round trip is nobody's question: saves a second model
         meta["save"] = merging.save_round_trip(
             merged, ctx.run_dir, ctx.target, adapter, lambda m: output("reload", m)
         )
 
-    def _saved_modules_stage(self, out: Capture, loaded: Loaded, merged) -> None:
+    def _saved_modules_stage(self, ctx: CaptureContext, out: Capture, loaded: Loaded, merged) -> None:
         """The tensors of the modules the adapter saves whole, as ``merge_and_unload`` left them in the
         merged model (the adapter's copies, in place of the base's), under their adapter-file keys."""
         for key, tensor in merging.saved_module_tensors(merged, loaded.adapter).items():
-            self._add(out, loaded.adapter.name, adapter_keys.SAVED_MODULE, "merge_and_unload", key, tensor)
+            self._add(
+                ctx, out, loaded.adapter.name, adapter_keys.SAVED_MODULE, "merge_and_unload", key, tensor
+            )
 
     def _merged_stage(
-        self, out: Capture, adapter: str, model, layers: dict, tied: list, stage: str, output
+        self, ctx, out: Capture, adapter: str, model, layers: dict, tied: list, stage: str, output, before
     ) -> None:
         """The merged weights, the tied partners' weights and the outputs of a model just merged by `stage`."""
         for module, layer in layers.items():
-            self._add(out, adapter, "merged", stage, module, merging.base_weight(layer))
+            self._add(ctx, out, adapter, "merged", stage, module, merging.base_weight(layer), before[module])
         params = {merging._strip(n): p for n, p in model.named_parameters(remove_duplicate=False)}
         for finding in tied:
             for partner in merging.tied_partner_modules(finding):
                 weight = params.get(partner + ".weight")
                 if weight is not None:
-                    self._add(out, adapter, "tied", stage, partner, weight)
+                    self._add(ctx, out, adapter, "tied", stage, partner, weight)
         output(stage, model)
 
     def subset(self, spec: ProbeSpec) -> tuple[list[AdapterRef], str]:
@@ -216,11 +266,11 @@ class MergeCheck(Check):
         state = merging.base_state(layers)
 
         def output(stage: str) -> None:
-            self._add(out, label, "output", stage, *forward_output(model, ctx.probe))
+            self._add(ctx, out, label, "output", stage, *forward_output(model, ctx.probe))
 
         def merged_stage(stage: str) -> None:
             for module, layer in layers.items():
-                self._add(out, label, "merged", stage, module, merging.base_weight(layer))
+                self._add(ctx, out, label, "merged", stage, module, merging.base_weight(layer))
             output(stage)
 
         model.base_model.set_adapter(names)  # all active: the unmerged sum
@@ -271,7 +321,14 @@ class MergeCheck(Check):
                 tensors[saved[name].encode()] = tensor
                 notes[saved[name].encode()] = SAVED_NOTE
         weight_keys = [p for p in parsed if p[1] in ("merged", "delta", "tied")]
-        if weight_keys:
+        for key, role, _stage, name in weight_keys if only_keys else ():  # one module's tensors, read lazily
+            adapters = [key.adapter] if key.adapter in by_adapter else key.adapter.split(SUBSET_SEP)
+            ref, note = merging.module_reference(spec, adapters, role, name)
+            if ref is not None:
+                tensors[key.encode()] = ref
+            if note:
+                notes[key.encode()] = note
+        if weight_keys and not only_keys:
             # the adapted modules' base weights and the embedding a tied head shares, never the whole base
             base = merging.reference_base(spec, {f"{p[3]}.weight" for p in weight_keys})
             by_name = {a.name: a for a in spec.adapters}
@@ -280,14 +337,7 @@ class MergeCheck(Check):
             def adapter_files(name: str) -> tuple[dict, dict]:
                 if name not in cache:
                     a = by_name[name]
-                    files = read_checkpoint(a.path, prefix="adapter_model")
-                    if only_keys:  # the drill-down: just the modules asked for
-                        wanted = {p[3] for p in weight_keys}
-                        modules = adapter_keys.adapter_module_keys(files)
-                        files = {
-                            t: files[t] for m in wanted if m in modules for t in modules[m].keys.values()
-                        }
-                    cache[name] = (read_adapter_config(a), files)
+                    cache[name] = (read_adapter_config(a), read_checkpoint(a.path, prefix="adapter_model"))
                 return cache[name]
 
             merged_cache: dict[str, dict[str, torch.Tensor]] = {}
@@ -355,7 +405,7 @@ class MergeCheck(Check):
 
     def rows(self, spec: ProbeSpec, capture: Capture, reference: Reference) -> list[dict[str, Any]]:
         target = Target.parse(capture.target)
-        dtype = getattr(torch, target.float_dtype)
+        dtype = _dtype(target)
         meta = capture.meta.get(self.name, {})
         adapters_meta = meta.get("adapters", {})
         rows: list[dict[str, Any]] = []
@@ -365,6 +415,15 @@ class MergeCheck(Check):
                 continue
             info = adapters_meta.get(key.adapter, {})
             kind = info.get("kind", "lora")
+            measured = capture.result(key)
+            if measured is not None and role != "output":  # measured in the worker (`_add`): its row
+                row = self.measured_row(key, capture.target, measured)
+                if role == "roundtrip":
+                    add_note(row, ROUNDTRIP_NOTE)
+                else:
+                    self._weight_findings(row, role, stage, name, info, target)
+                rows.append(row)
+                continue
             tensor = capture.get(key)
             if role in ("merged", "delta", "tied", adapter_keys.SAVED_MODULE):
                 ref = reference.tensors.get(key.encode())
@@ -382,7 +441,7 @@ class MergeCheck(Check):
             elif role == "roundtrip":
                 before = capture.get(TensorKey(self.name, key.adapter, key_name("before", "", name)))
                 row = self._row(spec, capture, key, tensor, before, "W before merge (same target)", "", dtype)
-                add_note(row, "unmerge_adapter() must restore W: this is what it left")
+                add_note(row, ROUNDTRIP_NOTE)
                 rows.append(row)
             elif role == "output":
                 rows.extend(self._output_rows(spec, capture, key, tensor, reference, kind, info, dtype))
@@ -403,13 +462,7 @@ class MergeCheck(Check):
         row["note"] = note
         row["dtype"] = str(tensor.dtype).removeprefix("torch.")
         if ref is None:
-            row.update(
-                shape="x".join(map(str, tensor.shape)),
-                numel=tensor.numel(),
-                bitwise_equal=False,
-                verdict="broken",
-                explanation=f"no reference ({label}) for this tensor" + (f": {note}" if note else ""),
-            )
+            row.update(_no_reference(tensor, label, note))
             return row
         stats = metrics.compare(tensor, ref, tolerance(spec, row["role"], dtype))
         row.update(metrics.stats_to_row(stats))
@@ -549,6 +602,22 @@ class MergeCheck(Check):
     ) -> dict[str, pd.DataFrame]:
         """`merge_save`: one row per (target, adapter, save path); `merge_findings`: tied/NaN/notes."""
         return {"merge_save": save_table(captures), "merge_findings": findings_table(captures)}
+
+
+def _dtype(target: Target) -> torch.dtype:
+    """The dtype a target's rows are judged in (its tolerances follow it)."""
+    return getattr(torch, target.float_dtype)
+
+
+def _no_reference(tensor: torch.Tensor, label: str, note: str) -> dict[str, Any]:
+    """The measured part of a `broken` row for a tensor without a reference."""
+    return {
+        "shape": "x".join(map(str, tensor.shape)),
+        "numel": tensor.numel(),
+        "bitwise_equal": False,
+        "verdict": "broken",
+        "explanation": f"no reference ({label}) for this tensor" + (f": {note}" if note else ""),
+    }
 
 
 def _exact_stage(stage: str) -> str:
