@@ -127,3 +127,95 @@ def test_another_reference_is_named_on_every_row(tmp_path, demo_workspace, capsy
     assert (record.run_dir / "captures" / "cpu_float32").is_dir()
     assert not (record.run_dir / "captures" / "cpu_float64").exists()
     assert record.spec.reference == Target.parse("cpu/float32")
+
+
+# The merge check's weights (merged, roundtrip, delta, tied, subset) streamed like the weights and deltas:
+# a NaN adapter (safe_merge refusal, NaN written into W), a tied embedding, a multiplicative method and two
+# LoRAs merged together.
+MERGE_ADAPTERS = ("lora", "lora_b", "lora_embed", "lora_nan", "dora")
+
+
+def _merge_run(home, ws, keep: bool, monkeypatch):
+    from core.demo.scenarios import demo_spec
+
+    monkeypatch.setattr("core.spec.KEEP_TENSORS_UP_TO", 1 << 40 if keep else 0)
+    spec = demo_spec(ws, MERGE_ADAPTERS, ["cpu/float32", "cpu/bfloat16"], ["merge"])
+    job = Engine(home, runner=InProcessRunner()).submit(spec)
+    assert job.wait(300) and job.state == "succeeded", job.error
+    return Store(home).open(job.run_id)
+
+
+@pytest.fixture(scope="module")
+def merge_runs(tmp_path_factory, demo_workspace):
+    mp = pytest.MonkeyPatch()
+    try:
+        home = tmp_path_factory.mktemp("streamed-merge")
+        kept = _merge_run(home, demo_workspace, True, mp)
+        streamed = _merge_run(home, demo_workspace, False, mp)
+    finally:
+        mp.undo()
+    return kept, streamed
+
+
+def _merge_rows(record) -> pd.DataFrame:
+    table = record.metrics()
+    table = table[table.check == "merge"]
+    return table.sort_values(["target", "adapter", "tensor", "against"]).reset_index(drop=True)
+
+
+def test_merge_rows_measured_in_the_worker_are_the_compare_tasks_bit_for_bit(merge_runs):
+    """Kept tensors go the compare task's way (as before streaming); the streamed run measures its weights
+    in the worker: every row, every number, note and finding the same. (Rows come in the capture's order,
+    kept tensors first, as in weights and deltas, so the rows are sorted and the columns, named in the order
+    rows bring them, aligned.)"""
+    kept, streamed = merge_runs
+    a, b = _merge_rows(kept), _merge_rows(streamed)
+    assert set(a.columns) == set(b.columns)
+    b = b[a.columns]
+    roles = set(a.role)
+    assert {"merged", "roundtrip", "delta", "tied", "output"} <= roles, roles
+    assert len(a) > 300 and (a.verdict == "broken").any() and a.scale_ulp.notna().any()
+    pd.testing.assert_frame_equal(a, b, check_exact=True)
+    for name in ("merge_findings", "merge_save"):
+        columns = [c for c in kept.table(name).columns if c != "folder"]  # the run's own folder
+        pd.testing.assert_frame_equal(
+            kept.table(name)[columns], streamed.table(name)[columns], check_exact=True
+        )
+
+
+def test_streamed_merge_capture_keeps_only_outputs(merge_runs):
+    from core.checks.merge import parse_name
+
+    kept, streamed = merge_runs
+    for target in ("cpu_float32", "cpu_bfloat16"):
+        full = Capture.load(kept.run_dir / "captures" / target)
+        light = Capture.load(streamed.run_dir / "captures" / target)
+
+        def roles(tensors):
+            return {parse_name(TensorKey.decode(k).name)[0] for k in tensors if k.startswith("merge::")}
+
+        assert roles(full.tensors) >= {"merged", "roundtrip", "delta", "tied", "before", "output"}
+        assert roles(light.tensors) == {"output"}
+        weights = {
+            k for k in full.tensors if k.startswith("merge::") and not roles([k]) & {"output", "before"}
+        }
+        assert set(light.results) == weights and not full.results
+        # what the capture holds of the merge: its outputs alone, a small part of the tensors kept whole
+        held = sum(t.nbytes for k, t in light.tensors.items() if k.startswith("merge::"))
+        outputs = sum(t.nbytes for k, t in full.tensors.items() if roles([k]) == {"output"})
+        everything = sum(t.nbytes for k, t in full.tensors.items() if k.startswith("merge::"))
+        assert held == outputs < everything / 5, (held, everything)
+
+
+def test_merge_drill_down_from_the_sketch(merge_runs):
+    kept, streamed = merge_runs
+    table = _merge_rows(streamed)
+    for role in ("merged", "roundtrip"):
+        row = table[(table.role == role) & (table.target == "cpu/bfloat16") & ~table.bitwise_equal].iloc[0]
+        sketched = element_diff(streamed, "merge", row.target, row.adapter, row.tensor)
+        assert isinstance(sketched, SketchedDiff) and sketched.sketch is not None
+        assert sketched.row["max_abs"] == row.max_abs and sketched.row["note"] == row.note
+        if role == "merged":  # kept whole, the element-wise map: the same row
+            full = element_diff(kept, "merge", row.target, row.adapter, row.tensor)
+            assert isinstance(full, ElementDiff) and full.row["max_abs"] == row.max_abs
+            assert int(sketched.sketch.failing.sum()) == full.n_mismatch == row.n_mismatch

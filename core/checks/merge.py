@@ -25,6 +25,12 @@ compare the merged model's tensors with the adapter file (there is no W + ΔW fo
 Tensor names in the capture are ``<role>:<stage>:<name>`` (see `key_name`); every output stage is
 compared with the unmerged output on the same target and with the cpu/float64 capture's unmerged
 output (the exact model), and a second verdict (`peft_verdict`) applies PEFT's own test tolerance.
+
+Outputs are kept and compared at compare time. The weights (every other role) are kept whole only where
+the run keeps tensors (`keeps_tensors`: small models, for the element-wise drill-down), and the compare
+task measures them; otherwise each is measured in the worker as it is produced (`_add`: its module's
+float64 reference alone, the round trip against the restore clone), by the same rule, and only its row,
+sketch and hash are kept, so the worker holds the model, the restore state and one module's reference.
 """
 
 from __future__ import annotations
@@ -36,20 +42,21 @@ import pandas as pd
 import torch
 
 from core.capture import Capture, TensorKey
-from core.checks.base import CaptureContext, Check, Reference, add_note, tolerance
+from core.checks.base import CaptureContext, Check, Measured, Reference, add_note, tolerance
+from core.checks.behaviour.merge_tables import SUBSET_SEP, UNTIE, findings_table, save_table, subset_label
 from core.checks.outputs import forward_output, nonfinite_output
 from core.methods import adapter_keys, formulas, peft_path
 from core.models import merging
-from core.models.checkpoint import read_adapter_config, read_checkpoint
+from core.models.checkpoint import keeps_tensors, read_adapter_config, read_checkpoint
 from core.models.conversion import layer_of
 from core.models.loading import Loaded
 from core.models.merging import ROUNDING_ULPS, scale_ulp
 from core.numerics import metrics
+from core.numerics.sketch import content_hash
 from core.spec import AdapterRef, ProbeSpec, Target
 
 ROLES = ("merged", "roundtrip", "delta", "tied", adapter_keys.SAVED_MODULE, "output")
-SUBSET_SEP = "+"
-UNTIE = "untie before merging"
+ROUNDTRIP_NOTE = "unmerge_adapter() must restore W: this is what it left"
 SAVED_NOTE = (
     "modules_to_save: merge_and_unload puts the adapter's copy of this module in place of the base's "
     "(replaced, not merged: no W + ΔW); compared with the adapter file"
@@ -65,10 +72,6 @@ def parse_name(name: str) -> tuple[str, str, str]:
     """(role, stage, name) of a capture tensor name made by `key_name`."""
     role, stage, rest = name.split(":", 2)
     return role, stage, rest
-
-
-def _subset_label(names: list[str] | tuple[str, ...]) -> str:
-    return SUBSET_SEP.join(names)
 
 
 class MergeCheck(Check):
@@ -106,8 +109,43 @@ class MergeCheck(Check):
             if adapter == ctx.spec.adapters[-1].name:
                 self._capture_subset(ctx, out)
 
-    def _add(self, out: Capture, adapter: str, role: str, stage: str, name: str, t: torch.Tensor) -> None:
-        out.add(TensorKey(self.name, adapter, key_name(role, stage, name)), t)
+    def _add(
+        self,
+        ctx: CaptureContext,
+        out: Capture,
+        adapter: str,
+        role: str,
+        stage: str,
+        name: str,
+        t,
+        before=None,
+    ) -> None:
+        """Keep an output (compared across targets later); a weight (every other role) too where the run
+        keeps tensors (`keeps_tensors`: the compare task measures it), else measure it here and now, as
+        the compare task would (`before`: W before the merge), and keep its row, sketch and hash."""
+        key = TensorKey(self.name, adapter, key_name(role, stage, name))
+        if role == "output" or keeps_tensors(ctx.spec):
+            out.add(key, t)
+            return
+        if role == "roundtrip":
+            ref, label, note = before, "W before merge (same target)", ""
+        else:
+            reference = self.reference_for(ctx.spec, key, None)
+            ref, note = reference.tensors.get(key.encode()), reference.notes.get(key.encode(), "")
+            label = {"tied": "base weight (checkpoint)", adapter_keys.SAVED_MODULE: "checkpoint"}.get(
+                role, "fp64 formula"
+            )
+        if ref is None:
+            dtype = str(t.dtype).removeprefix("torch.")
+            measured = Measured(label, note, dtype, _no_reference(t, label, note), None, content_hash(t))
+        else:
+            measured = self.measure_against(ctx.spec, ctx.target, key, t, ref, label, note)
+            if role == "merged":
+                before = None if before is None else before.detach().cpu()
+                measured.row["scale_ulp"] = scale_ulp(t.detach().cpu(), ref, before, _dtype(ctx.target))
+        out.results[key.encode()] = measured.as_dict()
+        if measured.sketch is not None:
+            out.sketches[key.encode()] = measured.sketch
 
     def _capture_adapter(self, ctx: CaptureContext, loaded: Loaded, out: Capture, meta: dict) -> None:
         adapter, model = loaded.adapter.name, loaded.model
@@ -118,14 +156,14 @@ class MergeCheck(Check):
         def output(stage: str, m) -> torch.Tensor:
             # Named for what the model returns: logits, or an encoder's last_hidden_state.
             kind, t = forward_output(m, ctx.probe)
-            self._add(out, adapter, "output", stage, kind, t)
+            self._add(ctx, out, adapter, "output", stage, kind, t)
             return t
 
         output("unmerged", model)
         sources = {}
         for module, layer in layers.items():
             try:
-                self._add(out, adapter, "delta", "peft", module, peft_path.peft_delta(layer, adapter))
+                self._add(ctx, out, adapter, "delta", "peft", module, peft_path.peft_delta(layer, adapter))
                 sources[module] = peft_path.peft_delta_source(layer, adapter)
             except ValueError as e:  # a layer type peft_delta does not cover: said, not fatal
                 sources[module] = f"not compared: {e}"
@@ -135,8 +173,10 @@ class MergeCheck(Check):
         tied = merging.tied_adapted_modules(model, adapter)
         meta["tied"] = [f.as_dict() for f in tied]
         state = merging.base_state(layers)
-        for module, params in state.items():
-            self._add(out, adapter, "before", "", module, params["weight"])
+        if keeps_tensors(ctx.spec):  # for the compare task's roundtrip rows and scale_ulp
+            for module, params in state.items():
+                self._add(ctx, out, adapter, "before", "", module, params["weight"])
+        before = {module: params["weight"] for module, params in state.items()}
 
         def restore() -> None:
             # The next stage must start from the loaded W, not from what a merge round trip left.
@@ -151,16 +191,19 @@ class MergeCheck(Check):
             meta["merge_adapter_error"] = merging.error_text(e)
         else:
             meta["nonfinite_merged"] = merging.nonfinite_written(layers, state)
-            self._merged_stage(out, adapter, model, layers, tied, "merge_adapter", output)
+            self._merged_stage(ctx, out, adapter, model, layers, tied, "merge_adapter", output, before)
             model.unmerge_adapter()
             for module, layer in layers.items():
-                self._add(out, adapter, "roundtrip", "unmerge_adapter", module, merging.base_weight(layer))
+                roundtrip = merging.base_weight(layer)
+                self._add(
+                    ctx, out, adapter, "roundtrip", "unmerge_adapter", module, roundtrip, before[module]
+                )
             output("unmerge_adapter", model)
             restore()
 
         # safe_merge, module by module so that every refused module is named.
         meta["safe_merge_errors"] = merging.merge_modules(model, [adapter], safe=True)
-        self._merged_stage(out, adapter, model, layers, tied, "safe_merge", output)
+        self._merged_stage(ctx, out, adapter, model, layers, tied, "safe_merge", output, before)
         restore()
 
         try:
@@ -176,31 +219,33 @@ class MergeCheck(Check):
             )
             return
         output("merge_and_unload", merged)
-        self._saved_modules_stage(out, loaded, merged)
+        self._saved_modules_stage(ctx, out, loaded, merged)
         if ctx.target == ctx.spec.reference:
             return  # the exact model's save round trip is nobody's question: saves a second model
         meta["save"] = merging.save_round_trip(
             merged, ctx.run_dir, ctx.target, adapter, lambda m: output("reload", m)
         )
 
-    def _saved_modules_stage(self, out: Capture, loaded: Loaded, merged) -> None:
+    def _saved_modules_stage(self, ctx: CaptureContext, out: Capture, loaded: Loaded, merged) -> None:
         """The tensors of the modules the adapter saves whole, as ``merge_and_unload`` left them in the
         merged model (the adapter's copies, in place of the base's), under their adapter-file keys."""
         for key, tensor in merging.saved_module_tensors(merged, loaded.adapter).items():
-            self._add(out, loaded.adapter.name, adapter_keys.SAVED_MODULE, "merge_and_unload", key, tensor)
+            self._add(
+                ctx, out, loaded.adapter.name, adapter_keys.SAVED_MODULE, "merge_and_unload", key, tensor
+            )
 
     def _merged_stage(
-        self, out: Capture, adapter: str, model, layers: dict, tied: list, stage: str, output
+        self, ctx, out: Capture, adapter: str, model, layers: dict, tied: list, stage: str, output, before
     ) -> None:
         """The merged weights, the tied partners' weights and the outputs of a model just merged by `stage`."""
         for module, layer in layers.items():
-            self._add(out, adapter, "merged", stage, module, merging.base_weight(layer))
+            self._add(ctx, out, adapter, "merged", stage, module, merging.base_weight(layer), before[module])
         params = {merging._strip(n): p for n, p in model.named_parameters(remove_duplicate=False)}
         for finding in tied:
             for partner in merging.tied_partner_modules(finding):
                 weight = params.get(partner + ".weight")
                 if weight is not None:
-                    self._add(out, adapter, "tied", stage, partner, weight)
+                    self._add(ctx, out, adapter, "tied", stage, partner, weight)
         output(stage, model)
 
     def subset(self, spec: ProbeSpec) -> tuple[list[AdapterRef], str]:
@@ -214,18 +259,18 @@ class MergeCheck(Check):
             meta["subset_note"] = why
             return
         names = [a.name for a in chosen]
-        label = _subset_label(names)
+        label = subset_label(names)
         meta["subset"] = names
         model = merging.load_with_adapters(ctx.spec, ctx.target, chosen)
         layers = {m: lay for m, (lay, _) in adapter_keys.adapted_modules(model).items()}
         state = merging.base_state(layers)
 
         def output(stage: str) -> None:
-            self._add(out, label, "output", stage, *forward_output(model, ctx.probe))
+            self._add(ctx, out, label, "output", stage, *forward_output(model, ctx.probe))
 
         def merged_stage(stage: str) -> None:
             for module, layer in layers.items():
-                self._add(out, label, "merged", stage, module, merging.base_weight(layer))
+                self._add(ctx, out, label, "merged", stage, module, merging.base_weight(layer))
             output(stage)
 
         model.base_model.set_adapter(names)  # all active: the unmerged sum
@@ -276,7 +321,14 @@ class MergeCheck(Check):
                 tensors[saved[name].encode()] = tensor
                 notes[saved[name].encode()] = SAVED_NOTE
         weight_keys = [p for p in parsed if p[1] in ("merged", "delta", "tied")]
-        if weight_keys:
+        for key, role, _stage, name in weight_keys if only_keys else ():  # one module's tensors, read lazily
+            adapters = [key.adapter] if key.adapter in by_adapter else key.adapter.split(SUBSET_SEP)
+            ref, note = merging.module_reference(spec, adapters, role, name)
+            if ref is not None:
+                tensors[key.encode()] = ref
+            if note:
+                notes[key.encode()] = note
+        if weight_keys and not only_keys:
             # the adapted modules' base weights and the embedding a tied head shares, never the whole base
             base = merging.reference_base(spec, {f"{p[3]}.weight" for p in weight_keys})
             by_name = {a.name: a for a in spec.adapters}
@@ -285,14 +337,7 @@ class MergeCheck(Check):
             def adapter_files(name: str) -> tuple[dict, dict]:
                 if name not in cache:
                     a = by_name[name]
-                    files = read_checkpoint(a.path, prefix="adapter_model")
-                    if only_keys:  # the drill-down: just the modules asked for
-                        wanted = {p[3] for p in weight_keys}
-                        modules = adapter_keys.adapter_module_keys(files)
-                        files = {
-                            t: files[t] for m in wanted if m in modules for t in modules[m].keys.values()
-                        }
-                    cache[name] = (read_adapter_config(a), files)
+                    cache[name] = (read_adapter_config(a), read_checkpoint(a.path, prefix="adapter_model"))
                 return cache[name]
 
             merged_cache: dict[str, dict[str, torch.Tensor]] = {}
@@ -360,7 +405,7 @@ class MergeCheck(Check):
 
     def rows(self, spec: ProbeSpec, capture: Capture, reference: Reference) -> list[dict[str, Any]]:
         target = Target.parse(capture.target)
-        dtype = getattr(torch, target.float_dtype)
+        dtype = _dtype(target)
         meta = capture.meta.get(self.name, {})
         adapters_meta = meta.get("adapters", {})
         rows: list[dict[str, Any]] = []
@@ -370,6 +415,15 @@ class MergeCheck(Check):
                 continue
             info = adapters_meta.get(key.adapter, {})
             kind = info.get("kind", "lora")
+            measured = capture.result(key)
+            if measured is not None and role != "output":  # measured in the worker (`_add`): its row
+                row = self.measured_row(key, capture.target, measured)
+                if role == "roundtrip":
+                    add_note(row, ROUNDTRIP_NOTE)
+                else:
+                    self._weight_findings(row, role, stage, name, info, target)
+                rows.append(row)
+                continue
             tensor = capture.get(key)
             if role in ("merged", "delta", "tied", adapter_keys.SAVED_MODULE):
                 ref = reference.tensors.get(key.encode())
@@ -387,7 +441,7 @@ class MergeCheck(Check):
             elif role == "roundtrip":
                 before = capture.get(TensorKey(self.name, key.adapter, key_name("before", "", name)))
                 row = self._row(spec, capture, key, tensor, before, "W before merge (same target)", "", dtype)
-                add_note(row, "unmerge_adapter() must restore W: this is what it left")
+                add_note(row, ROUNDTRIP_NOTE)
                 rows.append(row)
             elif role == "output":
                 rows.extend(self._output_rows(spec, capture, key, tensor, reference, kind, info, dtype))
@@ -408,13 +462,7 @@ class MergeCheck(Check):
         row["note"] = note
         row["dtype"] = str(tensor.dtype).removeprefix("torch.")
         if ref is None:
-            row.update(
-                shape="x".join(map(str, tensor.shape)),
-                numel=tensor.numel(),
-                bitwise_equal=False,
-                verdict="broken",
-                explanation=f"no reference ({label}) for this tensor" + (f": {note}" if note else ""),
-            )
+            row.update(_no_reference(tensor, label, note))
             return row
         stats = metrics.compare(tensor, ref, tolerance(spec, row["role"], dtype))
         row.update(metrics.stats_to_row(stats))
@@ -556,144 +604,22 @@ class MergeCheck(Check):
         return {"merge_save": save_table(captures), "merge_findings": findings_table(captures)}
 
 
+def _dtype(target: Target) -> torch.dtype:
+    """The dtype a target's rows are judged in (its tolerances follow it)."""
+    return getattr(torch, target.float_dtype)
+
+
+def _no_reference(tensor: torch.Tensor, label: str, note: str) -> dict[str, Any]:
+    """The measured part of a `broken` row for a tensor without a reference."""
+    return {
+        "shape": "x".join(map(str, tensor.shape)),
+        "numel": tensor.numel(),
+        "bitwise_equal": False,
+        "verdict": "broken",
+        "explanation": f"no reference ({label}) for this tensor" + (f": {note}" if note else ""),
+    }
+
+
 def _exact_stage(stage: str) -> str:
     """The stage of the cpu/float64 capture an output is compared with: the exact model's unmerged one."""
     return "subset unmerged" if stage.startswith("subset") else "unmerged"
-
-
-def save_table(captures: list[Capture]) -> pd.DataFrame:
-    """The save report: per target, adapter and save path, whether it worked, the error and the fix."""
-    rows = []
-    for c in captures:
-        for adapter, info in c.meta.get("merge", {}).get("adapters", {}).items():
-            save = info.get("save")
-            if not save:
-                continue
-            shared = "; ".join(" ↔ ".join(g) for g in save.get("shared", []))
-            for attempt in save.get("attempts", []):
-                rows.append(
-                    {
-                        "target": c.target,
-                        "adapter": adapter,
-                        "method": attempt["method"],
-                        "ok": bool(attempt["ok"]),
-                        "error": attempt.get("error", ""),
-                        "shared_tensors": shared,
-                        "folder": attempt.get("folder", ""),
-                        "files": ", ".join(attempt.get("files") or []),
-                        "reload_error": save.get("reload_error", "")
-                        if attempt["method"] == "save_pretrained"
-                        else "",
-                        "fix": save.get("fix", "") if not attempt["ok"] else "",
-                    }
-                )
-    return pd.DataFrame(
-        rows,
-        columns=[
-            "target",
-            "adapter",
-            "method",
-            "ok",
-            "error",
-            "shared_tensors",
-            "folder",
-            "files",
-            "reload_error",
-            "fix",
-        ],
-    )
-
-
-def findings_table(captures: list[Capture]) -> pd.DataFrame:
-    """Adapters whose merge rule is not covered, tied adapted modules, NaN/Inf merged in, safe-merge
-    refusals, stages that could not apply or start from the loaded W, per target and adapter."""
-    rows = []
-    for c in captures:
-        merge_meta = c.meta.get("merge", {})
-        for adapter, info in merge_meta.get("adapters", {}).items():
-            for field, finding in (("not_covered", "not covered"), ("does_not_apply", "does not apply")):
-                if info.get(field):
-                    rows.append(
-                        {
-                            "target": c.target,
-                            "adapter": adapter,
-                            "finding": finding,
-                            "module": "",
-                            "detail": info[field],
-                        }
-                    )
-            for f in info.get("tied", []):
-                rows.append(
-                    {
-                        "target": c.target,
-                        "adapter": adapter,
-                        "finding": "tied",
-                        "module": f["module"],
-                        "detail": f"{f['pair']}: merging changes {', '.join(f['tied_to'])} too; {UNTIE}",
-                    }
-                )
-            for module, n in info.get("nonfinite_merged", {}).items():
-                rows.append(
-                    {
-                        "target": c.target,
-                        "adapter": adapter,
-                        "finding": "nonfinite_merge",
-                        "module": module,
-                        "detail": f"merge_adapter() with PEFT's default safe_merge=False wrote {n} NaN/Inf into W "
-                        "(merge_and_unload() runs the same merge; safe_merge=True refuses this module)",
-                    }
-                )
-            for module, error in info.get("safe_merge_errors", {}).items():
-                rows.append(
-                    {
-                        "target": c.target,
-                        "adapter": adapter,
-                        "finding": "safe_merge",
-                        "module": module,
-                        "detail": error,
-                    }
-                )
-            for stage in ("merge_adapter", "merge_and_unload"):
-                if info.get(f"{stage}_error"):
-                    rows.append(
-                        {
-                            "target": c.target,
-                            "adapter": adapter,
-                            "finding": stage,
-                            "module": "",
-                            "detail": info[f"{stage}_error"],
-                        }
-                    )
-            for module in info.get("restore_mismatch", []):
-                rows.append(
-                    {
-                        "target": c.target,
-                        "adapter": adapter,
-                        "finding": "restore",
-                        "module": module,
-                        "detail": "its parameters could not be restored bit for bit to the loaded ones: the stages "
-                        "after the first merge do not start from the loaded W",
-                    }
-                )
-        for module in merge_meta.get("subset_restore_mismatch", []):
-            rows.append(
-                {
-                    "target": c.target,
-                    "adapter": _subset_label(merge_meta.get("subset", [])),
-                    "finding": "restore",
-                    "module": module,
-                    "detail": "not restored bit for bit before the combined merge",
-                }
-            )
-        for field in ("subset_note", "subset_together_error"):
-            if merge_meta.get(field):
-                rows.append(
-                    {
-                        "target": c.target,
-                        "adapter": _subset_label(merge_meta.get("subset", [])),
-                        "finding": "subset",
-                        "module": "",
-                        "detail": merge_meta[field],
-                    }
-                )
-    return pd.DataFrame(rows, columns=["target", "adapter", "finding", "module", "detail"])

@@ -26,7 +26,7 @@ from torch import nn
 
 from core.methods import adapter_keys, formulas
 from core.models import targets
-from core.models.checkpoint import Checkpoint, adapters_task_type, read_adapter_config
+from core.models.checkpoint import Checkpoint, adapters_task_type, read_adapter_config, read_checkpoint
 from core.models.validate import TIED_EMBEDDING_NAMES
 from core.numerics.tolerance import ulp
 from core.spec import AdapterRef, ProbeSpec, Target
@@ -513,6 +513,58 @@ def reference_base(spec: ProbeSpec, names: set[str]) -> dict[str, torch.Tensor]:
         }
     base = read_loaded(spec.base.path, names)  # by the loaded model's names
     return with_tied_aliases(spec, base)
+
+
+def module_reference(
+    spec: ProbeSpec, adapters: list[str], role: str, name: str
+) -> tuple[torch.Tensor | None, str]:
+    """The float64 reference of one weight the merge check measures, and its note, from module `name`'s
+    tensors alone: ``merged`` W + ΔW, ``delta`` ΔW (`adapters`: one adapter, or a subset merged in order,
+    ``merged`` only), ``tied`` a partner's own base weight. (None, "") where the module is not adapted;
+    (None, why) where the formula fails. What the merge check computes for the whole adapter at once, for
+    this module: a worker measures one tensor at a time, the drill-down one module."""
+    base = reference_base(spec, {f"{name}.weight"})
+    if role == "tied":
+        w = base.get(f"{name}.weight")
+        return (
+            (None, "") if w is None else (w.to(torch.float64), "its own base weight: no adapter targets it")
+        )
+    by_name = {a.name: a for a in spec.adapters}
+    try:
+        files = [_module_files(by_name[a], name) for a in adapters]
+        files = [f for f in files if f[1]]  # an adapter of a subset that leaves this module alone
+        if not files:
+            return None, ""
+        if len(adapters) > 1:
+            source = formulas.sequential_merged_weights(files, base) if role == "merged" else {}
+        else:
+            ((config, tensors),) = files
+            deltas = formulas.reference_deltas(config, tensors, base)
+            if role == "delta":
+                source = deltas
+            else:
+                source = formulas.merged_weights(config, tensors, base, deltas=deltas)
+    except (ValueError, KeyError) as e:
+        return None, f"no float64 reference: {e}"
+    if name not in source:
+        return None, ""
+    if role == "delta":
+        return source[name], "ΔW, float64 formula from the checkpoint"
+    return source[name], "W + ΔW, float64 formula from the checkpoint" + (
+        " (adapters merged in order)" if len(adapters) > 1 else ""
+    )
+
+
+def _module_files(adapter: AdapterRef, module: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The adapter's config and the tensors of `module` in its file (the shared ones included), by the
+    file's index: only their bytes are read."""
+    config = read_adapter_config(adapter)
+    modules = adapter_keys.adapter_module_keys(
+        dict.fromkeys(Checkpoint.open(adapter.path, prefix="adapter_model").names()),
+        adapter_keys.saved_module_names(config),
+    )
+    names = set(modules[module].keys.values()) if module in modules else set()
+    return config, read_checkpoint(adapter.path, prefix="adapter_model", names=names) if names else {}
 
 
 def with_tied_aliases(spec: ProbeSpec, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
