@@ -134,27 +134,27 @@ def test_merge_page_without_merge_rows(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def hra_home(tmp_path_factory):
-    """A tiny llama with a LoRA and an HRA adapter (a method the merge check has no formula for), and two
-    merge runs: both adapters, and the HRA alone."""
+def uncovered_home(tmp_path_factory):
+    """A tiny llama with a LoRA and an LN tuning adapter (a method the merge check has no formula for), and
+    two merge runs: both adapters, and the LN tuning alone."""
     import torch
-    from peft import HRAConfig, LoraConfig, get_peft_model
+    from peft import LNTuningConfig, LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
 
     from core.spec import AdapterRef, ModelRef, ProbeSpec, Target
 
-    home = tmp_path_factory.mktemp("hra-app")
+    home = tmp_path_factory.mktemp("uncovered-app")
     torch.manual_seed(0)
     ARCHITECTURES["llama"].build(
         hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=4
     ).save_pretrained(home / "llama")
     for name, adapter in (
         ("lora", LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False)),
-        ("hra", HRAConfig(r=2, target_modules=["q_proj"])),
+        ("ln", LNTuningConfig(target_modules=["input_layernorm"])),
     ):
         get_peft_model(LlamaForCausalLM.from_pretrained(home / "llama"), adapter).save_pretrained(home / name)
     runs = {}
-    for adapters in (("lora", "hra"), ("hra",)):
+    for adapters in (("lora", "ln"), ("ln",)):
         spec = ProbeSpec(
             base=ModelRef(path=str(home / "llama")),
             adapters=tuple(AdapterRef(path=str(home / a), name=a) for a in adapters),
@@ -167,29 +167,29 @@ def hra_home(tmp_path_factory):
     return home, runs
 
 
-@pytest.mark.parametrize("adapters", [("lora", "hra"), ("hra",)], ids=["with-lora", "alone"])
-def test_merge_page_says_which_adapter_it_does_not_cover(hra_home, monkeypatch, adapters):
-    home, runs = hra_home
+@pytest.mark.parametrize("adapters", [("lora", "ln"), ("ln",)], ids=["with-lora", "alone"])
+def test_merge_page_says_which_adapter_it_does_not_cover(uncovered_home, monkeypatch, adapters):
+    home, runs = uncovered_home
     at = make_app(home, monkeypatch, run=runs[adapters])
     at.switch_page("views/merge.py").run()
     assert not at.exception, [e.value for e in at.exception]
     text = _page_text(at)
     assert text.count("Merge not covered") == 1
-    assert "hra is a hra adapter; its merge rule is not covered" in text
+    assert "ln is a ln_tuning adapter; its merge rule is not covered" in text
     assert "did not run the `merge` check" not in text
-    if "lora" in adapters:  # the covered adapter's rows are there to pick, the HRA is not offered
+    if "lora" in adapters:  # the covered adapter's rows are there to pick, the LN tuning is not offered
         assert at.selectbox(key="widget.adapter").options == ["lora"]
 
 
 @pytest.fixture(scope="module")
-def prompt_home(hra_home):
+def prompt_home(uncovered_home):
     """The same llama with a prompt-tuning adapter (virtual tokens, no weight changed) in a merge run."""
     from peft import PromptTuningConfig, get_peft_model
     from transformers import LlamaForCausalLM
 
     from core.spec import AdapterRef, ModelRef, ProbeSpec, Target
 
-    home, _ = hra_home
+    home, _ = uncovered_home
     config = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2)
     get_peft_model(LlamaForCausalLM.from_pretrained(home / "llama"), config).save_pretrained(home / "soft")
     spec = ProbeSpec(

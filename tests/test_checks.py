@@ -209,30 +209,33 @@ def test_checkpoint_tensor_not_loaded_is_broken():
 
 
 def test_method_without_a_delta_formula_is_noted_not_fatal(tmp_path, demo_workspace):
-    from peft import HRAConfig, get_peft_model
+    from peft import LNTuningConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     base = demo_workspace["models"]["tiny-llama"]
     torch.manual_seed(5)
     model = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(base),
-        HRAConfig(r=4, target_modules=["q_proj"], init_weights=False),
+        AutoModelForCausalLM.from_pretrained(base), LNTuningConfig(target_modules=["input_layernorm"])
     )
-    model.save_pretrained(tmp_path / "hra")
+    with torch.no_grad():  # trained: not the base's norm
+        for name, p in model.named_parameters():
+            if "ln_tuning_layers" in name:
+                p.add_(0.01 * torch.randn_like(p))
+    model.save_pretrained(tmp_path / "ln")
     record = run_in_process(
         tmp_path / "home",
         base,
-        [AdapterRef(str(tmp_path / "hra"), "hra")],
+        [AdapterRef(str(tmp_path / "ln"), "ln")],
         ["cpu/float32"],
         ["weights", "deltas", "outputs"],
     )
     table = record.metrics()
-    assert "hra" not in set(table[table.check == "deltas"].adapter.dropna())
-    hra = table[(table.check == "weights") & (table.adapter == "hra")]
-    assert (hra.verdict == "identical").all()
-    assert set(hra.role) == {"hra_u"} and set(hra.module) == {"q_proj"}
-    assert any("hra adapter; its ΔW is not covered" in n for n in record.notes())
-    assert (table[(table.check == "outputs") & (table.adapter == "hra")].verdict == "within tolerance").all()
+    assert "ln" not in set(table[table.check == "deltas"].adapter.dropna())
+    ln = table[(table.check == "weights") & (table.adapter == "ln")]
+    assert len(ln) and (ln.verdict == "identical").all()
+    assert set(ln.module) == {"input_layernorm"}
+    assert any("ln_tuning adapter; its ΔW is not covered" in n for n in record.notes()), record.notes()
+    assert (table[(table.check == "outputs") & (table.adapter == "ln")].verdict == "within tolerance").all()
 
 
 class _Buffers(torch.nn.Module):

@@ -372,17 +372,18 @@ def quiet() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def save_with_lora(name: str, root: Path, seed: int, lora=None) -> tuple[Path, Path]:
+def save_with_lora(name: str, root: Path, seed: int, lora=None, **sizes) -> tuple[Path, Path]:
     """Build architecture `name` (seeded), save it to root/name and PEFT's LoRA on it to root/name-lora.
 
-    `lora`: a PEFT config instead of the row's LoRA. Returns (model folder, adapter folder).
+    `lora`: a PEFT config instead of the row's LoRA; `sizes`: config fields other than the row's.
+    Returns (model folder, adapter folder).
     """
     from peft import get_peft_model
 
     quiet()
     torch.manual_seed(seed)
     arch = ARCHITECTURES[name]
-    model = arch.build()
+    model = arch.build(**sizes)
     model.save_pretrained(root / name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -25,7 +25,7 @@ from core.models.checkpoint import (
     read_adapter_config,
     saved_head_labels,
 )
-from core.models.targets import quantization_config
+from core.models.targets import portable_4bit, quantization_config
 from core.spec import AdapterRef, ModelRef, Target
 
 DTYPES = {
@@ -159,6 +159,8 @@ def load_base(
             f"(the same values on every target): {', '.join(missing[:3])}{more}"
         )
     m.eval()
+    if quantized:
+        notes += portable_4bit(m)
     if stored is not None:
         setattr(m, FLOAT64_FORWARD, True)
     setattr(m, LOAD_NOTES, notes)

@@ -390,6 +390,7 @@ def reload_forward(
     kwargs = {} if dtype is None else {"dtype": dtype}
     model = model_class(config).from_pretrained(folder, device_map=device, **kwargs)
     model.eval()
+    targets.portable_4bit(model)  # as the model it was saved from ran
     try:
         return forward(model)
     finally:

@@ -227,6 +227,24 @@ def dequantize(module: torch.nn.Module) -> torch.Tensor:
     return dequantize_bnb_weight(module.weight, state=getattr(module, "state", None))
 
 
+PORTABLE_4BIT_NOTE = (
+    "bitsandbytes' fused 4-bit CPU kernel (AVX512-BF16) is off: it repacks each weight at the first "
+    "forward, and PEFT's merge and dequantization then read the repacked layout as the plain one (a merge "
+    "after a forward moved a tiny Llama's logits by 0.31, before one by 0.05); the portable path runs, "
+    "as on any other CPU"
+)
+
+
+def portable_4bit(model: torch.nn.Module) -> list[str]:
+    """Turn off bitsandbytes' fused 4-bit kernel for CPUs with AVX512-BF16 on every `Linear4bit` of
+    `model` (it repacks the weight in place at the first forward, which PEFT's merge and
+    `dequantize_bnb_weight` do not undo); the note saying so where one was on, else none."""
+    layers = [m for m in model.modules() if getattr(m, "support_avx512bf16_for_cpu", False)]
+    for m in layers:
+        m.support_avx512bf16_for_cpu = False
+    return [PORTABLE_4BIT_NOTE] if layers else []
+
+
 def format_note(module: torch.nn.Module) -> str:
     """What a dequantized weight is: its format and block size (4-bit), or LLM.int8's per-row scale."""
     quant_state = getattr(module.weight, "quant_state", None)
