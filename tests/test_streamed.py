@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pandas as pd
 import pytest
+from safetensors import safe_open
 
 from core.capture import Capture, TensorKey
 from core.engine.diffmap import ElementDiff, SketchedDiff, element_diff
@@ -110,6 +111,36 @@ def test_drill_down_from_the_sketch(runs):
     same = table[(table.check == "weights") & table.bitwise_equal].iloc[0]
     adapter = None if pd.isna(same.adapter) else same.adapter
     assert element_diff(record, "weights", same.target, adapter, same.tensor).sketch is None
+
+
+def test_a_weight_that_is_the_checkpoint_rounded_keeps_no_map_and_the_drill_down_draws_it(runs):
+    """A bfloat16 base weight that is the float32 checkpoint rounded (torch's round to nearest even), bit
+    for bit: its worker stores no sketch (a run folder holds no map of plain rounding); the drill-down
+    draws it from the checkpoint, the same map the kept run's full difference pools to."""
+    (kept_record, _), (record, table) = runs
+    capture = Capture.load(record.run_dir / "captures" / "cpu_bfloat16")
+    rounded = [k for k, r in capture.results.items() if r.get("rounding")]
+    base = table[(table.target == "cpu/bfloat16") & (table.check == "weights") & table.adapter.isna()]
+    drifting = base[~base.bitwise_equal]
+    assert len(rounded) >= len(drifting) > 0  # every base weight loaded in bfloat16 is the rounding
+    with safe_open(str(record.run_dir / "captures" / "cpu_bfloat16" / "sketches.safetensors"), "np") as f:
+        stored = {k.split("##")[0] for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+    assert not stored & set(rounded)
+    assert not any(
+        r.get("rounding") for r in Capture.load(record.run_dir / "captures" / "cpu_float32").results.values()
+    )
+    row = drifting.iloc[0]
+    sketched = element_diff(record, "weights", "cpu/bfloat16", None, row.tensor)
+    full = element_diff(kept_record, "weights", "cpu/bfloat16", None, row.tensor)
+    assert (
+        isinstance(sketched, SketchedDiff) and isinstance(full, ElementDiff) and sketched.sketch is not None
+    )
+    from dashboard.figures.diffs import block_max_pool
+
+    pooled, _, _ = block_max_pool(full.diff)
+    np.testing.assert_array_equal(sketched.sketch.pooled, pooled)
+    assert int(sketched.sketch.failing.sum()) == full.n_mismatch == row.n_mismatch
+    assert sketched.row["max_abs"] == row.max_abs
 
 
 def test_another_reference_is_named_on_every_row(tmp_path, demo_workspace, capsys):

@@ -78,6 +78,8 @@ class Measured:
     row: dict[str, Any]  # `metrics.stats_to_row` (or a `missing_reference_row`)
     sketch: Sketch | None  # None when the tensor equals its reference bit for bit (or cannot be drawn)
     hash: str  # `content_hash` of the target tensor: machines compare weights by it
+    # the tensor is its reference rounded to its dtype, bit for bit: its sketch is redrawn, not kept
+    rounding: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         """What a capture stores (the sketch's arrays go apart, in sketches.safetensors)."""
@@ -88,6 +90,7 @@ class Measured:
             "row": self.row,
             "sketch": None if self.sketch is None else self.sketch.meta(),
             "hash": self.hash,
+            **({"rounding": True} if self.rounding else {}),
         }
 
 
@@ -128,6 +131,10 @@ class Check(ABC):
     # formula of it): the worker compares each tensor where it is, while it is there (`measure`),
     # and keeps its row and sketch rather than the tensor.
     compares_in_worker: ClassVar[bool] = False
+    # A `compares_in_worker` check whose tensor, where it is exactly its reference rounded to the
+    # target's dtype (a bfloat16 load of a float32 checkpoint), keeps no sketch: the drill-down draws it
+    # again from the reference (`redraw_rounding`), and a run folder holds no map of plain rounding.
+    redraws_rounding: ClassVar[bool] = False
     # A check whose targets read the reference's capture while they capture (activations: the
     # reference's module inputs, to re-run each module on them): the reference runs first.
     reference_first: ClassVar[bool] = False
@@ -234,7 +241,8 @@ class Check(ABC):
         # the same bits hash alike: hash the reference where it is already on the host
         same = stats.bitwise_equal and ref.dtype == tensor.dtype
         digest = content_hash(ref if same else tensor)
-        return Measured(label, note, dtype, row, sketch, digest)
+        rounding = sketch is not None and self.redraws_rounding and is_rounding_of(tensor, ref)
+        return Measured(label, note, dtype, row, None if rounding else sketch, digest, rounding)
 
     def role_of(self, spec: ProbeSpec, key: TensorKey) -> str:
         """The role a tensor's row has and its tolerance is looked up by: `describe`'s, unless the check
@@ -292,6 +300,33 @@ class Check(ABC):
     def extra_columns(self, key: TensorKey, tensor: torch.Tensor, ref: torch.Tensor | None) -> dict[str, Any]:
         """Check-specific columns for one row (none by default)."""
         return {}
+
+
+def is_rounding_of(tensor: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Whether `tensor` is `ref` rounded to `tensor`'s narrower floating dtype (torch's conversion, round
+    to nearest even), bit for bit; both on one device (no copy is made to find out)."""
+    return (
+        tensor.dtype != ref.dtype
+        and tensor.is_floating_point()
+        and ref.is_floating_point()
+        and tensor.device == ref.device
+        and tensor.shape == ref.shape
+        and torch.finfo(tensor.dtype).bits < torch.finfo(ref.dtype).bits
+        and torch.equal(tensor, ref.to(tensor.dtype))
+    )
+
+
+def redraw_rounding(
+    check: Check, spec: ProbeSpec, target: Target, key: TensorKey, dtype: str
+) -> Sketch | None:
+    """The sketch a `rounding` tensor's worker left out: its reference, read again, rounded to `dtype`
+    and measured as the worker measured it (the same inputs, so the same sketch); None where the
+    reference is gone."""
+    ref = check.reference_for(spec, key, None, scratch=True).tensors.get(key.encode())
+    if ref is None:
+        return None
+    tol = tolerance(spec, check.role_of(spec, key), getattr(torch, target.float_dtype))
+    return metrics.measure(ref.to(getattr(torch, dtype)), ref, tol)[1]
 
 
 def add_note(row: dict[str, Any], text: str) -> None:

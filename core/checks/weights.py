@@ -37,6 +37,7 @@ class WeightsCheck(Check):
     name = "weights"
     description = "loaded tensors (base and adapter) against the checkpoint file"
     compares_in_worker = True
+    redraws_rounding = True
 
     def capture(self, ctx: CaptureContext, loaded: Loaded, out: Capture) -> None:
         if loaded.adapter is None:

@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 from core.capture import BASE, Capture, TensorKey
 from core.checks import get_checks
-from core.checks.base import Check, Reference, tolerance
+from core.checks.base import Check, Reference, redraw_rounding, tolerance
 from core.engine.store import RunRecord
 from core.numerics import metrics
 from core.numerics.sketch import Sketch, as_2d
@@ -108,6 +108,16 @@ def element_diff(
         row = _row(
             the_check, spec, capture, Reference(label=measured["reference"], tensors={}, notes={}), key
         )
+        sketch = capture.sketch(key)
+        if sketch is None and measured.get("rounding"):
+            # the reference rounded to the target's dtype, bit for bit: its map is drawn from the reference
+            sketch = redraw_rounding(the_check, spec, parsed, key, measured["dtype"])
+            if sketch is None:
+                raise KeyError(
+                    f"tensor {tensor!r}{_for(adapter)} {where} is its reference ({measured['reference']}) "
+                    f"rounded to {measured['dtype']}, and its map is drawn from that reference, which "
+                    "cannot be read here"
+                )
         return SketchedDiff(
             check=check,
             target=str(parsed),
@@ -116,7 +126,7 @@ def element_diff(
             reference=measured["reference"],
             shape=tuple(int(n) for n in str(row.get("shape") or "").split("x") if n),
             dtype=measured["dtype"],
-            sketch=capture.sketch(key),
+            sketch=sketch,
             explanation=str(row.get("explanation", "")),
             row=row,
         )
