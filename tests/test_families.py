@@ -38,7 +38,16 @@ from core.models.loading import (
 )
 from core.models.probes import probe_inputs
 from core.models.validate import InputError
-from core.spec import DEFAULT_CHECKS, QUANTIZED_FORMATS, AdapterRef, ModelRef, ProbeInputs, ProbeSpec, Target
+from core.spec import (
+    DEFAULT_CHECKS,
+    DEFAULT_MAX_NEW_TOKENS,
+    QUANTIZED_FORMATS,
+    AdapterRef,
+    ModelRef,
+    ProbeInputs,
+    ProbeSpec,
+    Target,
+)
 
 # The families with assertions of their own below (probe shapes, logits, attention blocks).
 FAMILIES = ("vit", "whisper", "mixtral", "bart", "wav2vec2")
@@ -49,7 +58,6 @@ CHECKS = tuple(REGISTRY)
 NO_GENERATION = {
     **{f: "has no generation head" for f in ("roberta", "roberta_cls", "bert", "distilbert", "bert_qa")},
     **{f: "has no generation head" for f in ("vit", "wav2vec2", "convnext", "clip")},
-    "whisper": "the model takes no token ids",
 }
 
 
@@ -763,3 +771,39 @@ def test_a_classifier_adapter_on_a_base_without_its_head(workspace: dict, tmp_pa
     saved = table[(table.adapter == "cls") & (table.role == "modules_to_save")]
     assert sorted(saved.check.unique()) == ["deltas", "merge", "weights"]
     assert set(saved[saved.target == "cpu/float32"].verdict) == {"identical"}
+
+
+def test_whisper_generates_from_its_audio_as_a_greedy_loop_by_hand(workspace: dict, runs: dict) -> None:
+    """Whisper's encoder takes no token ids: generate decodes each probe row's audio from the decoder start
+    token. On cpu/float32 the stored tokens are what argmax over the logits, one token at a time, gives by
+    hand (the generation config's suppressed tokens never picked), for the base and the LoRA."""
+    from peft import PeftModel
+    from transformers import WhisperForConditionalGeneration
+
+    model_dir, adapter_dir = workspace["whisper"]
+    gens = runs["whisper"].table("generations")
+    float32 = gens[gens.target == "cpu/float32"]
+    assert set(float32.adapter.fillna("base")) == {"base", "lora"} and len(float32) == 2  # one row each
+    base = WhisperForConditionalGeneration.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    probe = probe_inputs(base.config, type(base), ProbeInputs(batch=2, seq_len=6), seed=0)
+    features = probe["input_features"][:1]
+    generation = base.generation_config
+    banned = set(generation.suppress_tokens or []) | set(generation.begin_suppress_tokens or [])
+    # the check stops where the decoder's positions run out (the start token takes one)
+    limit = min(DEFAULT_MAX_NEW_TOKENS, base.config.max_target_positions - 1)
+
+    def by_hand(model) -> list[int]:
+        ids = [generation.decoder_start_token_id]
+        with torch.no_grad():
+            for _ in range(limit):
+                logits = model(input_features=features, decoder_input_ids=torch.tensor([ids])).logits[0, -1]
+                logits[[t for t in sorted(banned) if t < len(logits)]] = -float("inf")
+                ids.append(int(logits.argmax()))
+                if ids[-1] == generation.eos_token_id:
+                    break
+        return ids[1:]
+
+    expected_base = by_hand(base)
+    assert list(float32[float32.adapter.isna()].tokens.iloc[0]) == expected_base
+    lora = PeftModel.from_pretrained(base, adapter_dir).eval()
+    assert list(float32[float32.adapter == "lora"].tokens.iloc[0]) == by_hand(lora)

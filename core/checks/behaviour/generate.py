@@ -1,6 +1,8 @@
 """`generate`: greedy decoding (`model.generate(do_sample=False)`) of `max_new_tokens` tokens per target
 and adapter from each prompt (from the probe's first row without prompts), and the first generated
-position where a target's tokens part from the reference's.
+position where a target's tokens part from the reference's. An encoder-decoder whose encoder takes no
+token ids (Whisper: `input_features`) decodes from each probe row's encoder inputs, from its decoder
+start token, by transformers' generic greedy loop (`encoder_greedy_tokens`).
 
 The tokens live in each capture's metadata (`GENERATIONS`), so snapshots carry them to another machine;
 `generations.parquet` holds them with their decoded text, and the metrics table one row per target,
@@ -44,10 +46,7 @@ def greedy_tokens(model, ids: list[int], max_new_tokens: int) -> list[int]:
         "num_beams": 1,
         "max_new_tokens": max_new_tokens,
     }
-    generation = getattr(inner, "generation_config", None)
-    if generation is not None and generation.pad_token_id is None and generation.eos_token_id is not None:
-        eos = generation.eos_token_id
-        kwargs["pad_token_id"] = eos[0] if isinstance(eos, list) else eos  # as generate would, silently
+    kwargs.update(_pad_token(inner))
     wide = getattr(inner, FLOAT64_FORWARD, False)
     fallback = float32_fallbacks(model) if wide or param.dtype == torch.float64 else contextlib.nullcontext()
     with torch.no_grad(), float64_forward(model), fallback, warnings.catch_warnings():
@@ -57,6 +56,78 @@ def greedy_tokens(model, ids: list[int], max_new_tokens: int) -> list[int]:
     tokens = out[0].tolist()
     # a decoder-only model returns the prompt first; an encoder-decoder its decoder start token
     return tokens[1:] if getattr(config, "is_encoder_decoder", False) else tokens[len(ids) :]
+
+
+def encoder_greedy_tokens(model, inputs: dict[str, torch.Tensor], max_new_tokens: int) -> list[int]:
+    """The tokens greedy decoding gives from one probe row's encoder inputs (`encoder_rows`) of an
+    encoder-decoder whose encoder takes no token ids (Whisper's `input_features`), from the decoder start
+    token alone: only the new ones, as `greedy_tokens` returns an encoder-decoder's.
+
+    transformers' generic greedy loop (`GenerationMixin.generate`) runs on PEFT's base model (which holds
+    the adapter's layers), not the model's own `generate`: Whisper's detects a language, forces task and
+    timestamp tokens, may fall back to sampling at higher temperatures and drops its start tokens from
+    what it returns; the plain loop decodes the same way on every target. The generation config's token
+    suppression applies as in any `generate`. Float inputs are cast as the outputs check casts them."""
+    from transformers import GenerationMixin
+
+    param = next(model.parameters())
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    start = decoder_start_token(inner)
+    if start is None:
+        raise ValueError("neither the generation config nor the config names a decoder_start_token_id")
+    wide = getattr(inner, FLOAT64_FORWARD, False)
+    dtype = torch.float64 if wide else param.dtype
+    kwargs: dict[str, Any] = {
+        name: t.to(param.device, dtype=dtype if t.is_floating_point() else t.dtype)
+        for name, t in inputs.items()
+    }
+    kwargs.update(
+        decoder_input_ids=torch.tensor([[start]], dtype=torch.long, device=param.device),
+        do_sample=False,
+        num_beams=1,
+        max_new_tokens=max_new_tokens,
+    )
+    kwargs.update(_pad_token(inner))
+    fallback = float32_fallbacks(model) if dtype == torch.float64 else contextlib.nullcontext()
+    with torch.no_grad(), float64_forward(model), fallback, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = GenerationMixin.generate(inner, **kwargs)
+    return out[0].tolist()[1:]  # the start token we gave, then the new ones
+
+
+def decoder_start_token(model) -> int | None:
+    """The token an encoder-decoder's decoder starts from: its generation config's, else its config's."""
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        start = getattr(source, "decoder_start_token_id", None)
+        if isinstance(start, list):
+            start = start[0] if start else None
+        if isinstance(start, int):
+            return start
+    return None
+
+
+def _pad_token(inner) -> dict[str, int]:
+    """A pad token where the generation config has none but an end-of-sequence token (as generate would
+    pick, silently)."""
+    generation = getattr(inner, "generation_config", None)
+    if generation is not None and generation.pad_token_id is None and generation.eos_token_id is not None:
+        eos = generation.eos_token_id
+        return {"pad_token_id": eos[0] if isinstance(eos, list) else eos}
+    return {}
+
+
+def encoder_rows(probe: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """Each probe row's encoder inputs (Whisper's `input_features`): every probe tensor but the decoder's
+    (`decoder_…`, whose ids the probe draws for the forward), one row each."""
+    encoder = {k: t for k, t in probe.items() if not k.startswith("decoder_")}
+    rows = len(next(iter(encoder.values()))) if encoder else 0
+    return [{k: t[i : i + 1] for k, t in encoder.items()} for i in range(rows)]
+
+
+def _row_label(inputs: dict[str, torch.Tensor], i: int) -> str:
+    """What a row of encoder inputs is, for the generations table's prompt column."""
+    shapes = ", ".join(f"{k} {'×'.join(str(n) for n in t.shape[1:])}" for k, t in inputs.items())
+    return f"probe row {i + 1} ({shapes}, drawn from the seed)"
 
 
 def first_divergence(tokens: list[int], reference: list[int]) -> int | None:
@@ -121,13 +192,20 @@ class GenerateCheck(Check):
     def capture(self, ctx: CaptureContext, loaded: Loaded, out: Capture) -> None:
         adapter = BASE if loaded.adapter is None else loaded.adapter.name
         why = can_generate(loaded.model)
-        if why is None and "input_ids" not in ctx.probe:
+        # an encoder-decoder whose encoder takes no token ids decodes from its encoder inputs
+        from_encoder = "input_ids" not in ctx.probe and _is_encoder_decoder(loaded.model)
+        if why is None and "input_ids" not in ctx.probe and not from_encoder:
             why = "the model takes no token ids: nothing to decode from"
+        if why is None and from_encoder and _virtual_tokens(loaded.model):
+            why = (
+                "prompt learning on an encoder that takes no token ids: the greedy loop runs on PEFT's base "
+                "model, which holds no virtual tokens, so nothing is decoded"
+            )
         if why is not None:
             out.notes.append(f"generate · {_who(adapter)}: {why}")
             return
         prompts = ctx.spec.probe.prompts
-        rows = prompt_rows(ctx.probe)
+        rows: list = encoder_rows(ctx.probe) if from_encoder else prompt_rows(ctx.probe)
         rows = rows if prompts else rows[:1]
         tokenizer = load_tokenizer(ctx.spec.base, required=False)
         limit = position_limit(loaded.model)
@@ -141,12 +219,16 @@ class GenerateCheck(Check):
                 if limit[0] - used < budget:
                     budget = max(limit[0] - used, 0)
                     capped.append(f"{budget} for prompt {i + 1}")
+            decode = encoder_greedy_tokens if from_encoder else greedy_tokens
             try:
-                tokens = greedy_tokens(loaded.model, ids, budget) if budget else []
+                tokens = decode(loaded.model, ids, budget) if budget else []
             except Exception as e:  # a model whose generate fails is noted, not a failed run
                 out.notes.append(f"generate · {_who(adapter)}: generate failed ({type(e).__name__}: {e})")
                 return
-            prompt = prompts[i] if prompts else _decode(tokenizer, ids) or f"token ids {ids}"
+            if from_encoder:
+                prompt = _row_label(ids, i)
+            else:
+                prompt = prompts[i] if prompts else _decode(tokenizer, ids) or f"token ids {ids}"
             found.append({"prompt": prompt, "tokens": tokens, "text": _decode(tokenizer, tokens)})
         out.meta.setdefault(GENERATIONS, {})[adapter] = found
         if capped:
