@@ -131,3 +131,65 @@ def test_forked_and_spawned_tasks_give_the_same_metrics_bit_for_bit_and_a_dead_s
     # the parallel passes ran: tensors this large take them
     weights = table(forked).query("check == 'weights'")
     assert (weights["numel"] >= 1 << 17).any()
+
+
+VALIDATE_IN_WORKER = r"""
+import json, sys
+from pathlib import Path
+from core.engine.runners import ProcessRunner
+from core.spec import ProbeSpec
+from core.models.checkpoint import InputError
+
+spec = ProbeSpec.from_dict(json.loads(sys.argv[1]))
+runner = ProcessRunner()
+runner.warm()
+try:
+    checked = runner.validate_inputs(spec)
+    found = None
+except InputError as e:
+    checked, found = True, str(e)
+finally:
+    runner.kill_all()
+print(json.dumps({"checked": checked, "error": found, "imported": "transformers" in sys.modules}))
+"""
+
+
+def test_a_process_without_the_libraries_validates_its_inputs_in_a_forked_worker(tmp_path):
+    """The CLI's process has not imported transformers or PEFT: the warm fork server's child checks the
+    inputs, and says what is wrong exactly as the check in this process does (the same InputError)."""
+    import json
+    import subprocess
+
+    from tiny_models import save_with_lora
+
+    from core.models.checkpoint import InputError
+    from core.models.validate import validate_inputs
+
+    model, adapter = save_with_lora("llama", tmp_path, 0)
+    other, _ = save_with_lora("bert", tmp_path, 1)  # its LoRA is for another base
+    good = ProbeSpec(
+        base=ModelRef(path=str(model)),
+        adapters=(AdapterRef(path=str(adapter), name="a"),),
+        targets=(Target.parse("cpu/float32"),),
+    )
+    bad = ProbeSpec(
+        base=ModelRef(path=str(other)),
+        adapters=(AdapterRef(path=str(adapter), name="a"),),
+        targets=(Target.parse("cpu/float32"),),
+    )
+    with pytest.raises(InputError) as here:
+        validate_inputs(bad)
+
+    def in_worker(spec: ProbeSpec) -> dict:
+        out = subprocess.run(
+            [sys.executable, "-c", VALIDATE_IN_WORKER, json.dumps(spec.to_dict())],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=worker_env(False),
+        )
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    assert in_worker(good) == {"checked": True, "error": None, "imported": False}
+    assert in_worker(bad) == {"checked": True, "error": str(here.value), "imported": False}

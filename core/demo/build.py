@@ -22,11 +22,10 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from core.methods.adapter_keys import adapter_type
+if TYPE_CHECKING:  # torch is imported where a build needs it: finding a built workspace needs none
+    import torch
 
 DEMO_VERSION = "3"
 """Bump when the contents change: an existing workspace of another version is rebuilt."""
@@ -192,7 +191,10 @@ def _quiet() -> None:
 
 def _build_into(tmp: Path, final: Path, progress: Progress | None) -> dict:
     """Write every artifact under ``tmp``; paths recorded in configs and manifest point into ``final``."""
+    import torch
     from peft import BOFTConfig, IA3Config, LoraConfig, OFTConfig
+
+    from core.methods.adapter_keys import adapter_type
 
     _quiet()
     total = len(_ARTIFACTS)
@@ -355,6 +357,7 @@ def _build_into(tmp: Path, final: Path, progress: Progress | None) -> dict:
 
 def _save_llama(folder: Path) -> None:
     """Seeded random tiny LlamaForCausalLM, float32 safetensors."""
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(SEEDS["tiny-llama"])
@@ -375,6 +378,7 @@ def _tie(llama: Path) -> tuple[torch.Tensor, int]:
     """(a, t) of `lora_tie`, a rank-1 LoRA on lm_head adding (a·h)·e_t to the logits: `a` is orthogonal to
     the final hidden states of the generated positions before TIE_STEP (they keep their logits, in
     float64) and lifts token t at TIE_STEP to TIE_MARGIN above the top logit there. Computed in float64."""
+    import torch
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(llama, dtype=torch.float64).eval()
@@ -437,6 +441,7 @@ def save_byte_tokenizer(folder: Path) -> None:
 
 def _save_bert(folder: Path) -> None:
     """Seeded random tiny BertModel, float32 safetensors."""
+    import torch
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(SEEDS["tiny-bert"])
@@ -445,6 +450,7 @@ def _save_bert(folder: Path) -> None:
 
 def _load_llama(folder: Path) -> torch.nn.Module:
     """A fresh float32 copy of the tiny llama (adapters like PiSSA rewrite the base in memory)."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -452,6 +458,7 @@ def _load_llama(folder: Path) -> torch.nn.Module:
 
 def _load_bert(folder: Path) -> torch.nn.Module:
     """A fresh float32 copy of the tiny bert."""
+    import torch
     from transformers import AutoModel
 
     return AutoModel.from_pretrained(folder, dtype=torch.float32)
@@ -465,6 +472,7 @@ def _save_adapter(
     mutate: Callable[[torch.nn.Module, torch.Generator], None] | None = None,
 ) -> None:
     """Wrap ``base`` with ``config`` (adapter init drawn from ``seed``), optionally mutate, save."""
+    import torch
     from peft import get_peft_model
 
     torch.manual_seed(seed)
@@ -477,6 +485,8 @@ def _save_adapter(
 
 def _perturb_magnitude(model: torch.nn.Module, gen: torch.Generator) -> None:
     """Scale each DoRA magnitude by a factor in [0.9, 1.1]; at init it equals ‖W + sBA‖, a no-op."""
+    import torch
+
     for _, module in sorted(model.named_modules(), key=lambda item: item[0]):
         dora = getattr(module, "lora_magnitude_vector", None)
         if dora is None or "default" not in dora:
@@ -496,6 +506,7 @@ def _inject_nan(model: torch.nn.Module, gen: torch.Generator) -> None:
 
 def _save_pissa(base: torch.nn.Module, adapters: Path, start: Callable[[str], None]) -> None:
     """PiSSA: the initial state, a "trained" (perturbed) state, and that state converted to LoRA."""
+    import torch
     from peft import LoraConfig, get_peft_model
 
     start("adapter pissa_init")

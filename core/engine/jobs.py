@@ -217,7 +217,6 @@ class Engine:
         from core.checks import get_checks
         from core.models.loading import STRATEGIES
         from core.models.targets import check_targets_exist
-        from core.models.validate import validate_inputs
 
         if not spec.targets:
             raise SpecError("no target given; e.g. --target cpu/float32")
@@ -242,7 +241,9 @@ class Engine:
                 f"target {placed} names node {placed.node}: only the Ray runner places targets on nodes "
                 "(--runner ray); the local runner runs every target on this machine"
             )
-        if any(t.machine is None for t in spec.targets):
+        if any(t.machine is None for t in spec.targets) and not runner.validate_inputs(spec):
+            from core.models.validate import validate_inputs
+
             validate_inputs(spec)
 
     def submit(

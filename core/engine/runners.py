@@ -88,6 +88,12 @@ class Runner(ABC):
         that its imports overlap what the caller does before its first task)."""
         return None
 
+    def validate_inputs(self, spec) -> bool:
+        """Check the spec's input files (`core.models.validate.validate_inputs`) in a worker that has
+        the libraries imported, where this process has not. True when it did (InputError or SpecError
+        raised as the worker found it); False: the caller checks them itself."""
+        return False
+
 
 class InProcessRunner(Runner):
     """Runs tasks in the calling process (unit tests), one at a time. Flags it applies stay applied,
@@ -339,6 +345,37 @@ class ProcessRunner(Runner):
     def warm(self) -> None:
         with self._lock:
             self._fork_server(restart=True)
+
+    def validate_inputs(self, spec) -> bool:
+        # The checks build the model's class from its config and read the adapters' configs: transformers
+        # and PEFT, 3.5 s of imports (the CLI's process has neither) that the warm fork server has done.
+        if "transformers" in sys.modules and "peft" in sys.modules:
+            return False  # imported here already: quicker than a fork
+        with self._lock:
+            if self._server is None or not self._server.alive():
+                return False
+        from core.models.checkpoint import InputError
+        from core.spec import SpecError
+
+        errors: list[dict[str, Any]] = []
+        task = Task(kind="validate", run_dir="", spec=spec.to_dict())
+        with tempfile.TemporaryDirectory(prefix="weightdrift-validate-") as tmp:
+            outcome = self.run(
+                task,
+                lambda e: errors.append(e) if e.get("type") == "error" else None,
+                threading.Event(),
+                Path(tmp) / "validate.log",
+            )
+        if outcome.ok:
+            return True
+        raised = (
+            {"InputError": InputError, "SpecError": SpecError}.get(errors[-1].get("error_type", ""))
+            if errors
+            else None
+        )
+        if raised is not None:
+            raise raised(errors[-1]["message"])
+        return False  # the worker failed another way: the caller checks here, and says what it finds
 
     def _fork_server(self, restart: bool) -> ForkServer | None:
         """The live fork server, started if there is none yet (or, `restart`, if it stopped); under _lock."""

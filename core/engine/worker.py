@@ -47,7 +47,7 @@ class Cancelled(Exception):
 class Task:
     """One unit of work for a runner: capture one target, or compare a run's captures."""
 
-    kind: str  # "capture" | "compare"
+    kind: str  # "capture" | "compare" | "validate" (the spec's inputs, `Runner.validate_inputs`)
     run_dir: str
     spec: dict[str, Any]
     target: str | None = None
@@ -76,6 +76,8 @@ class Task:
 
     @property
     def label(self) -> str:
+        if self.kind == "validate":
+            return "validate"
         if self.target is None:
             return "compare" + (f" · {', '.join(self.checks)}" if self.checks else "")
         if self.variant is None:
@@ -107,6 +109,11 @@ def run_task(task: Task, emit: Emit, should_cancel: Callable[[], bool] = lambda:
         run_capture(task, emit, should_cancel)
     elif task.kind == "compare":
         run_compare(task, emit, should_cancel)
+    elif task.kind == "validate":
+        from core.models.validate import validate_inputs
+        from core.spec import ProbeSpec
+
+        validate_inputs(ProbeSpec.from_dict(task.spec))  # InputError: the event names its type
     else:
         raise ValueError(f"unknown task kind {task.kind!r}")
 
