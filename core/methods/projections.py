@@ -33,8 +33,10 @@ KEYS = {
 # The dtype RandLoRA's dense bases are drawn in where bfloat16 is available (see the module docstring).
 RANDLORA_DTYPE = torch.bfloat16
 
-
-REGENERATED = "its shared projections not saved (save_projection=False): regenerated from projection_prng_key as PEFT does"
+REGENERATED = (
+    "its shared projections not saved (save_projection=False): regenerated from projection_prng_key as "
+    "PEFT does"
+)
 """The note on a ΔW whose reference used regenerated projections."""
 
 
