@@ -20,7 +20,8 @@ from tiny_models import ARCHITECTURES, quiet
 from core.engine.jobs import Engine
 from core.engine.runners import InProcessRunner
 from core.engine.store import RunRecord
-from core.methods import adapter_keys, formulas, peft_path
+from core.methods import adapter_keys, formulas, peft_path, projections
+from core.models import merging
 from core.spec import AdapterRef, ModelRef, ProbeInputs, ProbeSpec, Target
 
 METHODS = ("loha", "lokr", "vera", "adalora")
@@ -301,8 +302,15 @@ def test_vera_projections_are_shared_keys(workspace: dict) -> None:
     for mod in modules.values():
         assert mod.keys["vera_A"] == "base_model.vera_A" and mod.keys["vera_B"] == "base_model.vera_B"
     without = {k: v for k, v in tensors.items() if not k.startswith("base_model.vera_")}
+    # a file without the pair (save_projection=False) needs it regenerated first: the formula says so ...
     with pytest.raises(ValueError, match="save_projection=False"):
         formulas.reference_deltas(config, without, base)
+    # ... and with it regenerated from the config and the modules' shapes, ΔW is the saved file's, bit for bit
+    shapes = [base[f"{m}.weight"].shape for m in modules]
+    regenerated = {**without, **projections.regenerate("vera", config, shapes)}
+    saved = formulas.reference_deltas(config, tensors, base)
+    for m, d in formulas.reference_deltas(config, regenerated, base).items():
+        assert torch.equal(d, saved[m]), m
 
 
 @pytest.mark.parametrize(
@@ -643,3 +651,173 @@ def test_hra_miss_randlora_and_delora_deltas_equal_peft_and_the_formula_written_
             assert torch.equal(delta, got[m]) and torch.equal(got[m], expected[m]), m
         assert (delta - got[m]).abs().max() <= 4e-15 * got[m].abs().max(), m
         assert peft_path.peft_delta_source(layer, "default")
+
+
+# --------------------------------------------------------------------------------------------------
+# VeRA and RandLoRA saved without their shared projections (save_projection=False)
+# --------------------------------------------------------------------------------------------------
+
+# name → (base, PEFT config class, its arguments, its targets): the shared pair saved (PEFT's default), to
+# compare the regenerated one with; RandLoRA's three draws (dense bfloat16, sparse, very sparse float32)
+PROJECTED = {
+    "vera": ("llama", "VeraConfig", {"r": 4, "projection_prng_key": 3}, ["q_proj", "v_proj", "down_proj"]),
+    "vera_gpt2": ("gpt2", "VeraConfig", {"r": 4, "fan_in_fan_out": True}, ["c_attn", "c_fc"]),
+    "randlora": ("llama", "RandLoraConfig", {"r": 3, "projection_prng_key": 9}, ["q_proj", "down_proj"]),
+    "randlora_gpt2": ("gpt2", "RandLoraConfig", {"r": 4, "fan_in_fan_out": True}, ["c_attn", "c_fc"]),
+    "randlora_sparse": ("llama", "RandLoraConfig", {"r": 4, "sparse": True}, ["q_proj", "down_proj"]),
+    "randlora_very_sparse": ("llama", "RandLoraConfig", {"r": 4, "very_sparse": True}, ["q_proj", "v_proj"]),
+}
+
+
+def _projected(workspace: dict, name: str, save_projection: bool = True) -> torch.nn.Module:
+    """PROJECTED[name] on its base in float32 (trained tensors random, seeded), a PeftModel."""
+    import peft
+    from peft import get_peft_model
+
+    base_name, cls, kwargs, targets = PROJECTED[name]
+    torch.manual_seed(13)
+    config = getattr(peft, cls)(
+        target_modules=targets, init_weights=False, save_projection=save_projection, **kwargs
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = get_peft_model(_load(workspace["models"][base_name], torch.float32), config)
+    generator = torch.Generator().manual_seed(14)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.copy_(0.1 * torch.randn(p.shape, generator=generator))
+    return model
+
+
+@pytest.mark.parametrize("name", PROJECTED)
+def test_regenerated_projections_equal_peft_s_bit_for_bit(workspace: dict, name: str) -> None:
+    """`projections.regenerate`, from the config and the adapted weights' shapes as stored, equals the pair
+    PEFT drew (saved with save_projection=True), value for value: vera_A/vera_B float32, RandLoRA's dense
+    bases bfloat16, its sparse ones float32; and the loaded model passes `loaded_mismatch`."""
+    from peft import get_peft_model_state_dict
+
+    model = _projected(workspace, name)
+    kind = name.split("_")[0]
+    tensors = get_peft_model_state_dict(model)
+    config = json.loads(json.dumps(model.peft_config["default"].to_dict(), default=str))
+    base = load_file(workspace["models"][PROJECTED[name][0]] / "model.safetensors")
+    modules = adapter_keys.adapter_module_keys(tensors)
+    assert len(modules) >= 4
+    got = projections.regenerate(kind, config, [base[f"{m}.weight"].shape for m in modules])
+    assert set(got) == set(projections.KEYS[kind])
+    dense = kind == "randlora" and "sparse" not in name
+    for key, t in got.items():
+        assert t.dtype == (torch.bfloat16 if dense else torch.float32), key
+        # PEFT's buffer as it saved it, exactly the same numbers
+        assert torch.equal(t.double(), tensors[key].double()), key
+    assert projections.loaded_mismatch(kind, config, adapter_keys.adapted_modules(model), "default") is None
+    # another key draws other numbers, which the check on a loaded model names
+    shapes = [base[f"{m}.weight"].shape for m in modules]
+    other = projections.regenerate(kind, {**config, "projection_prng_key": 1234}, shapes)
+    loaded = {k: tensors[k] for k in other}
+    assert (
+        projections.matches_loaded(other, loaded)
+        == f"the loaded {kind}_A differs from the one regenerated here"
+    )
+
+
+@pytest.fixture(scope="module")
+def unsaved(workspace: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """name → adapter folder: PROJECTED's VeRA and RandLoRA on the Llama, saved with save_projection=False."""
+    root = tmp_path_factory.mktemp("unsaved")
+    out = {}
+    for name in ("vera", "randlora"):
+        model = _projected(workspace, name, save_projection=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model.save_pretrained(root / name)
+        out[name] = root / name
+    return out
+
+
+def _unsaved_run(workspace: dict, unsaved: dict, home: Path, targets: tuple[str, ...], checks) -> RunRecord:
+    spec = ProbeSpec(
+        base=ModelRef(path=str(workspace["models"]["llama"])),
+        adapters=tuple(AdapterRef(path=str(f), name=n) for n, f in unsaved.items()),
+        targets=tuple(Target.parse(t) for t in targets),
+        checks=tuple(checks),
+        probe=ProbeInputs(batch=2, seq_len=6),
+    )
+    engine = Engine(home, runner=InProcessRunner())
+    job = engine.submit(spec)
+    assert job.wait(300) and job.state == "succeeded", job.error
+    return engine.store.open(job.run_id)
+
+
+def test_unsaved_projections_are_regenerated_as_peft_loads_them(workspace: dict, unsaved: dict) -> None:
+    """The files hold no shared pair; `merging.adapter_files` regenerates it (sized from the base's headers)
+    and it equals, bit for bit, the one PEFT regenerated when it loaded the adapter."""
+    from peft import PeftModel
+
+    for name, folder in unsaved.items():
+        assert not any(
+            k.startswith(f"base_model.{name}_") for k in load_file(folder / "adapter_model.safetensors")
+        )
+        config, tensors = merging.adapter_files(
+            AdapterRef(path=str(folder), name=name), str(workspace["models"]["llama"])
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = PeftModel.from_pretrained(_load(workspace["models"]["llama"], torch.float32), str(folder))
+        for key, ab in zip(projections.KEYS[name], "AB", strict=True):
+            loaded = getattr(model.base_model, f"{name}_{ab}")["default"]
+            assert torch.equal(tensors[key].double(), loaded.double()), key
+
+
+def test_a_run_of_adapters_saved_without_projections_has_nothing_broken(
+    workspace: dict, unsaved: dict, tmp_path: Path
+) -> None:
+    """Every check on cpu/float32 and cpu/bfloat16 runs (it used to fail the run: no reference ΔW); each
+    module has its ΔW row against the regenerated pair, within tolerance on float32, nothing broken, no
+    `not covered` finding."""
+    from core.checks import CHECKS
+
+    run = _unsaved_run(workspace, unsaved, tmp_path / "home", ("cpu/float32", "cpu/bfloat16"), CHECKS)
+    table = run.metrics()
+    assert "broken" not in set(table.verdict)
+    # what the shared pair feeds: ΔW, the merges, the loaded tensors (activations and outputs compare
+    # PEFT's float32 forward as for any adapter)
+    float32 = table[(table.target == "cpu/float32") & table.check.isin(["deltas", "merge", "weights"])]
+    assert set(float32.verdict) <= {"identical", "within tolerance"}, float32[["tensor", "verdict"]].values
+    for name, folder in unsaved.items():
+        modules = set(adapter_keys.adapter_module_keys(load_file(folder / "adapter_model.safetensors")))
+        for target in ("cpu/float32", "cpu/bfloat16"):
+            deltas = table[(table.adapter == name) & (table.check == "deltas") & (table.target == target)]
+            assert set(deltas.tensor) == modules and len(deltas) == len(modules), (name, target)
+            assert all(projections.REGENERATED in n for n in deltas.note), deltas.note.tolist()
+            merged = table[(table.adapter == name) & (table.check == "merge") & (table.role == "merged")]
+            assert {t.rsplit(":", 1)[-1] for t in merged.tensor} == modules
+    for check in ("deltas", "merge"):
+        findings = run.table(f"{check}_findings")
+        assert "not covered" not in set(findings.finding), findings
+
+
+def test_projections_peft_drew_otherwise_are_not_covered_not_broken(
+    workspace: dict, unsaved: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the pair a target loaded is not the regenerated one (RandLoRA on a machine without bfloat16:
+    PEFT draws its bases in float16; here the regeneration is made to draw float16 instead), the run still
+    succeeds: deltas and merge give that adapter a `not covered` finding saying why and no ΔW or merged
+    row; the other adapter is compared as usual."""
+    monkeypatch.setattr(projections, "RANDLORA_DTYPE", torch.float16)
+    run = _unsaved_run(
+        workspace, unsaved, tmp_path / "home", ("cpu/float32",), ("weights", "deltas", "merge")
+    )
+    table = run.metrics()
+    assert "broken" not in set(table.verdict)
+    own = table[table.adapter == "randlora"]
+    assert own[own.role.isin(["delta", "merged"])].empty
+    vera = adapter_keys.adapter_module_keys(load_file(unsaved["vera"] / "adapter_model.safetensors"))
+    assert set(table[(table.adapter == "vera") & (table.check == "deltas")].tensor) == set(vera)
+    for check in ("deltas", "merge"):
+        findings = run.table(f"{check}_findings")
+        found = findings[findings.adapter == "randlora"]
+        assert list(found.finding) == ["not covered"], findings
+        assert "save_projection=False" in found.detail.iloc[0] and "float16" in found.detail.iloc[0]
+        assert findings[findings.adapter == "vera"].empty

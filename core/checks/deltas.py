@@ -17,8 +17,9 @@ import torch
 
 from core.capture import Capture, TensorKey
 from core.checks.base import CaptureContext, Check, Reference, add_note
-from core.methods import adapter_keys, formulas, peft_path
-from core.models.checkpoint import Checkpoint, read_adapter_config, read_checkpoint
+from core.methods import adapter_keys, formulas, peft_path, projections
+from core.models import merging
+from core.models.checkpoint import read_adapter_config, read_checkpoint
 from core.models.conversion import layer_of, read_loaded
 from core.models.loading import Loaded
 from core.spec import ProbeSpec, Target
@@ -74,9 +75,21 @@ class DeltasCheck(Check):
             self._capture_saved_modules(loaded, config, out)
             return
         self._capture_saved_modules(loaded, config, out)
+        layers = adapter_keys.adapted_modules(loaded.model)
+        mismatch = (
+            projections.loaded_mismatch(kind, config, layers, adapter)
+            if projections.regenerated(kind, config)
+            else None
+        )
+        if mismatch:  # the reference's projections would not be the ones this target uses
+            meta.setdefault(FINDINGS, []).append(
+                {"adapter": adapter, "finding": "not covered", "detail": mismatch}
+            )
+            out.notes.append(f"deltas: {mismatch}")
+            return
         sources: dict[str, str] = {}
         with torch.no_grad():
-            for module, (layer, names) in adapter_keys.adapted_modules(loaded.model).items():
+            for module, (layer, names) in layers.items():
                 if adapter not in names:
                     continue
                 out.add(TensorKey(self.name, adapter, module), peft_path.peft_delta(layer, adapter))
@@ -146,20 +159,17 @@ class DeltasCheck(Check):
             kind = adapter_keys.adapter_type(config)
             if kind not in adapter_keys.ADAPTER_TYPES:
                 continue
-            # The adapter's tensor names from its index; only those of the wanted modules are read.
-            modules = adapter_keys.adapter_module_keys(
-                dict.fromkeys(Checkpoint.open(adapter.path, prefix="adapter_model").names()),
-                adapter_keys.saved_module_names(config),
-            )
-            names = {t for k in wanted if k.name in modules for t in modules[k.name].keys.values()}
-            if not names:
+            # Only the wanted modules' tensors are read (and the shared ones, regenerated where unsaved).
+            _, adapter_tensors = merging.adapter_files(adapter, spec.base.path, {k.name for k in wanted})
+            if not adapter_tensors:
                 continue
-            adapter_tensors = read_checkpoint(adapter.path, prefix="adapter_model", names=names)
             deltas = formulas.reference_deltas(config, adapter_tensors, base)
             for key in wanted:
                 if key.name in deltas:
                     tensors[key.encode()] = deltas[key.name]
-                    notes[key.encode()] = f"{kind} ΔW, float64 formula from the checkpoint"
+                    notes[key.encode()] = f"{kind} ΔW, float64 formula from the checkpoint" + (
+                        f" ({projections.REGENERATED})" if projections.regenerated(kind, config) else ""
+                    )
         return Reference(label="fp64 formula", tensors=tensors, notes=notes)
 
     def describe(self, key: TensorKey) -> dict[str, Any]:

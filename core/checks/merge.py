@@ -45,7 +45,7 @@ from core.capture import Capture, TensorKey
 from core.checks.base import CaptureContext, Check, Measured, Reference, add_note, tolerance
 from core.checks.behaviour.merge_tables import SUBSET_SEP, UNTIE, findings_table, save_table, subset_label
 from core.checks.outputs import forward_output, nonfinite_output
-from core.methods import adapter_keys, formulas, peft_path
+from core.methods import adapter_keys, formulas, peft_path, projections
 from core.models import merging
 from core.models.checkpoint import keeps_tensors, read_adapter_config, read_checkpoint
 from core.models.conversion import layer_of
@@ -89,10 +89,19 @@ class MergeCheck(Check):
             return
         adapter = loaded.adapter.name
         meta = out.meta.setdefault(self.name, {}).setdefault("adapters", {}).setdefault(adapter, {})
-        kind = adapter_keys.adapter_type(read_adapter_config(loaded.adapter))
+        config = read_adapter_config(loaded.adapter)
+        kind = adapter_keys.adapter_type(config)
         meta["kind"] = kind
+        mismatch = None
+        # the reference's regenerated shared projections must be this target's, or its merge is not compared
+        if projections.regenerated(kind, config):
+            layers = adapter_keys.adapted_modules(loaded.model)
+            mismatch = projections.loaded_mismatch(kind, config, layers, adapter, subject="merge")
         with torch.no_grad():
-            if kind in adapter_keys.ADAPTER_TYPES:
+            if mismatch:  # said in a note and a finding row (`findings_table`)
+                meta["not_covered"] = mismatch
+                out.notes.append(f"merge: {meta['not_covered']}")
+            elif kind in adapter_keys.ADAPTER_TYPES:
                 self._capture_adapter(ctx, loaded, out, meta)
             elif kind in adapter_keys.PROMPT_LEARNING:  # said in a note and a finding row (`findings_table`)
                 meta["does_not_apply"] = (
@@ -337,7 +346,8 @@ class MergeCheck(Check):
             def adapter_files(name: str) -> tuple[dict, dict]:
                 if name not in cache:
                     a = by_name[name]
-                    cache[name] = (read_adapter_config(a), read_checkpoint(a.path, prefix="adapter_model"))
+                    # with VeRA's and RandLoRA's shared pair regenerated where it was not saved
+                    cache[name] = merging.adapter_files(a, spec.base.path)
                 return cache[name]
 
             merged_cache: dict[str, dict[str, torch.Tensor]] = {}

@@ -345,8 +345,8 @@ def _vera_delta(
     if "vera_A" not in mod.keys or "vera_B" not in mod.keys:
         raise ValueError(
             f"module {mod.module}: the adapter file holds no vera_A/vera_B (saved with "
-            "save_projection=False: PEFT regenerates them from projection_prng_key), so reference_deltas "
-            "cannot compute its ΔW"
+            "save_projection=False: PEFT regenerates them from projection_prng_key); add them with "
+            "core.methods.projections.regenerate (core.models.merging.adapter_files does)"
         )
     proj_a, proj_b = _need(mod, "vera_A", tensors), _need(mod, "vera_B", tensors)
     lambda_b, lambda_d = _need(mod, "vera_lambda_b", tensors), _need(mod, "vera_lambda_d", tensors)

@@ -91,7 +91,7 @@ def randlora_delta(
 
     The shared random bases A (r, 1, ≥m) and B (≥M, ≥n, r), m = min(in, out) and M = max(in, out), are
     saved in the adapter file (save_projection=True, PEFT's default; each module's copy and the top-level
-    pair). The trained λ (r, n) and γ (n, m) scale A: Ā[f, j] = λ[k, b]·A[k, 0, j]·γ[b, j] with
+    pair) or regenerated as PEFT does (`core.methods.projections`). The trained λ (r, n) and γ (n, m) scale A: Ā[f, j] = λ[k, b]·A[k, 0, j]·γ[b, j] with
     (k, b) = divmod(f, n), while B̄[:, f] = B[:, b', k'] with (b', k') = divmod(f, r): PEFT flattens the
     scaled A rank-major and B basis-major, and pairs them by the flat index f. The product B̄Ā is
     (M, m): ΔW when in ≤ out, its transpose otherwise.
@@ -99,8 +99,8 @@ def randlora_delta(
     if "randlora_A" not in mod.keys or "randlora_B" not in mod.keys:
         raise ValueError(
             f"module {mod.module}: the adapter file holds no randlora_A/randlora_B (saved with "
-            "save_projection=False: PEFT regenerates them from projection_prng_key, in whichever half "
-            "precision the machine has), so reference_deltas cannot compute its ΔW"
+            "save_projection=False: PEFT regenerates them from projection_prng_key); add them with "
+            "core.methods.projections.regenerate (core.models.merging.adapter_files does)"
         )
     lam, gamma = _need(mod, "randlora_lambda", tensors), _need(mod, "randlora_gamma", tensors)
     base_a, base_b = _need(mod, "randlora_A", tensors), _need(mod, "randlora_B", tensors)

@@ -225,3 +225,16 @@ def read_loaded(folder: str | Path, names: Iterable[str]) -> dict[str, torch.Ten
     checkpoint = Checkpoint.open(folder)
     conversion = for_folder(folder, checkpoint)
     return {name: conversion.read(checkpoint, name) for name in names if conversion.sources(name)}
+
+
+def loaded_shapes(folder: str | Path, names: Iterable[str]) -> dict[str, tuple[int, ...]]:
+    """The shapes of the base checkpoint's tensors for the loaded names `names` (those it provides), as
+    transformers builds them on load, from the files' headers: no tensor is read."""
+    checkpoint = Checkpoint.open(folder)
+    shapes = for_folder(folder, checkpoint).loaded_shapes()
+    # a conversion that knows no shapes (an architecture built without transformers): the file's own
+    return {
+        n: shapes[n] if n in shapes else checkpoint.info(n).shape
+        for n in names
+        if n in shapes or n in checkpoint
+    }

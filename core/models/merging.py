@@ -16,7 +16,7 @@ import os
 import secrets
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,9 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from core.methods import adapter_keys, formulas
+from core.methods import adapter_keys, formulas, projections
 from core.models import targets
 from core.models.checkpoint import Checkpoint, adapters_task_type, read_adapter_config, read_checkpoint
+from core.models.conversion import loaded_shapes
 from core.models.validate import TIED_EMBEDDING_NAMES
 from core.numerics.tolerance import ulp
 from core.spec import AdapterRef, ProbeSpec, Target
@@ -532,7 +533,7 @@ def module_reference(
         )
     by_name = {a.name: a for a in spec.adapters}
     try:
-        files = [_module_files(by_name[a], name) for a in adapters]
+        files = [_module_files(by_name[a], name, spec.base.path) for a in adapters]
         files = [f for f in files if f[1]]  # an adapter of a subset that leaves this module alone
         if not files:
             return None, ""
@@ -556,16 +557,42 @@ def module_reference(
     )
 
 
-def _module_files(adapter: AdapterRef, module: str) -> tuple[dict, dict[str, torch.Tensor]]:
+def _module_files(adapter: AdapterRef, module: str, base: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """The adapter's config and the tensors of `module` in its file (the shared ones included), by the
-    file's index: only their bytes are read."""
+    file's index: only their bytes are read (`adapter_files`)."""
+    return adapter_files(adapter, base, {module})
+
+
+def adapter_files(
+    adapter: AdapterRef, base: str, modules: Collection[str] | None = None
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The adapter's config and its file's tensors (those of `modules` alone, shared ones included, where
+    given),
+    as the float64 formulas read them: with VeRA's or RandLoRA's shared pair regenerated from the config
+    where the file lacks it (``save_projection=False``), sized by the shapes of the base weights (folder
+    `base`, headers only) of every module the adapter adapts, as PEFT sizes it."""
     config = read_adapter_config(adapter)
-    modules = adapter_keys.adapter_module_keys(
-        dict.fromkeys(Checkpoint.open(adapter.path, prefix="adapter_model").names()),
-        adapter_keys.saved_module_names(config),
-    )
-    names = set(modules[module].keys.values()) if module in modules else set()
-    return config, read_checkpoint(adapter.path, prefix="adapter_model", names=names) if names else {}
+    index = dict.fromkeys(Checkpoint.open(adapter.path, prefix="adapter_model").names())
+    kind = adapter_keys.adapter_type(config)
+    shared: dict[str, torch.Tensor] = {}
+    if projections.unsaved(kind, config, index):
+        adapted = adapter_keys.adapter_module_keys(index, adapter_keys.saved_module_names(config))
+        shapes = loaded_shapes(base, {f"{m}.weight" for m in adapted})
+        missing = sorted(m for m in adapted if f"{m}.weight" not in shapes)
+        if missing:  # a size from a subset of the modules would draw other numbers, not fewer
+            raise ValueError(f"{kind}: the base has no weight for {', '.join(missing[:3])}")
+        shared = projections.regenerate(kind, config, shapes.values())
+        index.update(dict.fromkeys(shared))
+    if modules is None:
+        names = set(index)
+    else:
+        by_module = adapter_keys.adapter_module_keys(index, adapter_keys.saved_module_names(config))
+        names = {t for m in modules if m in by_module for t in by_module[m].keys.values()}
+    names -= set(shared)
+    tensors = read_checkpoint(adapter.path, prefix="adapter_model", names=names) if names else {}
+    if tensors:
+        tensors.update(shared)
+    return config, tensors
 
 
 def with_tied_aliases(spec: ProbeSpec, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
