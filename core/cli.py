@@ -521,10 +521,13 @@ def execute(args, plan=None, after=None) -> int:
     """
     from core.engine.jobs import Engine
     from core.engine.ray_runner import make_runner
-    from core.engine.runners import InProcessRunner
+    from core.engine.runners import FRESH_SPARES, InProcessRunner
 
     runner = InProcessRunner() if args.in_process else make_runner(args.runner, args.ray_address)
-    runner.warm()  # the fork server imports the libraries while this process checks the inputs
+    # the fork server imports the libraries while this process reads the inputs, and so do fresh
+    # interpreters for the memory timelines a run of the memory check will have
+    checks = getattr(args, "check", None) or ()
+    runner.warm(FRESH_SPARES if "memory" in checks else 0)
     try:
         return _run_and_report(args, Engine, runner, plan, after)
     finally:

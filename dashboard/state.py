@@ -18,7 +18,7 @@ import pandas as pd
 import streamlit as st
 
 from core.engine.jobs import Engine
-from core.engine.runners import InProcessRunner, ProcessRunner, Runner
+from core.engine.runners import FRESH_SPARES, InProcessRunner, ProcessRunner, Runner
 from core.engine.store import ACTIVE_STATES, RunRecord, Store, StoreError, table_problem
 from core.engine.store import metrics_table as rows_table
 from core.spec import ProbeSpec, SpecError, weightdrift_home
@@ -38,7 +38,12 @@ def home() -> Path:
 def _engine(home_dir: str, runner: str) -> Engine:
     in_process = runner == "in-process"
     # the fork server imports the libraries once, with the server: every Run's tasks start warm
-    made = Engine(Path(home_dir), runner=InProcessRunner() if in_process else ProcessRunner(), warm=True)
+    made = Engine(
+        Path(home_dir),
+        runner=InProcessRunner() if in_process else ProcessRunner(),
+        warm=True,
+        fresh=0 if in_process else FRESH_SPARES,
+    )
     # When the server stops (Ctrl-C, SIGTERM, and SIGHUP under `python -m dashboard`), its jobs are
     # cancelled and marked so, and no worker outlives it.
     atexit.register(made.shutdown, "cancelled: the dashboard server stopped")

@@ -453,12 +453,21 @@ def test_tables_have_the_required_columns_first():
     assert list(timeline["requested"]) == [False, True, False, False, True]
 
 
-def test_rss_timeline_of_a_fresh_worker_process_is_real(tmp_path, demo_workspace):
+@pytest.mark.parametrize("spare", [False, True], ids=["spawned with its task", "a warm runner's spare"])
+def test_rss_timeline_of_a_fresh_worker_process_is_real(tmp_path, demo_workspace, spare):
     """A real `python -m core.engine.worker` process: process start and import torch come from the worker,
-    and after the base load RSS exceeds the process-start figure by at least the model's bytes."""
+    and after the base load RSS exceeds the process-start figure by at least the model's bytes. The same
+    where the timeline's interpreter was started by `warm` before the run and imported ahead."""
     from core.engine.runners import ProcessRunner
 
-    record, snap = run_memory(tmp_path, memory_spec(demo_workspace, []), ProcessRunner())
+    runner = ProcessRunner()
+    if spare:
+        runner.warm(fresh=1)
+        (waiting,) = runner._spares
+    record, snap = run_memory(tmp_path, memory_spec(demo_workspace, []), runner)
+    if spare:  # the timeline ran in the spare: it took the task and ended
+        assert not runner._spares and waiting.wait(60) == 0
+    runner.kill_all()
     assert set(snap["tasks"]) == {"cpu/float32 · memory", "compare"}
     timeline = record.table("memory_timeline").sort_values("order")
     assert list(timeline["stage"]) == memory.stage_names([])

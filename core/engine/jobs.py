@@ -90,7 +90,7 @@ def task_lanes(
         target = Target.parse(task.target)
         lane = target.device if target.node is None else f"{target.node}/{target.device}"
         if small and target.node is None and target.device == "cpu":
-            if not task.imports_ahead:
+            if task.fresh_process:
                 lane, fresh = f"cpu · fresh {fresh % cpus}", fresh + 1
             else:
                 lane = f"cpu · {task.target}"
@@ -191,18 +191,24 @@ class Engine:
     """Accepts specs, runs them as jobs in background threads, keeps them in the store."""
 
     def __init__(
-        self, home: Path, runner: Runner | None = None, devices: list | None = None, warm: bool = False
+        self,
+        home: Path,
+        runner: Runner | None = None,
+        devices: list | None = None,
+        warm: bool = False,
+        fresh: int = 0,
     ):
         """`warm`: the runner gets ready for the next job now and again after each job ends (the process
-        runner's fork server), so that a run's first target starts without waiting for its imports."""
+        runner's fork server), so that a run's first target starts without waiting for its imports;
+        `fresh`: with that many spare interpreters for memory timelines (`FRESH_SPARES`)."""
         from core.models.targets import discover_devices
 
         self.store = Store(home)
         self.store.sweep()  # what killed processes left behind
         self.runner = runner or ProcessRunner()
-        self.warm = warm
+        self.warm, self.fresh = warm, fresh
         if warm:
-            self.runner.warm()
+            self.runner.warm(fresh)
         if devices is None:
             devices = self.runner.devices()  # a runner of other machines knows theirs (ray_runner)
         self.devices = devices if devices is not None else discover_devices()
@@ -528,7 +534,7 @@ class Engine:
             with groups_lock:
                 due = [g for g in groups if not g.started and task.label in g.needs and ready(g, task.label)]
             for group in due:
-                if group.task.imports_ahead and not job.cancel_event.is_set():
+                if not job.cancel_event.is_set():
                     job.runner.prepare(group.task, self._log_path(job, group.task))
 
         def ended_ok(task: Task) -> None:
@@ -565,15 +571,13 @@ class Engine:
                         ended[task.label].set()
                         continue
                     # Once this task's worker is at work, the next one (or, after the last, the compare
-                    # task's) is started, so its imports overlap this task. Not a memory timeline's:
-                    # its process must start when its task does.
+                    # task's) is started, so its imports overlap this task (a memory timeline's fresh
+                    # interpreter imports what its task would before its samples: `preimport_fresh`).
                     following = tasks[i + 1] if i + 1 < len(tasks) else compare
-                    if not following.imports_ahead:
-                        following = None
 
                     def prepare(task=task, following=following) -> None:
                         starting(task)  # first: a partial compare due now brings a page its rows
-                        if following is not None and not job.cancel_event.is_set():
+                        if not job.cancel_event.is_set():
                             job.runner.prepare(following, self._log_path(job, following))
 
                     outcome = self._run_task(job, task, on_start=prepare)
@@ -583,7 +587,7 @@ class Engine:
                 elif not outcome.cancelled and not self._reference_only(job, task):
                     job.cancel_event.set()  # one failed target fails the job: stop the others early
                 ended[task.label].set()
-                if following is not None and job.cancel_event.is_set():
+                if job.cancel_event.is_set():
                     job.runner.discard(following)
 
         threads = [
@@ -637,5 +641,5 @@ class Engine:
             others = [j for j in self._jobs.values() if j is not job and not j.done_event.is_set()]
             if self.warm and not others:
                 with contextlib.suppress(OSError):  # not ready is no error: the next run starts its own
-                    self.runner.warm()  # a fork server that stopped starts again, for the next job
+                    self.runner.warm(self.fresh)  # a fork server that stopped starts again, for the next job
             job.done_event.set()

@@ -31,6 +31,7 @@ from core.engine.worker import (
     EXIT_CANCELLED,
     FORK_SERVER_ARG,
     PREIMPORT_ENV,
+    PREIMPORT_FRESH,
     Cancelled,
     Task,
     run_task,
@@ -38,6 +39,10 @@ from core.engine.worker import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# Fresh interpreters a warm runner keeps for a run's memory timelines (`warm(fresh=...)`): a run's
+# first two (the demo's two CPU targets, or two lanes of a 2-core machine) start imported; others
+# start their own, ahead of their task. Each idle one holds its imports' memory (0.54 GB RSS here).
+FRESH_SPARES = 2
 # How much lower a memory timeline's CPU priority is than other tasks' (nice(2) steps: 10 of 19)
 MEMORY_TIMELINE_NICENESS = 10
 # fork needs Linux here: pidfds to reap, /proc to count threads, SCM_RIGHTS to hand a task its pipes
@@ -83,9 +88,10 @@ class Runner(ABC):
         """The devices targets may name where this runner runs them; None: this machine's."""
         return None
 
-    def warm(self) -> None:
+    def warm(self, fresh: int = 0) -> None:
         """Get ready for whatever task comes next (the process runner starts its fork server now, so
-        that its imports overlap what the caller does before its first task)."""
+        that its imports overlap what the caller does before its first task, and up to `fresh` spare
+        interpreters for memory timelines: `FRESH_SPARES`)."""
         return None
 
     def validate_inputs(self, spec) -> bool:
@@ -134,11 +140,13 @@ def tail(path: Path, lines: int = 12) -> str:
     return "\n".join(text.rstrip().splitlines()[-lines:])
 
 
-def worker_env(preimport: bool) -> dict[str, str]:
-    """The environment of a worker process: this one's, the package on its path, output unbuffered."""
+def worker_env(preimport: bool, fresh: bool = False) -> dict[str, str]:
+    """The environment of a worker process: this one's, the package on its path, output unbuffered.
+    `preimport`: it imports what every task needs before its task comes; `fresh`: what a memory
+    timeline's task imports (`core.engine.worker.preimport_fresh`)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-    env[PREIMPORT_ENV] = "1" if preimport else ""
+    env[PREIMPORT_ENV] = PREIMPORT_FRESH if fresh else "1" if preimport else ""
     # OpenMP's threads spin between parallel regions by default; when other processes hold the cores
     # (a small model's tasks run beside each other), a small model's every region then waits a
     # scheduler slice for its descheduled thread. `python -m bench.wait_policy` (docs/workers.md): a
@@ -324,12 +332,15 @@ class ProcessRunner(Runner):
         self._server: ForkServer | None = None
         self._prepared: dict[tuple[str, str], subprocess.Popen | ForkedProcess] = {}
         self._live: set = set()  # every task's process started and not yet reaped
+        # fresh interpreters started by `warm` for memory timelines to come, importing meanwhile
+        self._spares: list[subprocess.Popen] = []
         self._lock = threading.Lock()
         self._live_lock = threading.Lock()  # apart: _start runs under _lock in prepare
 
     def kill_all(self) -> None:
         with self._lock:
             self._prepared.clear()
+            self._spares.clear()  # tracked: killed below
             server, self._server = self._server, None
         with self._live_lock:
             procs = list(self._live)
@@ -342,9 +353,12 @@ class ProcessRunner(Runner):
         if server is not None:
             server.stop()
 
-    def warm(self) -> None:
+    def warm(self, fresh: int = 0) -> None:
         with self._lock:
             self._fork_server(restart=True)
+            self._spares = [p for p in self._spares if p.poll() is None]
+            while len(self._spares) < fresh:
+                self._spares.append(self._spawn_fresh(subprocess.DEVNULL))
 
     def validate_inputs(self, spec) -> bool:
         # The checks build the model's class from its config and read the adapters' configs: transformers
@@ -404,7 +418,13 @@ class ProcessRunner(Runner):
     def _start(self, task: Task, log_path: Path) -> subprocess.Popen | ForkedProcess:
         """`task`'s process: forked where it may be (not a memory timeline's: its process must start with
         its task), else spawned (and its log says why when the fork server could not serve); under _lock."""
-        if task.imports_ahead and self.forks:
+        if task.fresh_process:
+            while self._spares:  # one `warm` started, if it is still alive
+                spare = self._spares.pop(0)
+                if spare.poll() is None:
+                    return spare
+            return self._spawn(task, log_path)
+        if self.forks:
             server = self._fork_server(restart=False)
             proc = server.fork(worker_env(False)) if server is not None else None
             if proc is not None:
@@ -416,6 +436,9 @@ class ProcessRunner(Runner):
     def _spawn(self, task: Task, log_path: Path) -> subprocess.Popen:
         """A fresh `python -m core.engine.worker`; its stderr goes to `log_path`."""
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        if task.fresh_process:
+            with open(log_path, "ab") as log:
+                return self._spawn_fresh(log)
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
                 [self.python, "-m", "core.engine.worker"],
@@ -423,14 +446,28 @@ class ProcessRunner(Runner):
                 stdout=subprocess.PIPE,
                 stderr=log,
                 cwd=str(REPO_ROOT),
-                env=worker_env(task.imports_ahead),
+                env=worker_env(True),
                 start_new_session=True,  # a Ctrl-C in the terminal goes to us, not straight to workers
             )
-        if not task.imports_ahead:
-            # A memory timeline measures memory, not time, and may run beside other tasks (the
-            # engine's lanes): those keep the CPU first. Its samples do not depend on it.
-            with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, proc.pid, MEMORY_TIMELINE_NICENESS)
+        self._track(proc)
+        return proc
+
+    def _spawn_fresh(self, stderr) -> subprocess.Popen:
+        """A memory timeline's fresh interpreter: it samples itself at its start and after importing torch,
+        imports what its task will (`preimport_fresh`) and waits for it (a spare learns its log with it)."""
+        proc = subprocess.Popen(
+            [self.python, "-m", "core.engine.worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            cwd=str(REPO_ROOT),
+            env=worker_env(False, fresh=True),
+            start_new_session=True,
+        )
+        # A memory timeline measures memory, not time, and may run beside other tasks (the engine's
+        # lanes): those keep the CPU first. Its samples do not depend on it.
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, proc.pid, MEMORY_TIMELINE_NICENESS)
         self._track(proc)
         return proc
 

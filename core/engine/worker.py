@@ -25,8 +25,10 @@ Event = dict[str, Any]
 Emit = Callable[[Event], None]
 
 # Set by the process runner for a worker started ahead of its task: import the libraries before
-# waiting for the task, so that the import overlaps the task before it.
+# waiting for the task, so that the import overlaps the task before it. PREIMPORT_FRESH: a memory
+# timeline's fresh interpreter, which imports only what its task would before its next sample.
 PREIMPORT_ENV = "WEIGHTDRIFT_PREIMPORT"
+PREIMPORT_FRESH = "fresh"
 
 # `python -m core.engine.worker --fork-server FD`: the fork server, on the UNIX socket FD.
 FORK_SERVER_ARG = "--fork-server"
@@ -64,10 +66,10 @@ class Task:
         return self.checks[0] if self.variant is not None else None
 
     @property
-    def imports_ahead(self) -> bool:
-        """Whether its worker may start, and import its libraries, before the task comes: not a memory
-        timeline's, which measures what those imports cost from its process's start."""
-        return self.own_check != "memory"
+    def fresh_process(self) -> bool:
+        """Whether it runs in a fresh interpreter of its own, not forked from one that imported the
+        libraries: a memory timeline's, which measures what those imports cost from its process's start."""
+        return self.own_check == "memory"
 
     @property
     def partial(self) -> bool:
@@ -318,7 +320,10 @@ def main() -> int:
     import torch  # noqa: F401  (imported here so the memory timeline can say what importing it costs)
 
     sample_process("import torch")
-    if os.environ.get(PREIMPORT_ENV):
+    ahead = os.environ.get(PREIMPORT_ENV)
+    if ahead == PREIMPORT_FRESH:
+        preimport_fresh()
+    elif ahead:
         preimport()
     return serve_task()
 
@@ -368,6 +373,22 @@ def serve_task() -> int:
         return EXIT_CRASH
     emit({"type": "done"})
     return EXIT_OK
+
+
+def preimport_fresh() -> None:
+    """What a memory timeline's task imports between its `import torch` sample and its `import libs`
+    one (`run_capture`'s modules, the memory check's libraries), done while its fresh interpreter waits
+    for its task: the same imports in the same process, so the same samples, the import sooner. Not
+    `preimport`'s kernel call, which the task does not make."""
+    import peft  # noqa: F401
+    import transformers  # noqa: F401
+
+    import core.capture  # noqa: F401
+    import core.checks  # noqa: F401
+    import core.models.checkpoint  # noqa: F401
+    import core.models.loading  # noqa: F401
+    import core.models.probes  # noqa: F401
+    import core.models.targets  # noqa: F401
 
 
 def preimport(fork_safe: bool = False) -> None:
