@@ -74,7 +74,8 @@ def test_devices_run_in_parallel_and_one_device_is_serialised(tmp_path, demo_wor
 
 
 def test_a_small_models_lanes(demo_workspace):
-    """Per target on the CPU, the reference after the first pass, memory timelines in lanes of their own;
+    """Per target on the CPU, the reference after the first pass, memory timelines in lanes of their own (each
+    lane's first after the first pass too);
     on a GPU, one lane; not small: one lane per device."""
     from core.engine.jobs import task_lanes
     from core.engine.worker import Task
@@ -107,7 +108,9 @@ def test_a_small_models_lanes(demo_workspace):
         "cpu · fresh 0": ["cpu/float32 · memory:a", "cpu/bfloat16 · memory:a"],
         "cpu · fresh 1": ["cpu/float32 · memory:b", "cpu/bfloat16 · memory:b"],
     }
-    assert after == {"cpu/float64": ["cpu/float32 · weights", "cpu/bfloat16 · weights"]}
+    first = ["cpu/float32 · weights", "cpu/bfloat16 · weights"]
+    # the reference and each memory lane's first timeline wait for the first pass (the first page's rows)
+    assert after == {"cpu/float64": first, "cpu/float32 · memory:a": first, "cpu/float32 · memory:b": first}
     lanes, after = task_lanes(tasks, spec, small=False, cpus=2)
     assert list(lanes) == ["cpu"] and lanes["cpu"] == tasks and after == {}
 

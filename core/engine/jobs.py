@@ -80,7 +80,8 @@ def task_lanes(
     (its passes join one capture, in order), the reference's task waits for the first pass (whose rows
     fill the first page), and the memory timelines (fresh interpreters, mostly importing libraries,
     each sampling its own process) take `cpus` lanes of their own, at a lower CPU priority
-    (`ProcessRunner`).
+    (`ProcessRunner`), and wait for the first pass too: interpreters a warm runner kept have imported
+    already, and would otherwise take the cores from the first page's rows.
     """
     lanes: dict[str, list[Task]] = {}
     after: dict[str, list[str]] = {}
@@ -92,6 +93,8 @@ def task_lanes(
         if small and target.node is None and target.device == "cpu":
             if task.fresh_process:
                 lane, fresh = f"cpu · fresh {fresh % cpus}", fresh + 1
+                if fresh <= cpus and first_pass:  # a lane's first: the others follow it
+                    after[task.label] = first_pass
             else:
                 lane = f"cpu · {task.target}"
                 if task.target == str(spec.reference) and spec.reference not in spec.targets:
