@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -43,6 +44,10 @@ def test_page_on_an_empty_store_offers_the_scenarios(tmp_path, monkeypatch):
     at.switch_page(PAGE).run()
     no_exceptions(at)
     assert "No runs" in texts(at)
+    # its one chart is the hidden empty one that gets the browser's chart component ready before a run
+    (chart,) = at.get("plotly_chart")
+    assert json.loads(chart.proto.spec)["data"] == []
+    assert any(".st-key-chart-ahead { display: none; }" in h.proto.body for h in at.get("html"))
     titles = {b.label for b in at.button if b.key and b.key.startswith("scenario.")}
     assert {
         "loop with from_pretrained over LoRA + PiSSA adapters",
