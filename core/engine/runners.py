@@ -358,7 +358,7 @@ class ProcessRunner(Runner):
             self._fork_server(restart=True)
             self._spares = [p for p in self._spares if p.poll() is None]
             while len(self._spares) < fresh:
-                self._spares.append(self._spawn_fresh(subprocess.DEVNULL))
+                self._spares.append(self._spawn_worker(subprocess.DEVNULL, fresh=True))
 
     def validate_inputs(self, spec) -> bool:
         # The checks build the model's class from its config and read the adapters' configs: transformers
@@ -434,26 +434,14 @@ class ProcessRunner(Runner):
         return self._spawn(task, log_path)
 
     def _spawn(self, task: Task, log_path: Path) -> subprocess.Popen:
-        """A fresh `python -m core.engine.worker`; its stderr goes to `log_path`."""
+        """A fresh `python -m core.engine.worker` for `task`; its stderr goes to `log_path`."""
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        if task.fresh_process:
-            with open(log_path, "ab") as log:
-                return self._spawn_fresh(log)
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen(
-                [self.python, "-m", "core.engine.worker"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                cwd=str(REPO_ROOT),
-                env=worker_env(True),
-                start_new_session=True,  # a Ctrl-C in the terminal goes to us, not straight to workers
-            )
-        self._track(proc)
-        return proc
+            return self._spawn_worker(log, fresh=task.fresh_process)
 
-    def _spawn_fresh(self, stderr) -> subprocess.Popen:
-        """A memory timeline's fresh interpreter: it samples itself at its start and after importing torch,
+    def _spawn_worker(self, stderr, fresh: bool) -> subprocess.Popen:
+        """A fresh `python -m core.engine.worker`, importing ahead what its task will need. `fresh`: a
+        memory timeline's interpreter, which samples itself at its start and after importing torch,
         imports what its task will (`preimport_fresh`) and waits for it (a spare learns its log with it)."""
         proc = subprocess.Popen(
             [self.python, "-m", "core.engine.worker"],
@@ -461,13 +449,14 @@ class ProcessRunner(Runner):
             stdout=subprocess.PIPE,
             stderr=stderr,
             cwd=str(REPO_ROOT),
-            env=worker_env(False, fresh=True),
-            start_new_session=True,
+            env=worker_env(not fresh, fresh=fresh),
+            start_new_session=True,  # a Ctrl-C in the terminal goes to us, not straight to workers
         )
-        # A memory timeline measures memory, not time, and may run beside other tasks (the engine's
-        # lanes): those keep the CPU first. Its samples do not depend on it.
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, proc.pid, MEMORY_TIMELINE_NICENESS)
+        if fresh:
+            # A memory timeline measures memory, not time, and may run beside other tasks (the engine's
+            # lanes): those keep the CPU first. Its samples do not depend on it.
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, proc.pid, MEMORY_TIMELINE_NICENESS)
         self._track(proc)
         return proc
 

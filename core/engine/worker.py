@@ -400,13 +400,8 @@ def preimport(fork_safe: bool = False) -> None:
     serial passes run (numba's OpenMP layer, once launched, stops a forked process at its first
     parallel pass; a task loads the parallel passes from numba's cache itself, ~0.1 s), and torch
     sees only tensors too small for its OpenMP pool."""
-    import peft  # noqa: F401
-    import transformers  # noqa: F401
-
-    import core.capture  # noqa: F401
-    import core.checks  # noqa: F401
-    import core.engine.store  # noqa: F401
-    import core.models.loading  # noqa: F401
+    preimport_fresh()  # the libraries and the capture's modules
+    import core.engine.store  # noqa: F401  (a compare's)
     from core.numerics import kernel, metrics
 
     if kernel.available():
