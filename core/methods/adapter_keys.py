@@ -280,6 +280,17 @@ def _need(mod: AdapterModule, param: str, tensors: Mapping[str, torch.Tensor]) -
     return tensors[key].detach().to(device="cpu", dtype=torch.float64)
 
 
+def _need_projections(mod: AdapterModule, method: str) -> None:
+    """VeRA's and RandLoRA's shared random pair (`{method}_A`, `{method}_B`) must be among the module's
+    tensors: saved in the file, or added by the regeneration."""
+    if f"{method}_A" not in mod.keys or f"{method}_B" not in mod.keys:
+        raise ValueError(
+            f"module {mod.module}: the adapter file holds no {method}_A/{method}_B (saved with "
+            "save_projection=False: PEFT regenerates them from projection_prng_key); add them with "
+            "core.methods.projections.regenerate (core.models.merging.adapter_files does)"
+        )
+
+
 def _base_weight(mod: AdapterModule, base_weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The float64 base weight of ``mod``, or a ValueError saying the adapter does not fit this base."""
     key = mod.module + ".weight"

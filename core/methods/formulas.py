@@ -35,6 +35,7 @@ from core.methods.adapter_keys import (
     _ia3_is_feedforward,
     _lora_rank_and_scaling,
     _need,
+    _need_projections,
     _no_fan_in_fan_out,
     _pattern_value,
     _t,
@@ -342,12 +343,7 @@ def _vera_delta(
     A (r, ≥in) and B (≥out, r) are the random projections all modules share, sliced to this module;
     λb (out) and λd (r) are its own trained vectors, scaling B's rows and A's rows.
     """
-    if "vera_A" not in mod.keys or "vera_B" not in mod.keys:
-        raise ValueError(
-            f"module {mod.module}: the adapter file holds no vera_A/vera_B (saved with "
-            "save_projection=False: PEFT regenerates them from projection_prng_key); add them with "
-            "core.methods.projections.regenerate (core.models.merging.adapter_files does)"
-        )
+    _need_projections(mod, "vera")
     proj_a, proj_b = _need(mod, "vera_A", tensors), _need(mod, "vera_B", tensors)
     lambda_b, lambda_d = _need(mod, "vera_lambda_b", tensors), _need(mod, "vera_lambda_d", tensors)
     fifo = bool(config.get("fan_in_fan_out"))

@@ -15,7 +15,14 @@ from typing import Any
 
 import torch
 
-from core.methods.adapter_keys import AdapterModule, _check_shape, _need, _pattern_value, _t
+from core.methods.adapter_keys import (
+    AdapterModule,
+    _check_shape,
+    _need,
+    _need_projections,
+    _pattern_value,
+    _t,
+)
 
 
 def _rank(config: Mapping[str, Any], module: str, default: int = 8) -> int:
@@ -96,12 +103,7 @@ def randlora_delta(
     scaled A rank-major and B basis-major, and pairs them by the flat index f. The product B̄Ā is
     (M, m): ΔW when in ≤ out, its transpose otherwise.
     """
-    if "randlora_A" not in mod.keys or "randlora_B" not in mod.keys:
-        raise ValueError(
-            f"module {mod.module}: the adapter file holds no randlora_A/randlora_B (saved with "
-            "save_projection=False: PEFT regenerates them from projection_prng_key); add them with "
-            "core.methods.projections.regenerate (core.models.merging.adapter_files does)"
-        )
+    _need_projections(mod, "randlora")
     lam, gamma = _need(mod, "randlora_lambda", tensors), _need(mod, "randlora_gamma", tensors)
     base_a, base_b = _need(mod, "randlora_A", tensors), _need(mod, "randlora_B", tensors)
     fifo = bool(config.get("fan_in_fan_out"))
