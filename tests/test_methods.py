@@ -120,7 +120,6 @@ def _configs() -> dict[str, tuple[str, object]]:
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """{"models": {"llama", "gpt2", "roberta"} → folder, "adapters": name → folder}, all made here, seeded."""
-    from peft import get_peft_model
 
     quiet()
     root = tmp_path_factory.mktemp("methods")
@@ -141,15 +140,7 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> dict:
     ).save_pretrained(models["roberta"])
     adapters = {}
     for seed, (name, (base, config)) in enumerate(_configs().items()):
-        torch.manual_seed(seed)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model = get_peft_model(_load(models[base], torch.float32), config)
-        generator = torch.Generator().manual_seed(100 + seed)
-        with torch.no_grad():  # every trained tensor random, at a scale where ΔW is a small part of W
-            for p in model.parameters():
-                if p.requires_grad:
-                    p.copy_(0.1 * torch.randn(p.shape, generator=generator))
+        model = _random_peft(models[base], config, seed, 100 + seed)
         if name == "adalora":
             key = f"{ADALORA_PRUNED}.lora_E.default"
             model.peft_config["default"].rank_pattern = {key: ADALORA_KEEP}
@@ -163,6 +154,23 @@ def _load(folder: Path, dtype: torch.dtype) -> torch.nn.Module:
 
     auto = AutoModel if folder.name == "roberta" else AutoModelForCausalLM
     return auto.from_pretrained(folder, dtype=dtype).eval()
+
+
+def _random_peft(base: Path, config, seed: int, fill_seed: int) -> torch.nn.Module:
+    """PEFT's `config` on the float32 model saved at `base` (made after `torch.manual_seed(seed)`), every
+    trained tensor then random from `fill_seed`, at a scale where ΔW is a small part of W."""
+    from peft import get_peft_model
+
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = get_peft_model(_load(base, torch.float32), config)
+    generator = torch.Generator().manual_seed(fill_seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.copy_(0.1 * torch.randn(p.shape, generator=generator))
+    return model
 
 
 def _peft(workspace: dict, name: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -480,7 +488,7 @@ def test_fourierft_and_shira_deltas_equal_the_formula_written_here(workspace: di
     holds; SHiRA: its values at its indices, a sparse tensor made dense. Core's float64 formulas (cosines and
     sines with the frequencies drawn anew from the seed; an index_put) against these, and PEFT's float32 ΔW
     against both."""
-    from peft import FourierFTConfig, ShiraConfig, get_peft_model, get_peft_model_state_dict
+    from peft import FourierFTConfig, ShiraConfig, get_peft_model_state_dict
 
     targets = ["q_proj", "down_proj"]
     config = (
@@ -488,15 +496,7 @@ def test_fourierft_and_shira_deltas_equal_the_formula_written_here(workspace: di
         if kind == "fourierft"
         else ShiraConfig(r=2, random_seed=3, target_modules=targets, init_weights=False)
     )
-    torch.manual_seed(5)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = get_peft_model(_load(workspace["models"]["llama"], torch.float32), config)
-    generator = torch.Generator().manual_seed(6)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.copy_(0.1 * torch.randn(p.shape, generator=generator))
+    model = _random_peft(workspace["models"]["llama"], config, 5, 6)
     tensors = get_peft_model_state_dict(model)
     saved = json.loads(json.dumps(model.peft_config["default"].to_dict(), default=list))
     base = {k: v.double() for k, v in load_file(workspace["models"]["llama"] / "model.safetensors").items()}
@@ -612,22 +612,13 @@ def test_hra_miss_randlora_and_delora_deltas_equal_peft_and_the_formula_written_
     most 48 products in another order (measured: at most 1.1e-15; HRA with Gram–Schmidt against a QR of
     a well-conditioned basis is no worse). PEFT's float32 ΔW within float32 rounding of it."""
     import peft
-    from peft import get_peft_model, get_peft_model_state_dict
+    from peft import get_peft_model_state_dict
 
     base_name, cls, kwargs = NEWER[name]
     targets = ["c_attn", "c_fc"] if base_name == "gpt2" else ["q_proj", "down_proj"]
-    torch.manual_seed(11)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = get_peft_model(
-            _load(workspace["models"][base_name], torch.float32),
-            getattr(peft, cls)(target_modules=targets, **kwargs),
-        )
-    generator = torch.Generator().manual_seed(12)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.copy_(0.1 * torch.randn(p.shape, generator=generator))
+    model = _random_peft(
+        workspace["models"][base_name], getattr(peft, cls)(target_modules=targets, **kwargs), 11, 12
+    )
     tensors = get_peft_model_state_dict(model)
     config = json.loads(json.dumps(model.peft_config["default"].to_dict(), default=str))
     base = {k: v.double() for k, v in load_file(workspace["models"][base_name] / "model.safetensors").items()}
@@ -672,22 +663,12 @@ PROJECTED = {
 def _projected(workspace: dict, name: str, save_projection: bool = True) -> torch.nn.Module:
     """PROJECTED[name] on its base in float32 (trained tensors random, seeded), a PeftModel."""
     import peft
-    from peft import get_peft_model
 
     base_name, cls, kwargs, targets = PROJECTED[name]
-    torch.manual_seed(13)
     config = getattr(peft, cls)(
         target_modules=targets, init_weights=False, save_projection=save_projection, **kwargs
     )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = get_peft_model(_load(workspace["models"][base_name], torch.float32), config)
-    generator = torch.Generator().manual_seed(14)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.copy_(0.1 * torch.randn(p.shape, generator=generator))
-    return model
+    return _random_peft(workspace["models"][base_name], config, 13, 14)
 
 
 @pytest.mark.parametrize("name", PROJECTED)

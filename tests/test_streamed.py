@@ -48,16 +48,19 @@ def _run(home, ws, keep: bool, monkeypatch) -> tuple:
     return record, record.metrics()
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, demo_workspace):
+def _kept_and_streamed(tmp_path_factory, name: str, run, ws) -> tuple:
+    """`run(home, ws, keep, monkeypatch)` with tensors kept, then streamed, in one home."""
     mp = pytest.MonkeyPatch()
     try:
-        home = tmp_path_factory.mktemp("streamed")
-        kept = _run(home, demo_workspace, True, mp)
-        sketched = _run(home, demo_workspace, False, mp)
+        home = tmp_path_factory.mktemp(name)
+        return run(home, ws, True, mp), run(home, ws, False, mp)
     finally:
         mp.undo()
-    return kept, sketched
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, demo_workspace):
+    return _kept_and_streamed(tmp_path_factory, "streamed", _run, demo_workspace)
 
 
 def _sorted(table: pd.DataFrame) -> pd.DataFrame:
@@ -178,14 +181,7 @@ def _merge_run(home, ws, keep: bool, monkeypatch):
 
 @pytest.fixture(scope="module")
 def merge_runs(tmp_path_factory, demo_workspace):
-    mp = pytest.MonkeyPatch()
-    try:
-        home = tmp_path_factory.mktemp("streamed-merge")
-        kept = _merge_run(home, demo_workspace, True, mp)
-        streamed = _merge_run(home, demo_workspace, False, mp)
-    finally:
-        mp.undo()
-    return kept, streamed
+    return _kept_and_streamed(tmp_path_factory, "streamed-merge", _merge_run, demo_workspace)
 
 
 def _merge_rows(record) -> pd.DataFrame:
