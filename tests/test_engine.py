@@ -74,7 +74,8 @@ def test_devices_run_in_parallel_and_one_device_is_serialised(tmp_path, demo_wor
 
 
 def test_a_small_models_lanes(demo_workspace):
-    """Per target on the CPU, the reference after the first pass, memory timelines in lanes of their own (each
+    """Per target on the CPU, the reference after the first pass, a target's own-worker tasks between its
+    first pass and the passes that wait for the reference, memory timelines in lanes of their own (each
     lane's first after the first pass too);
     on a GPU, one lane; not small: one lane per device."""
     from core.engine.jobs import task_lanes
@@ -100,8 +101,8 @@ def test_a_small_models_lanes(demo_workspace):
     assert {lane: [t.label for t in ts] for lane, ts in lanes.items()} == {
         "cpu · cpu/float32": [
             "cpu/float32 · weights",
-            "cpu/float32 · outputs",
             "cpu/float32 · adapters:isolated",
+            "cpu/float32 · outputs",
         ],
         "cpu · cpu/bfloat16": ["cpu/bfloat16 · weights", "cpu/bfloat16 · outputs"],
         "cpu · cpu/float64": ["cpu/float64"],

@@ -60,6 +60,90 @@ def test_a_forked_task_process_is_made_like_a_spawned_worker_and_dies_with_its_s
         server.stop()
 
 
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def _gone(pid: int, timeout: float = 30) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_spare_memory_interpreter_forks_the_fork_server_after_its_imports(tmp_path, demo_workspace):
+    """A warm runner that keeps a spare interpreter for a memory timeline forks its fork server from that
+    spare once it has imported the libraries, instead of importing them a second time in a server of
+    its own: the server is the spare's child, in a session of its own, at the runners' CPU priority (the
+    spare then lowers its own), with one thread; the spare's own timeline starts at its process start; the server's tasks give the same rows as a spawned server's;
+    `kill_all` kills it although it is not the runner's child."""
+    from core.engine.worker import MEMORY_TIMELINE_NICENESS
+    from core.models import memory
+
+    def spec(*checks):
+        models = demo_workspace["models"]
+        return ProbeSpec(
+            base=ModelRef(models["tiny-llama"]),
+            adapters=(AdapterRef(demo_workspace["adapters"]["lora"]["path"], "lora"),),
+            targets=(Target.parse("cpu/float32"),),
+            checks=checks,
+        )
+
+    runner = RecordingRunner()
+    runner.warm(fresh=1)
+    server, (host,) = runner._server, runner._spares
+    assert server.host is host and server.proc is None
+    deadline = time.monotonic() + 120
+    while server.pid is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.pid is not None and server.alive(), server.exit_text()
+    assert _parent(server.pid) == host.pid and os.getsid(server.pid) == server.pid
+    while (
+        os.getpriority(os.PRIO_PROCESS, host.pid) != MEMORY_TIMELINE_NICENESS and time.monotonic() < deadline
+    ):
+        time.sleep(0.05)
+    assert os.getpriority(os.PRIO_PROCESS, host.pid) == MEMORY_TIMELINE_NICENESS
+    assert os.getpriority(os.PRIO_PROCESS, server.pid) == os.getpriority(os.PRIO_PROCESS, 0)
+
+    engine = Engine(tmp_path / "hosted", runner=runner)
+    hosted = engine.submit(spec("weights", "deltas", "memory"))
+    assert hosted.wait(600) and hosted.state == "succeeded", hosted.error
+    forked = [p for p in runner.started if isinstance(p, ForkedProcess)]
+    assert forked and {p.threads for p in forked if p.pid is not None} == {1}
+    assert host in runner.started and host.wait(60) == 0  # the spare ran a memory timeline, then ended
+    record = engine.store.open(hosted.run_id)
+    timeline = record.table("memory_timeline")
+    rows = record.metrics()
+    for variant, stages in timeline.sort_values("order").groupby("variant")["stage"]:
+        assert list(stages)[:3] == [memory.PROCESS_START, memory.IMPORT_TORCH, memory.IMPORT_LIBS], variant
+    assert not rows["note"].str.contains("not a fresh", na=False).any()
+    assert server.alive()  # its host ended; the server goes on, for the next job
+    pid = server.pid
+    engine.shutdown("test over")
+    assert _gone(pid)
+
+    # the same checks from a server of its own: the same rows, bit for bit
+    plain = Engine(tmp_path / "plain", runner=ProcessRunner())
+    plain.runner.warm()
+    assert plain.runner._server.proc is not None
+    again = plain.submit(spec("weights", "deltas"))
+    assert again.wait(600) and again.state == "succeeded", again.error
+    plain.shutdown("test over")
+
+    def table(engine, job):
+        return engine.store.open(job.run_id).metrics().query("check != 'memory'").reset_index(drop=True)
+
+    # without memory's rows, nor the columns only they have (whose NaNs made numel float there)
+    expected = table(plain, again)
+    got = table(engine, hosted)[expected.columns].astype(expected.dtypes.to_dict())
+    assert_frame_equal(got, expected, check_exact=True)
+
+
 @pytest.fixture(scope="module")
 def wide_model(tmp_path_factory):
     """A one-layer Llama wide enough that the kernel's parallel passes (embeddings, projections

@@ -77,8 +77,9 @@ def task_lanes(
     A lane is a device (cuda:0 of two Ray nodes are two devices): one model in its memory at a time.
     A small model (`small`: up to CAPTURE_PASSES_UP_TO, run in worker processes) on the CPU is held
     by several processes at once, each with its numerics of its own: each target's tasks form a lane
-    (its passes join one capture, in order), the reference's task waits for the first pass (whose rows
-    fill the first page), and the memory timelines (fresh interpreters, mostly importing libraries,
+    (its passes join one capture, in order; its own-worker tasks, which need no reference, between its
+    first pass and the passes that wait for the reference, instead of at the run's end), the
+    reference's task waits for the first pass (whose rows fill the first page), and the memory timelines (fresh interpreters, mostly importing libraries,
     each sampling its own process) take `cpus` lanes of their own, at a lower CPU priority
     (`ProcessRunner`), and wait for the first pass too: interpreters a warm runner kept have imported
     already, and would otherwise take the cores from the first page's rows.
@@ -100,6 +101,9 @@ def task_lanes(
                 if task.target == str(spec.reference) and spec.reference not in spec.targets:
                     after[task.label] = first_pass
         lanes.setdefault(lane, []).append(task)
+    for label, lane_tasks in lanes.items():
+        if small and label.startswith("cpu · ") and not label.startswith("cpu · fresh"):
+            lane_tasks.sort(key=lambda t: 0 if t.label in first_pass else 1 if t.variant is not None else 2)
     return lanes, after
 
 

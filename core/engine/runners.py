@@ -30,6 +30,8 @@ from typing import Any
 from core.engine.worker import (
     EXIT_CANCELLED,
     FORK_SERVER_ARG,
+    HOSTS_FORK_SERVER_ENV,
+    MEMORY_TIMELINE_NICENESS,
     PREIMPORT_ENV,
     PREIMPORT_FRESH,
     Cancelled,
@@ -43,8 +45,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 # first two (the demo's two CPU targets, or two lanes of a 2-core machine) start imported; others
 # start their own, ahead of their task. Each idle one holds its imports' memory (0.54 GB RSS here).
 FRESH_SPARES = 2
-# How much lower a memory timeline's CPU priority is than other tasks' (nice(2) steps: 10 of 19)
-MEMORY_TIMELINE_NICENESS = 10
 # fork needs Linux here: pidfds to reap, /proc to count threads, SCM_RIGHTS to hand a task its pipes
 FORKS = sys.platform == "linux" and hasattr(os, "pidfd_open") and hasattr(socket, "send_fds")
 
@@ -190,8 +190,7 @@ class ForkedProcess:
         if not data:
             self._answers.close()
             if self.pid is None:
-                with contextlib.suppress(subprocess.TimeoutExpired):  # to say how it ended
-                    self._server.proc.wait(1)
+                self._server.wait(1)  # to say how it ended
                 self.refused = f"the fork server stopped{self._server.exit_text()}"
             elif self.returncode is None:  # a forked task dies with its server (PR_SET_PDEATHSIG)
                 self.returncode, self.server_lost = -signal.SIGKILL, True
@@ -251,37 +250,94 @@ class ForkedProcess:
 
 
 class ForkServer:
-    """One `python -m core.engine.worker --fork-server` process: it imports torch, transformers,
-    PEFT, the task code and the compiled kernel once (never CUDA) and forks a process per task
-    (`core.engine.worker.serve_forks`), so no task waits for its imports."""
+    """The fork server: a process that imported torch, transformers, PEFT, the task code and the
+    compiled kernel once (never CUDA) and forks a process per task (`core.engine.worker.serve_forks`),
+    so no task waits for its imports.
 
-    def __init__(self, python: str):
+    Its own `python -m core.engine.worker --fork-server` process, or (`host`) forked from a memory
+    timeline's fresh interpreter once that has imported the libraries (`worker.fork_server_here`):
+    `host(fds, env)` spawns that interpreter with the server's socket and error file among `fds` and
+    `env`. A hosted server is not this process's child: it says its pid on the socket, and is alive
+    while the socket is open at its end."""
+
+    def __init__(
+        self, python: str, host: Callable[[list[int], dict[str, str]], subprocess.Popen] | None = None
+    ):
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # what it prints (an import error) stays readable for the log of the task it fails
         self.errors = tempfile.TemporaryFile()  # noqa: SIM115  (closed by `stop`)
+        self.proc: subprocess.Popen | None = None
+        self.host: subprocess.Popen | None = None
+        self._pid: int | None = None
+        self._closed = False  # a hosted server's socket was closed at its end
         with theirs:
-            self.proc = subprocess.Popen(
-                [python, "-m", "core.engine.worker", FORK_SERVER_ARG, str(theirs.fileno())],
-                pass_fds=[theirs.fileno()],
-                stdin=subprocess.DEVNULL,
-                stdout=self.errors,
-                stderr=self.errors,
-                cwd=str(REPO_ROOT),
-                env=worker_env(False),
-                start_new_session=True,
-            )
+            if host is None:
+                self.proc = subprocess.Popen(
+                    [python, "-m", "core.engine.worker", FORK_SERVER_ARG, str(theirs.fileno())],
+                    pass_fds=[theirs.fileno()],
+                    stdin=subprocess.DEVNULL,
+                    stdout=self.errors,
+                    stderr=self.errors,
+                    cwd=str(REPO_ROOT),
+                    env=worker_env(False),
+                    start_new_session=True,
+                )
+                self._pid = self.proc.pid
+            else:
+                fds = [theirs.fileno(), self.errors.fileno()]
+                self.host = host(fds, {HOSTS_FORK_SERVER_ENV: ",".join(map(str, fds))})
         self.control = mine
         self._lock = threading.Lock()
 
+    @property
+    def pid(self) -> int | None:
+        """The server's pid (None while a hosted one is not forked yet)."""
+        self._hear()
+        return self._pid
+
+    def _hear(self) -> None:
+        """Take what a hosted server said on its socket (its pid), or that the socket closed."""
+        if self.proc is not None:
+            return
+        with self._lock:
+            while not self._closed:
+                try:
+                    data = self.control.recv(64, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    return
+                except OSError:  # closed here (`stop`)
+                    self._closed = True
+                    return
+                if not data:
+                    self._closed = True
+                elif data.startswith(b"pid "):
+                    self._pid = int(data.split()[1])
+
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        if self.proc is not None:
+            return self.proc.poll() is None
+        self._hear()
+        return not self._closed
+
+    def wait(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds for the server to end (no error if it does not)."""
+        if self.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout)
+            return
+        deadline = time.monotonic() + timeout
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     def exit_text(self) -> str:
         """How the server ended, and the end of what it printed ('' while it runs)."""
-        code = self.proc.poll()
-        if code is None:
+        if self.alive():
             return ""
-        how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
+        if self.proc is not None:
+            code = self.proc.returncode
+            how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
+        else:
+            how = "stopped"  # not this process's child: its exit status is its host's to see
         printed = os.pread(self.errors.fileno(), 2000, max(0, os.fstat(self.errors.fileno()).st_size - 2000))
         text = printed.decode(errors="replace").strip()
         return f" (it {how})" + (f": …{text}" if text else "")
@@ -312,11 +368,29 @@ class ForkServer:
 
     def stop(self) -> None:
         """Kill the server (its tasks die with it) and wait for it."""
-        self.control.close()
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
+        pid = self.pid
+        self.control.close()  # a hosted server not forked yet exits on it once it is
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait()
+        elif pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            self._wait_gone(pid, 10)
         self.errors.close()
+
+    @staticmethod
+    def _wait_gone(pid: int, timeout: float) -> None:
+        """Wait until process `pid` (not this one's child) has exited."""
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:  # gone already
+            return
+        try:
+            select.select([pidfd], [], [], timeout)
+        finally:
+            os.close(pidfd)
 
 
 class ProcessRunner(Runner):
@@ -355,10 +429,20 @@ class ProcessRunner(Runner):
 
     def warm(self, fresh: int = 0) -> None:
         with self._lock:
-            self._fork_server(restart=True)
             self._spares = [p for p in self._spares if p.poll() is None]
+            if fresh > len(self._spares) and self.forks and not (self._server and self._server.alive()):
+                # a spare to come imports the libraries anyway: the server is forked from it
+                if self._server is not None:
+                    self._server.stop()
+                self._server = ForkServer(self.python, host=self._spawn_host)
+                self._spares.append(self._server.host)
+            self._fork_server(restart=True)
             while len(self._spares) < fresh:
                 self._spares.append(self._spawn_worker(subprocess.DEVNULL, fresh=True))
+
+    def _spawn_host(self, fds: list[int], env: dict[str, str]) -> subprocess.Popen:
+        """A spare memory timeline's interpreter that forks the fork server (`ForkServer`'s `host`)."""
+        return self._spawn_worker(subprocess.DEVNULL, fresh=True, fds=fds, env=env)
 
     def validate_inputs(self, spec) -> bool:
         # The checks build the model's class from its config and read the adapters' configs: transformers
@@ -439,22 +523,27 @@ class ProcessRunner(Runner):
         with open(log_path, "ab") as log:
             return self._spawn_worker(log, fresh=task.fresh_process)
 
-    def _spawn_worker(self, stderr, fresh: bool) -> subprocess.Popen:
+    def _spawn_worker(
+        self, stderr, fresh: bool, fds: list[int] = (), env: dict[str, str] | None = None
+    ) -> subprocess.Popen:
         """A fresh `python -m core.engine.worker`, importing ahead what its task will need. `fresh`: a
         memory timeline's interpreter, which samples itself at its start and after importing torch,
-        imports what its task will (`preimport_fresh`) and waits for it (a spare learns its log with it)."""
+        imports what its task will (`preimport_fresh`) and waits for it (a spare learns its log with it).
+        `fds` and `env`: what it gets besides (the fork server it hosts, `ForkServer`)."""
         proc = subprocess.Popen(
             [self.python, "-m", "core.engine.worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=stderr,
+            pass_fds=fds,
             cwd=str(REPO_ROOT),
-            env=worker_env(not fresh, fresh=fresh),
+            env={**worker_env(not fresh, fresh=fresh), **(env or {})},
             start_new_session=True,  # a Ctrl-C in the terminal goes to us, not straight to workers
         )
-        if fresh:
+        if fresh and not fds:
             # A memory timeline measures memory, not time, and may run beside other tasks (the engine's
-            # lanes): those keep the CPU first. Its samples do not depend on it.
+            # lanes): those keep the CPU first. Its samples do not depend on it. (One that hosts the fork
+            # server lowers its own, once the server is forked: the server's tasks must not inherit it.)
             with contextlib.suppress(OSError):
                 os.setpriority(os.PRIO_PROCESS, proc.pid, MEMORY_TIMELINE_NICENESS)
         self._track(proc)

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -32,6 +33,12 @@ PREIMPORT_FRESH = "fresh"
 
 # `python -m core.engine.worker --fork-server FD`: the fork server, on the UNIX socket FD.
 FORK_SERVER_ARG = "--fork-server"
+# Set ("CONTROL_FD,ERRORS_FD") for a memory timeline's fresh interpreter that also gives the run its
+# fork server: once it has imported, it forks the server (`fork_server_here`), so the libraries are
+# imported once for both.
+HOSTS_FORK_SERVER_ENV = "WEIGHTDRIFT_HOSTS_FORK_SERVER"
+# How much lower a memory timeline's CPU priority is than other tasks' (nice(2) steps: 10 of 19)
+MEMORY_TIMELINE_NICENESS = 10
 # What a forked task's process calls itself (/proc/PID/comm, 15 bytes at most): its command line is the server's.
 FORKED_NAME = "wd-task"
 
@@ -323,6 +330,9 @@ def main() -> int:
     ahead = os.environ.get(PREIMPORT_ENV)
     if ahead == PREIMPORT_FRESH:
         preimport_fresh()
+        hosted = os.environ.pop(HOSTS_FORK_SERVER_ENV, "")
+        if hosted:
+            fork_server_here(*map(int, hosted.split(",")))
     elif ahead:
         preimport()
     return serve_task()
@@ -447,7 +457,6 @@ def serve_forks(fd: int) -> int:
     """
     import gc
     import select
-    import socket
 
     # arrow's jemalloc starts a background thread when it loads (pandas imports pyarrow) unless told not to
     os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
@@ -504,6 +513,50 @@ def serve_forks(fd: int) -> int:
             _answer(answers, f"pid {pid} {count}")
         os.close(stdin)
         os.close(stdout)
+
+
+def fork_server_here(control_fd: int, errors_fd: int) -> None:
+    """Fork the fork server from this memory timeline's fresh interpreter, now that it has imported
+    torch, transformers and PEFT (`preimport_fresh`): the server starts with those imports done and
+    does the rest of `preimport` itself, instead of importing them all a second time.
+
+    What the server inherits and why that is safe: the imported modules, as a server that imported
+    them itself would hold them; no thread (fork copies the calling thread; OpenBLAS stops its pool at
+    a fork, arrow's allocator starts none here: `worker_env`), and serve_forks refuses to fork with
+    more than one; none of this process's memory samples (cleared); not its stdin or stdout (the
+    task's pipes: /dev/null and the server's own error file instead), nor its session. This process
+    keeps nothing of the server's but a child's entry (the server outlives it, adopted by init), and
+    then lowers its own CPU priority as a memory timeline's (`MEMORY_TIMELINE_NICENESS`). Its samples
+    are RSS, which a fork does not change."""
+    pid = os.fork()
+    if pid == 0:
+        code = EXIT_CRASH
+        try:
+            from core.models import memory
+
+            os.setsid()  # apart from the interpreter's session: killing it does not kill the server
+            memory.PROCESS_SAMPLES.clear()  # a task forked from the server is no fresh interpreter
+            os.environ.pop(PREIMPORT_ENV, None)
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.close(null)
+            os.dup2(errors_fd, 1)
+            os.dup2(errors_fd, 2)
+            os.close(errors_fd)
+            control = socket.socket(fileno=control_fd)
+            control.send(f"pid {os.getpid()}".encode())  # so the runner can kill the server it did not start
+            control.detach()
+            code = serve_forks(control_fd)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    os.close(control_fd)
+    os.close(errors_fd)
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, 0, MEMORY_TIMELINE_NICENESS)
 
 
 def _answer(sock, text: str) -> None:
