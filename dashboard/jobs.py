@@ -1,7 +1,8 @@
 """Job progress: polled by fragments, drawn from the engine's thread-safe snapshots.
 
 Worker threads never touch Streamlit: they update the Job; these fragments read `Job.snapshot()`
-on the script thread every second while something runs, and rerun the whole app once a job ends
+on the script thread every second while something runs, and at once when the job stores rows
+(`wake_on_rows`), and rerun the whole app once a job ends
 so the pages show its results.
 """
 
@@ -41,6 +42,34 @@ def _rerun_when_finished(run_ids: list[str]) -> None:
         st.rerun(scope="app")
 
 
+def wake_on_rows(job: Job) -> None:
+    """Have `job` rerun this browser session's script as soon as more of its rows are stored (and when
+    it ends), instead of at the page's next look, up to POLL_S later: the first heatmap after a click
+    waited half a second for it on average. The rerun is requested as Streamlit's run-on-save does from
+    its file watcher's thread (`AppSession.request_rerun` with the session's last client state: the
+    progress fragment's, which then reruns the app as on a look). That is Streamlit's internal API, of
+    the pinned streamlit==1.67.0: where it is missing (AppTest has no runtime), the looks alone redraw."""
+    woken = st.session_state.setdefault("jobs.woken", set())
+    if job.run_id in woken:
+        return
+    try:
+        from streamlit.runtime import Runtime
+        from streamlit.runtime.scriptrunner import get_script_run_ctx
+
+        session_id = get_script_run_ctx().session_id
+        sessions = Runtime.instance()._session_mgr
+    except Exception:
+        return
+
+    def wake() -> None:
+        info = sessions.get_active_session_info(session_id)
+        if info is not None:  # the tab was closed: nothing to redraw
+            info.session.request_rerun(info.session._client_state)
+
+    job.on_rows(wake)
+    woken.add(job.run_id)
+
+
 def draw_progress(job: Job, *, compact: bool = False) -> None:
     """Per task: state, stage, step k of n and elapsed time; the job's error if it failed."""
     snap = job.snapshot()
@@ -72,6 +101,9 @@ def job_panel(run_id: str, *, folded: bool = False) -> None:
     active = job.snapshot()["state"] in ("queued", "running")
 
     seen = len(job.snapshot()["compared"])  # the checks the page was drawn with
+
+    if active:
+        wake_on_rows(job)
 
     @st.fragment(run_every=POLL_S if active else None)
     def panel() -> None:

@@ -97,7 +97,7 @@ def test_a_small_models_lanes(demo_workspace):
         *(task(t, ("memory",), v) for t in ("cpu/float32", "cpu/bfloat16") for v in ("a", "b")),
         task("cpu/float32", ("adapters",), "isolated"),
     ]
-    lanes, after = task_lanes(tasks, spec, small=True, cpus=2)
+    lanes, after = task_lanes(tasks, spec, small=True, cpus=2, first_compare="compare · weights")
     assert {lane: [t.label for t in ts] for lane, ts in lanes.items()} == {
         "cpu · cpu/float32": [
             "cpu/float32 · weights",
@@ -110,8 +110,21 @@ def test_a_small_models_lanes(demo_workspace):
         "cpu · fresh 1": ["cpu/float32 · memory:b", "cpu/bfloat16 · memory:b"],
     }
     first = ["cpu/float32 · weights", "cpu/bfloat16 · weights"]
-    # the reference and each memory lane's first timeline wait for the first pass (the first page's rows)
-    assert after == {"cpu/float64": first, "cpu/float32 · memory:a": first, "cpu/float32 · memory:b": first}
+    # the first page's captures first; the rest in the background (memory timelines: their runner's)
+    niceness = {t.label: t.niceness for ts in lanes.values() for t in ts}
+    assert niceness == {
+        **{label: 0 for label in first},
+        **{label: 0 for label in niceness if "memory" in label},
+        **{label: 5 for label in niceness if label not in first and "memory" not in label},
+    }
+    # the reference and each memory lane's first timeline wait for the first pass, a target's own-worker
+    # tasks for its compare (the first page's rows)
+    assert after == {
+        "cpu/float64": first,
+        "cpu/float32 · memory:a": first,
+        "cpu/float32 · memory:b": first,
+        "cpu/float32 · adapters:isolated": ["compare · weights"],
+    }
     lanes, after = task_lanes(tasks, spec, small=False, cpus=2)
     assert list(lanes) == ["cpu"] and lanes["cpu"] == tasks and after == {}
 

@@ -76,13 +76,29 @@ def _gone(pid: int, timeout: float = 30) -> bool:
     return False
 
 
+def _task_niceness(server_pid: int, job) -> set[int]:
+    """The niceness of every task process the server forked while `job` ran, sampled until it ends."""
+    seen: set[int] = set()
+    while not job.wait(0.01):
+        for pid in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                running = os.path.exists(f"/proc/{pid}/task") and fields[1] == str(server_pid)
+                if running and _stat(int(pid))[0] == FORKED_NAME:
+                    seen.add(int(fields[16]))  # nice: stat's 19th field
+            except (OSError, ValueError, IndexError):
+                continue
+    return seen
+
+
 def test_a_spare_memory_interpreter_forks_the_fork_server_after_its_imports(tmp_path, demo_workspace):
     """A warm runner that keeps a spare interpreter for a memory timeline forks its fork server from that
     spare once it has imported the libraries, instead of importing them a second time in a server of
     its own: the server is the spare's child, in a session of its own, at the runners' CPU priority (the
     spare then lowers its own), with one thread; the spare's own timeline starts at its process start; the server's tasks give the same rows as a spawned server's;
     `kill_all` kills it although it is not the runner's child."""
-    from core.engine.worker import MEMORY_TIMELINE_NICENESS
+    from core.engine.worker import BACKGROUND_NICENESS, MEMORY_TIMELINE_NICENESS
     from core.models import memory
 
     def spec(*checks):
@@ -111,8 +127,11 @@ def test_a_spare_memory_interpreter_forks_the_fork_server_after_its_imports(tmp_
     assert os.getpriority(os.PRIO_PROCESS, server.pid) == os.getpriority(os.PRIO_PROCESS, 0)
 
     engine = Engine(tmp_path / "hosted", runner=runner)
-    hosted = engine.submit(spec("weights", "deltas", "memory"))
-    assert hosted.wait(600) and hosted.state == "succeeded", hosted.error
+    hosted = engine.submit(spec("weights", "deltas", "outputs", "memory"))
+    niceness = _task_niceness(server.pid, hosted)
+    assert hosted.state == "succeeded", hosted.error
+    # the first pass at the runner's priority, what does not fill the first page below it
+    assert niceness == {0, BACKGROUND_NICENESS}
     forked = [p for p in runner.started if isinstance(p, ForkedProcess)]
     assert forked and {p.threads for p in forked if p.pid is not None} == {1}
     assert host in runner.started and host.wait(60) == 0  # the spare ran a memory timeline, then ended
@@ -131,7 +150,7 @@ def test_a_spare_memory_interpreter_forks_the_fork_server_after_its_imports(tmp_
     plain = Engine(tmp_path / "plain", runner=ProcessRunner())
     plain.runner.warm()
     assert plain.runner._server.proc is not None
-    again = plain.submit(spec("weights", "deltas"))
+    again = plain.submit(spec("weights", "deltas", "outputs"))
     assert again.wait(600) and again.state == "succeeded", again.error
     plain.shutdown("test over")
 

@@ -76,11 +76,20 @@ def test_rows_come_while_the_run_goes_on_and_the_table_is_a_single_pass_one(
     store = Store(home)
     runner = GatedRunner()
     job = Engine(home, runner=runner).submit(spec)
+    # what a page registers to redraw at once (`dashboard.jobs.wake_on_rows`); one that fails stops nothing
+    told: list[tuple[tuple[str, ...], bool]] = []
+    job.on_rows(lambda: 1 / 0)
+    job.on_rows(lambda: told.append((tuple(job.snapshot()["compared"]), job.done_event.is_set())))
     try:
         deadline = time.time() + 240
         while set(store.open(job.run_id).compared()) != set(EARLY) and time.time() < deadline:
             assert not job.done_event.is_set(), job.snapshot()["error"]
             time.sleep(0.2)
+        while (not told or set(told[-1][0]) != set(EARLY)) and time.time() < deadline:
+            time.sleep(0.05)
+        # told after each partial compare, with its checks in: more each time, the run still going
+        assert [len(t[0]) for t in told] == sorted({len(t[0]) for t in told}) and told[0][0]
+        assert set(told[-1][0]) == set(EARLY) and not any(done for _, done in told)
         record = store.open(job.run_id)
         # Every check but the held one is in, in the run's order, and the run still goes on.
         assert record.status == "running"
@@ -108,6 +117,7 @@ def test_rows_come_while_the_run_goes_on_and_the_table_is_a_single_pass_one(
         runner.gate.set()
     assert job.wait(240)
     assert job.snapshot()["state"] == "succeeded", job.snapshot()["error"]
+    assert told[-1][1]  # and once it ended
     record = store.open(job.run_id)
     assert not (record.run_dir / PARTIAL_DIR).exists(), (
         "the partial tables go once metrics.parquet is written"

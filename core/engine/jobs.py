@@ -17,13 +17,13 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from core.engine.runners import Outcome, ProcessRunner, Runner
 from core.engine.store import Store, StoreError, write_reference_fallback
-from core.engine.worker import Task
+from core.engine.worker import BACKGROUND_NICENESS, Task
 from core.spec import ProbeSpec, SpecError, Target
 
 # How close a dtype's results come to float64's, for the next-best reference: float16 keeps more
@@ -69,7 +69,7 @@ def small_base(spec: ProbeSpec) -> bool:
 
 
 def task_lanes(
-    tasks: list[Task], spec: ProbeSpec, small: bool, cpus: int
+    tasks: list[Task], spec: ProbeSpec, small: bool, cpus: int, first_compare: str | None = None
 ) -> tuple[dict[str, list[Task]], dict[str, list[str]]]:
     """The capture tasks by lane (each lane's in order, the lanes at once), and the labels a task waits
     for before it starts beyond its lane's order.
@@ -78,11 +78,15 @@ def task_lanes(
     A small model (`small`: up to CAPTURE_PASSES_UP_TO, run in worker processes) on the CPU is held
     by several processes at once, each with its numerics of its own: each target's tasks form a lane
     (its passes join one capture, in order; its own-worker tasks, which need no reference, between its
-    first pass and the passes that wait for the reference, instead of at the run's end), the
-    reference's task waits for the first pass (whose rows fill the first page), and the memory timelines (fresh interpreters, mostly importing libraries,
-    each sampling its own process) take `cpus` lanes of their own, at a lower CPU priority
-    (`ProcessRunner`), and wait for the first pass too: interpreters a warm runner kept have imported
-    already, and would otherwise take the cores from the first page's rows.
+    first pass and the passes that wait for the reference, instead of at the run's end, once the
+    first pass's partial compare, labelled `first_compare`, has written the first page's rows), the
+    reference's task waits for the first pass (whose rows fill the first page), and the memory
+    timelines (fresh interpreters, mostly importing libraries, each sampling its own process) take
+    `cpus` lanes of their own, at a lower CPU priority (`ProcessRunner`), and wait for the first pass
+    too: interpreters a warm runner kept have imported already, and would otherwise take the cores
+    from the first page's rows. Its other tasks but the first pass run at `BACKGROUND_NICENESS`
+    (`Task.niceness`): the first page's captures, their compare and the dashboard drawing them get the
+    CPU first.
     """
     lanes: dict[str, list[Task]] = {}
     after: dict[str, list[str]] = {}
@@ -100,6 +104,10 @@ def task_lanes(
                 lane = f"cpu · {task.target}"
                 if task.target == str(spec.reference) and spec.reference not in spec.targets:
                     after[task.label] = first_pass
+                if first_pass and task.label not in first_pass:
+                    task = replace(task, niceness=BACKGROUND_NICENESS)
+                if first_pass and first_compare and task.variant is not None:
+                    after[task.label] = [first_compare]
         lanes.setdefault(lane, []).append(task)
     for label, lane_tasks in lanes.items():
         if small and label.startswith("cpu · ") and not label.startswith("cpu · fresh"):
@@ -161,6 +169,23 @@ class Job:
     runner: Runner | None = field(default=None, repr=False)
     # the checks whose rows are stored while the run goes on (`partial/<check>.parquet`), in order
     compared: list[str] = field(default_factory=list)
+    # called (on the engine's threads) when checks' rows are stored and when the job ends: `on_rows`
+    _on_rows: list[Callable[[], None]] = field(default_factory=list, repr=False)
+
+    def on_rows(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` whenever more of this job's rows are stored (a partial compare) and once it
+        has ended, from the engine's thread: a page drawing the rows can redraw at once instead of at
+        its next look. A callback's error is ignored: it must not stop the job."""
+        with self.lock:
+            self._on_rows.append(callback)
+
+    def rows_stored(self) -> None:
+        """Tell the `on_rows` callbacks."""
+        with self.lock:
+            callbacks = list(self._on_rows)
+        for callback in callbacks:
+            with contextlib.suppress(Exception):
+                callback()
 
     def cancel(self, reason: str | None = None) -> None:
         """Ask every worker of this job to stop at its next stage boundary (`reason` is stored)."""
@@ -513,9 +538,18 @@ class Engine:
         groups = self._compare_groups(job, tasks)
         reference = str(job.spec.reference)
         small = job.runner.concurrent and small_base(job.spec)
-        by_device, after = task_lanes(tasks, job.spec, small, os.cpu_count() or 1)
+        first_compare = None
+        if small and tasks and tasks[0].part:  # as the tasks: the first page's compare first
+            for group in groups:
+                if set(group.task.checks) == set(tasks[0].checks):
+                    first_compare = group.task.label
+                else:
+                    group.task = replace(group.task, niceness=BACKGROUND_NICENESS)
+        by_device, after = task_lanes(tasks, job.spec, small, os.cpu_count() or 1, first_compare)
         outcomes: list[tuple[Task, Outcome]] = []
         ended: dict[str, threading.Event] = {t.label: threading.Event() for t in tasks}
+        # a partial compare's end (run, or given up), which a task may wait for (`first_compare`)
+        compared: dict[str, threading.Event] = {g.task.label: threading.Event() for g in groups}
         succeeded: set[str] = set()
         partial_outcomes: list[Outcome] = []
         partial_threads: list[threading.Thread] = []
@@ -556,9 +590,17 @@ class Engine:
             for group in due:
                 if not left or job.cancel_event.is_set():
                     job.runner.discard(group.task)
+                    compared[group.task.label].set()
                     continue
+
+                def partial(g=group) -> None:
+                    try:
+                        partial_outcomes.append(self._run_partial(job, g.task))
+                    finally:
+                        compared[g.task.label].set()
+
                 thread = threading.Thread(
-                    target=lambda g=group: partial_outcomes.append(self._run_partial(job, g.task)),
+                    target=partial,
                     daemon=True,
                     name=f"{job.run_id}-{group.task.label}",
                 )
@@ -568,7 +610,8 @@ class Engine:
         def device_queue(device: str, tasks: list[Task]) -> None:
             for i, task in enumerate(tasks):
                 for label in waits_for(task):
-                    while not ended[label].wait(0.1) and not job.cancel_event.is_set():
+                    event = ended.get(label) or compared[label]
+                    while not event.wait(0.1) and not job.cancel_event.is_set():
                         pass
                 with self._device_lock(device):
                     if job.cancel_event.is_set():
@@ -626,6 +669,7 @@ class Engine:
         if outcome.ok:
             with job.lock:
                 job.compared.extend(c for c in task.checks if c not in job.compared)
+            job.rows_stored()
         elif not outcome.cancelled:
             job.cancel_event.set()  # a compare that fails now would fail at the end too: stop early
         return outcome
@@ -650,3 +694,4 @@ class Engine:
                 with contextlib.suppress(OSError):  # not ready is no error: the next run starts its own
                     self.runner.warm(self.fresh)  # a fork server that stopped starts again, for the next job
             job.done_event.set()
+            job.rows_stored()

@@ -39,6 +39,9 @@ FORK_SERVER_ARG = "--fork-server"
 HOSTS_FORK_SERVER_ENV = "WEIGHTDRIFT_HOSTS_FORK_SERVER"
 # How much lower a memory timeline's CPU priority is than other tasks' (nice(2) steps: 10 of 19)
 MEMORY_TIMELINE_NICENESS = 10
+# A small model's tasks that do not fill the first page (`core.engine.jobs.task_lanes`): below the
+# first page's tasks and the dashboard that draws it, above the memory timelines
+BACKGROUND_NICENESS = 5
 # What a forked task's process calls itself (/proc/PID/comm, 15 bytes at most): its command line is the server's.
 FORKED_NAME = "wd-task"
 
@@ -66,6 +69,9 @@ class Task:
     # passes, `core.engine.capture_passes`): its checks, named in its label. A compare task with
     # `checks` compares those alone, before the run ends (`partial`).
     part: bool = False
+    # Its process's niceness (nice(2); raised to it, never lowered), where the engine runs tasks beside
+    # each other (`task_lanes`): who gets the CPU first, never what is computed.
+    niceness: int = 0
 
     @property
     def own_check(self) -> str | None:
@@ -364,6 +370,9 @@ def serve_task() -> int:
         os.dup2(fd, 1)
         os.close(fd)
     task = Task(**fields)
+    if task.niceness > os.getpriority(os.PRIO_PROCESS, 0):
+        with contextlib.suppress(OSError):  # before the task starts a thread: they take it from this one
+            os.setpriority(os.PRIO_PROCESS, 0, task.niceness)
     from core.models.checkpoint import LoadError
     from core.spec import SpecError
 
