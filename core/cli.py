@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import signal
 import sys
 import threading
@@ -312,20 +311,6 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             traceback.print_exc()
         return EXIT_ERROR
-
-
-def entry() -> None:
-    """The `weightdrift` command (and `python -m core`): `main`, then exit without the interpreter's
-    teardown, once what it printed is flushed: with torch and pandas imported, freeing module by module
-    took 0.5 s after the last line here. Not after a Ray run, whose exit handler stops the local
-    cluster it started."""
-    code = main()
-    with contextlib.suppress(OSError):  # a closed pipe (`| head`): nothing more can be said
-        sys.stdout.flush()
-        sys.stderr.flush()
-    if "ray" in sys.modules:
-        sys.exit(code)
-    os._exit(code)
 
 
 def ensure_demo(home: Path) -> dict[str, Any]:

@@ -62,7 +62,10 @@ def test_relative_links_in_readme_and_docs_lead_to_files():
 
 def test_console_scripts_resolve_to_functions_that_exist():
     scripts = PYPROJECT["project"]["scripts"]
-    assert scripts == {"weightdrift": "core.cli:entry", "weightdrift-dashboard": "dashboard.__main__:main"}
+    assert scripts == {
+        "weightdrift": "core.__main__:entry",
+        "weightdrift-dashboard": "dashboard.__main__:main",
+    }
     for target in scripts.values():
         module, _, name = target.partition(":")
         assert callable(getattr(importlib.import_module(module), name))
