@@ -117,12 +117,12 @@ def test_a_small_models_lanes(demo_workspace):
         **{label: 0 for label in niceness if "memory" in label},
         **{label: 5 for label in niceness if label not in first and "memory" not in label},
     }
-    # the reference and each memory lane's first timeline wait for the first pass, a target's own-worker
-    # tasks for its compare (the first page's rows)
+    # the reference waits for the first pass, each memory lane's first timeline and a target's own-worker
+    # tasks for its compare too (the first page's rows)
     assert after == {
         "cpu/float64": first,
-        "cpu/float32 · memory:a": first,
-        "cpu/float32 · memory:b": first,
+        "cpu/float32 · memory:a": [*first, "compare · weights"],
+        "cpu/float32 · memory:b": [*first, "compare · weights"],
         "cpu/float32 · adapters:isolated": ["compare · weights"],
     }
     lanes, after = task_lanes(tasks, spec, small=False, cpus=2)

@@ -65,6 +65,11 @@ def _parent(pid: int) -> int:
         return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
+def _group_nice(pid: int) -> int:
+    with open(f"/proc/{pid}/autogroup") as f:
+        return int(f.read().split("nice")[1])
+
+
 def _gone(pid: int, timeout: float = 30) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -125,6 +130,8 @@ def test_a_spare_memory_interpreter_forks_the_fork_server_after_its_imports(tmp_
         time.sleep(0.05)
     assert os.getpriority(os.PRIO_PROCESS, host.pid) == MEMORY_TIMELINE_NICENESS
     assert os.getpriority(os.PRIO_PROCESS, server.pid) == os.getpriority(os.PRIO_PROCESS, 0)
+    if os.path.exists(f"/proc/{host.pid}/autogroup"):  # the session's too: Linux schedules sessions as groups
+        assert _group_nice(host.pid) == MEMORY_TIMELINE_NICENESS and _group_nice(server.pid) == 0
 
     engine = Engine(tmp_path / "hosted", runner=runner)
     hosted = engine.submit(spec("weights", "deltas", "outputs", "memory"))

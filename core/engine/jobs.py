@@ -83,8 +83,8 @@ def task_lanes(
     reference's task waits for the first pass (whose rows fill the first page), and the memory
     timelines (fresh interpreters, mostly importing libraries, each sampling its own process) take
     `cpus` lanes of their own, at a lower CPU priority (`ProcessRunner`), and wait for the first pass
-    too: interpreters a warm runner kept have imported already, and would otherwise take the cores
-    from the first page's rows. Its other tasks but the first pass run at `BACKGROUND_NICENESS`
+    and its compare too: interpreters a warm runner kept have imported already, and would otherwise
+    take the cores from the first page's rows. Its other tasks but the first pass run at `BACKGROUND_NICENESS`
     (`Task.niceness`): the first page's captures, their compare and the dashboard drawing them get the
     CPU first.
     """
@@ -99,7 +99,7 @@ def task_lanes(
             if task.fresh_process:
                 lane, fresh = f"cpu · fresh {fresh % cpus}", fresh + 1
                 if fresh <= cpus and first_pass:  # a lane's first: the others follow it
-                    after[task.label] = first_pass
+                    after[task.label] = first_pass + ([first_compare] if first_compare else [])
             else:
                 lane = f"cpu · {task.target}"
                 if task.target == str(spec.reference) and spec.reference not in spec.targets:

@@ -36,6 +36,7 @@ from core.engine.worker import (
     PREIMPORT_FRESH,
     Cancelled,
     Task,
+    lower_priority,
     run_task,
     task_json,
 )
@@ -544,8 +545,7 @@ class ProcessRunner(Runner):
             # A memory timeline measures memory, not time, and may run beside other tasks (the engine's
             # lanes): those keep the CPU first. Its samples do not depend on it. (One that hosts the fork
             # server lowers its own, once the server is forked: the server's tasks must not inherit it.)
-            with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, proc.pid, MEMORY_TIMELINE_NICENESS)
+            lower_priority(MEMORY_TIMELINE_NICENESS, proc.pid)
         self._track(proc)
         return proc
 

@@ -370,9 +370,7 @@ def serve_task() -> int:
         os.dup2(fd, 1)
         os.close(fd)
     task = Task(**fields)
-    if task.niceness > os.getpriority(os.PRIO_PROCESS, 0):
-        with contextlib.suppress(OSError):  # before the task starts a thread: they take it from this one
-            os.setpriority(os.PRIO_PROCESS, 0, task.niceness)
+    lower_priority(task.niceness)  # before the task starts a thread: threads take it from this one
     from core.models.checkpoint import LoadError
     from core.spec import SpecError
 
@@ -524,6 +522,24 @@ def serve_forks(fd: int) -> int:
         os.close(stdout)
 
 
+def lower_priority(niceness: int, pid: int = 0) -> None:
+    """Run process `pid` (0: this one) at `niceness` (nice(2)), never raising its priority: its own nice
+    value and its session's. Linux schedules each session as a group (autogroup, on by default) and
+    every worker has a session of its own, so a nice value alone only ranks a process among its own
+    session's, not against other tasks, the dashboard or the browser: the session's nice value does
+    (/proc/PID/autogroup). Either is left as it is where the system refuses."""
+    with contextlib.suppress(OSError):
+        if niceness > os.getpriority(os.PRIO_PROCESS, pid):
+            os.setpriority(os.PRIO_PROCESS, pid, niceness)
+    group = f"/proc/{pid or 'self'}/autogroup"
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open(group) as f:
+            current = int(f.read().split("nice")[1])
+        if niceness > current:
+            with open(group, "w") as f:
+                f.write(str(niceness))
+
+
 def fork_server_here(control_fd: int, errors_fd: int) -> None:
     """Fork the fork server from this memory timeline's fresh interpreter, now that it has imported
     torch, transformers and PEFT (`preimport_fresh`): the server starts with those imports done and
@@ -564,8 +580,7 @@ def fork_server_here(control_fd: int, errors_fd: int) -> None:
             os._exit(code)
     os.close(control_fd)
     os.close(errors_fd)
-    with contextlib.suppress(OSError):
-        os.setpriority(os.PRIO_PROCESS, 0, MEMORY_TIMELINE_NICENESS)
+    lower_priority(MEMORY_TIMELINE_NICENESS)
 
 
 def _answer(sock, text: str) -> None:
