@@ -18,7 +18,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from core.models.memory import sample_process
 
@@ -553,31 +553,26 @@ def fork_server_here(control_fd: int, errors_fd: int) -> None:
     keeps nothing of the server's but a child's entry (the server outlives it, adopted by init), and
     then lowers its own CPU priority as a memory timeline's (`MEMORY_TIMELINE_NICENESS`). Its samples
     are RSS, which a fork does not change."""
-    pid = os.fork()
-    if pid == 0:
-        code = EXIT_CRASH
-        try:
-            from core.models import memory
 
-            os.setsid()  # apart from the interpreter's session: killing it does not kill the server
-            memory.PROCESS_SAMPLES.clear()  # a task forked from the server is no fresh interpreter
-            os.environ.pop(PREIMPORT_ENV, None)
-            null = os.open(os.devnull, os.O_RDONLY)
-            os.dup2(null, 0)
-            os.close(null)
-            os.dup2(errors_fd, 1)
-            os.dup2(errors_fd, 2)
-            os.close(errors_fd)
-            control = socket.socket(fileno=control_fd)
-            control.send(f"pid {os.getpid()}".encode())  # so the runner can kill the server it did not start
-            control.detach()
-            code = serve_forks(control_fd)
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+    def server() -> int:
+        from core.models import memory
+
+        os.setsid()  # apart from the interpreter's session: killing it does not kill the server
+        memory.PROCESS_SAMPLES.clear()  # a task forked from the server is no fresh interpreter
+        os.environ.pop(PREIMPORT_ENV, None)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        os.dup2(errors_fd, 1)
+        os.dup2(errors_fd, 2)
+        os.close(errors_fd)
+        control = socket.socket(fileno=control_fd)
+        control.send(f"pid {os.getpid()}".encode())  # so the runner can kill the server it did not start
+        control.detach()
+        return serve_forks(control_fd)
+
+    if os.fork() == 0:
+        _end_child(server)
     os.close(control_fd)
     os.close(errors_fd)
     lower_priority(MEMORY_TIMELINE_NICENESS)
@@ -593,10 +588,26 @@ def _kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
-def _forked(env: dict, stdin: int, stdout: int, sockets: list, pidfds: list[int], server_pid: int) -> None:
-    """The forked task's process: made like a spawned worker's, then `serve_task`; never returns."""
+def _end_child(body: Callable[[], int]) -> NoReturn:
+    """A forked child's life: `body()`, then its exit code (EXIT_CRASH, its traceback on stderr, if it
+    raised) once its output is flushed, without the interpreter's teardown; never returns."""
     code = EXIT_CRASH
     try:
+        code = body()
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _forked(
+    env: dict, stdin: int, stdout: int, sockets: list, pidfds: list[int], server_pid: int
+) -> NoReturn:
+    """The forked task's process: made like a spawned worker's, then `serve_task`; never returns."""
+
+    def task() -> int:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
@@ -616,13 +627,9 @@ def _forked(env: dict, stdin: int, stdout: int, sockets: list, pidfds: list[int]
         os.close(stdout)
         os.environ.clear()
         os.environ.update(env)  # the runner's environment now, as a spawned worker would get it
-        code = serve_task()
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        return serve_task()
+
+    _end_child(task)
 
 
 def task_json(task: Task, log_path: str | None = None) -> str:
