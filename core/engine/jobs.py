@@ -84,14 +84,15 @@ def task_lanes(
     timelines (fresh interpreters, mostly importing libraries, each sampling its own process) take
     `cpus` lanes of their own, at a lower CPU priority (`ProcessRunner`), and wait for the first pass
     and its compare too: interpreters a warm runner kept have imported already, and would otherwise
-    take the cores from the first page's rows. Its other tasks but the first pass run at `BACKGROUND_NICENESS`
-    (`Task.niceness`): the first page's captures, their compare and the dashboard drawing them get the
-    CPU first.
+    take the cores from the first page's rows. Its other tasks but the first pass run at
+    `BACKGROUND_NICENESS` (`Task.niceness`): the first page's captures, their compare and the
+    dashboard drawing them get the CPU first.
     """
     lanes: dict[str, list[Task]] = {}
     after: dict[str, list[str]] = {}
     first_pass = [t.label for t in tasks if t.variant is None and t.part and t.checks == tasks[0].checks]
     fresh = 0
+    target_lanes: set[str] = set()  # a small model's lanes of one target each, on the CPU
     for task in tasks:
         target = Target.parse(task.target)
         lane = target.device if target.node is None else f"{target.node}/{target.device}"
@@ -102,16 +103,16 @@ def task_lanes(
                     after[task.label] = first_pass + ([first_compare] if first_compare else [])
             else:
                 lane = f"cpu · {task.target}"
+                target_lanes.add(lane)
                 if task.target == str(spec.reference) and spec.reference not in spec.targets:
                     after[task.label] = first_pass
                 if first_pass and task.label not in first_pass:
                     task = replace(task, niceness=BACKGROUND_NICENESS)
-                if first_pass and first_compare and task.variant is not None:
+                if first_compare and task.variant is not None:
                     after[task.label] = [first_compare]
         lanes.setdefault(lane, []).append(task)
-    for label, lane_tasks in lanes.items():
-        if small and label.startswith("cpu · ") and not label.startswith("cpu · fresh"):
-            lane_tasks.sort(key=lambda t: 0 if t.label in first_pass else 1 if t.variant is not None else 2)
+    for lane in target_lanes:
+        lanes[lane].sort(key=lambda t: 0 if t.label in first_pass else 1 if t.variant is not None else 2)
     return lanes, after
 
 

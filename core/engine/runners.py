@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -431,13 +431,13 @@ class ProcessRunner(Runner):
     def warm(self, fresh: int = 0) -> None:
         with self._lock:
             self._spares = [p for p in self._spares if p.poll() is None]
-            if fresh > len(self._spares) and self.forks and not (self._server and self._server.alive()):
-                # a spare to come imports the libraries anyway: the server is forked from it
-                if self._server is not None:
-                    self._server.stop()
-                self._server = ForkServer(self.python, host=self._spawn_host)
-                self._spares.append(self._server.host)
-            self._fork_server(restart=True)
+            # a spare to come imports the libraries anyway: a server started now is forked from it
+            before = self._server
+            server = self._fork_server(
+                restart=True, host=self._spawn_host if fresh > len(self._spares) else None
+            )
+            if server is not None and server is not before and server.host is not None:
+                self._spares.append(server.host)
             while len(self._spares) < fresh:
                 self._spares.append(self._spawn_worker(subprocess.DEVNULL, fresh=True))
 
@@ -476,14 +476,15 @@ class ProcessRunner(Runner):
             raise raised(errors[-1]["message"])
         return False  # the worker failed another way: the caller checks here, and says what it finds
 
-    def _fork_server(self, restart: bool) -> ForkServer | None:
-        """The live fork server, started if there is none yet (or, `restart`, if it stopped); under _lock."""
+    def _fork_server(self, restart: bool, host=None) -> ForkServer | None:
+        """The live fork server, started if there is none yet (or, `restart`, if it stopped), forked from
+        the spare `host` spawns if given (`ForkServer`); under _lock."""
         if not self.forks:
             return None
         if self._server is None or (restart and not self._server.alive()):
             if self._server is not None:
                 self._server.stop()
-            self._server = ForkServer(self.python)
+            self._server = ForkServer(self.python, host=host)
         return self._server
 
     def prepare(self, task: Task, log_path: Path) -> None:
@@ -525,7 +526,7 @@ class ProcessRunner(Runner):
             return self._spawn_worker(log, fresh=task.fresh_process)
 
     def _spawn_worker(
-        self, stderr, fresh: bool, fds: list[int] = (), env: dict[str, str] | None = None
+        self, stderr, fresh: bool, fds: Sequence[int] = (), env: dict[str, str] | None = None
     ) -> subprocess.Popen:
         """A fresh `python -m core.engine.worker`, importing ahead what its task will need. `fresh`: a
         memory timeline's interpreter, which samples itself at its start and after importing torch,

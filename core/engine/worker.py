@@ -546,9 +546,8 @@ def fork_server_here(control_fd: int, errors_fd: int) -> None:
     does the rest of `preimport` itself, instead of importing them all a second time.
 
     What the server inherits and why that is safe: the imported modules, as a server that imported
-    them itself would hold them; no thread (fork copies the calling thread; OpenBLAS stops its pool at
-    a fork, arrow's allocator starts none here: `worker_env`), and serve_forks refuses to fork with
-    more than one; none of this process's memory samples (cleared); not its stdin or stdout (the
+    them itself would hold them; no thread (fork copies only the calling thread; OpenBLAS stops its
+    pool at a fork), and serve_forks refuses to fork with more than one; none of this process's memory samples (cleared); not its stdin or stdout (the
     task's pipes: /dev/null and the server's own error file instead), nor its session. This process
     keeps nothing of the server's but a child's entry (the server outlives it, adopted by init), and
     then lowers its own CPU priority as a memory timeline's (`MEMORY_TIMELINE_NICENESS`). Its samples
