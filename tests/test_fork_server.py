@@ -11,6 +11,7 @@ import torch
 from pandas.testing import assert_frame_equal
 from tiny_models import ARCHITECTURES, quiet
 
+from core.engine import runners
 from core.engine.jobs import Engine
 from core.engine.runners import FORKS, ForkedProcess, ForkServer, ProcessRunner, worker_env
 from core.engine.worker import FORKED_NAME
@@ -303,3 +304,26 @@ def test_a_process_without_the_libraries_validates_its_inputs_in_a_forked_worker
 
     assert in_worker(good) == {"checked": True, "error": None, "imported": False}
     assert in_worker(bad) == {"checked": True, "error": str(here.value), "imported": False}
+
+
+def test_a_machine_with_a_gpu_spawns_every_task(tmp_path, monkeypatch):
+    # bitsandbytes makes a CUDA context when PEFT imports it, and CUDA does not survive a fork
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    (dev / "nvidiactl").touch()
+    (dev / "nvidia-uvm").touch()
+    assert not runners.gpu_visible(dev, {})  # control nodes alone: no GPU
+    (dev / "nvidia0").touch()
+    assert runners.gpu_visible(dev, {})
+    assert runners.gpu_visible(dev, {"CUDA_VISIBLE_DEVICES": "1"})
+    assert not runners.gpu_visible(dev, {"CUDA_VISIBLE_DEVICES": ""})
+    assert not runners.gpu_visible(dev, {"CUDA_VISIBLE_DEVICES": "-1"})
+    (dev / "nvidia0").unlink()
+    (dev / "kfd").touch()  # ROCm: torch.cuda too
+    assert runners.gpu_visible(dev, {})
+
+    monkeypatch.setattr(runners, "gpu_visible", lambda: True)
+    runner = ProcessRunner()
+    assert not runner.forks
+    runner.warm(fresh=0)
+    assert runner._server is None  # no fork server is started

@@ -50,6 +50,23 @@ FRESH_SPARES = 2
 FORKS = sys.platform == "linux" and hasattr(os, "pidfd_open") and hasattr(socket, "send_fds")
 
 
+def gpu_visible(dev: Path = Path("/dev"), env: dict[str, str] | None = None) -> bool:
+    """Whether a GPU that torch.cuda would use is visible here, told without touching CUDA: an NVIDIA
+    device node (`/dev/nvidia0`, …) or ROCm's `/dev/kfd`, unless CUDA_VISIBLE_DEVICES hides them all.
+
+    Where one is, tasks are spawned, not forked: bitsandbytes, which PEFT imports, creates a CUDA context
+    when it is imported (it asks each GPU's compute capability), and CUDA does not survive a fork (seen
+    on an H200: every forked task failed with "Cannot re-initialize CUDA in forked subprocess", and the
+    server's context alone would put memory on cuda:0 that no task asked for)."""
+    env = os.environ if env is None else env
+    if env.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
+        return False
+    with contextlib.suppress(OSError):
+        if (dev / "kfd").exists() or any(p.name[6:].isdigit() for p in dev.glob("nvidia[0-9]*")):
+            return True
+    return False
+
+
 @dataclass
 class Outcome:
     """How a task ended: ok, cancelled, or failed with a reason (the engine adds where it stopped)."""
@@ -398,12 +415,13 @@ class ProcessRunner(Runner):
     """Runs each task in a fresh process: forked by its fork server (started by `warm`, or with the
     first task that may fork), else spawned; a process's stderr goes to its task's log.
 
-    `fork=False`: spawn every task's process (what the fork server's processes are compared with)."""
+    `fork=False`: spawn every task's process (what the fork server's processes are compared with); so
+    does a machine with a GPU (`gpu_visible`)."""
 
     def __init__(self, grace_s: float = 10.0, python: str | None = None, fork: bool = True):
         self.grace_s = grace_s
         self.python = python or sys.executable
-        self.forks = fork and FORKS
+        self.forks = fork and FORKS and not gpu_visible()
         self._server: ForkServer | None = None
         self._prepared: dict[tuple[str, str], subprocess.Popen | ForkedProcess] = {}
         self._live: set = set()  # every task's process started and not yet reaped

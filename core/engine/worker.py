@@ -469,6 +469,13 @@ def serve_forks(fd: int) -> int:
     os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
     control = socket.socket(fileno=fd)
     preimport(fork_safe=True)
+    import torch
+
+    if torch.cuda.is_initialized():
+        # an import made a CUDA context (bitsandbytes does, where it sees a GPU): a forked task could
+        # not use CUDA, and this process would hold GPU memory no task asked for. The runner spawns.
+        print("the fork server found CUDA initialised by its imports: no task is forked", file=sys.stderr)
+        return EXIT_CRASH
     _stop_blas_pools()
     gc.freeze()  # what is imported stays in pages the forked tasks share (no collection touches them)
     children: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, answer socket)

@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# The GPU validation run (docs/gpu-validation.md): one batched call on a lent CUDA machine.
+#
+#   OUT=/some/folder bash bench/gpu_validation.sh [WHEELS]
+#
+# WHEELS: a folder of wheels installed first into /tmp/site (the lent machine has no registry; its
+# own torch stays). Every step has its own time limit and goes on after a failure; results.tgz is
+# rewritten after each step, so a run stopped at its limit still brings back what it finished.
+set -u
+OUT=${OUT:?set OUT to the folder that comes back}
+PY=${PY:-python3}
+WORK=$(mktemp -d)
+export WEIGHTDRIFT_HOME=$WORK/home PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+LOG=$OUT/log.txt
+START=$(date +%s)
+
+if [ -n "${1:-}" ]; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$1"/*.whl \
+        >>"$LOG" 2>&1 && export PYTHONPATH=/tmp/site
+    # compiled once here, in parallel: else every worker process compiles transformers' sources anew
+    $PY -m compileall -q -j 0 /tmp/site >/dev/null 2>&1
+fi
+
+# step NAME SECONDS COMMAND...: stdout to $WORK/NAME.out, both streams to the log, then repack
+step() {
+    local name=$1 limit=$2
+    shift 2
+    local t0=$(date +%s) code
+    timeout "$limit" "$@" >"$WORK/$name.out" 2>"$WORK/$name.err"
+    code=$?
+    # steps may run side by side: each one's lines go into the log together, once it has ended
+    {
+        echo "=== $name (from +$((t0 - START)) s): $*"
+        cat "$WORK/$name.err"
+        echo "=== $name: exit $code after $(($(date +%s) - t0)) s"
+        tail -c 3000 "$WORK/$name.out"
+        echo
+    } >>"$LOG"
+    pack
+}
+
+# every run's tables and spec (not its captures), the steps' outputs and the bench's JSON
+pack() {
+    local tmp
+    tmp=$(mktemp "$WORK/pack.XXXXXX")  # steps side by side each pack into their own, then rename
+    (cd "$WORK" && find . -path ./snaps -prune -o -path '*/captures' -prune -o -type f \
+        \( -name '*.out' -o -name '*.err' -o -name '*.json' -o -name '*.parquet' \) -print |
+        tar czf "$tmp" -T - 2>/dev/null)
+    mv -f "$tmp" "$OUT/results.tgz"
+}
+
+# snapshot NAME SECONDS ARGS...: `core snapshot ARGS -o snaps/NAME.wdsnap`; the file comes back when
+# it fits what a call brings back (16 MiB a file, 6 snapshot files, 56 MiB in all)
+snapshot() {
+    local name=$1 limit=$2
+    shift 2
+    mkdir -p "$WORK/snaps"
+    step "$name" "$limit" $PY -m core snapshot --json -o "$WORK/snaps/$name.wdsnap" "$@"
+    local f="$WORK/snaps/$name.wdsnap"
+    [ -f "$f" ] || return 0
+    local size=$(stat -c %s "$f") used=$(du -cb "$OUT"/*.wdsnap 2>/dev/null | tail -1 | cut -f1)
+    local count=$(ls "$OUT"/*.wdsnap 2>/dev/null | wc -l)
+    if [ "$size" -le $((16 << 20)) ] && [ $((${used:-0} + size)) -le $((56 << 20)) ] && [ "$count" -lt 6 ]; then
+        cp "$f" "$OUT/"
+    else
+        echo "=== $name.wdsnap ($size bytes) does not fit what comes back: left there" >>"$LOG"
+    fi
+}
+
+CUDA=${CUDA:-cuda:0}
+ALL_CHECKS="weights deltas outputs merge adapters memory activations generate"
+step env 60 bash -c "date -u; nvidia-smi; $PY -c 'import sys, torch, transformers, peft, bitsandbytes, numba;
+print(sys.version); print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0));
+print(\"transformers\", transformers.__version__, \"peft\", peft.__version__, \"bnb\", bitsandbytes.__version__, \"numba\", numba.__version__)'"
+step devices 60 $PY -m core devices
+if [ -n "${QUICK:-}" ]; then
+    # what four minutes of a machine hold: the checks side by side, the memory check alone after them
+    step demo_build 60 $PY -m core demo
+    step demo 120 $PY -m core run --demo --check weights deltas outputs merge --json \
+        --target cpu/float32 $CUDA/float32 $CUDA/float32+tf32 $CUDA/bfloat16 &
+    step quantized 120 $PY -m core run --demo --check weights outputs merge --json \
+        --target cpu/nf4 $CUDA/nf4 $CUDA/int8 &
+    snapshot generation-parts-cuda 100 --scenario generation-parts \
+        --target cpu/float32 cpu/bfloat16 $CUDA/float32 $CUDA/float32+tf32 $CUDA/bfloat16 &
+    wait
+    snapshot memory-placement-cuda 45 --scenario memory-placement
+    snapshot boft-merge-cuda 45 --scenario boft-merge-cpu --check deltas outputs merge --target cpu/float32 $CUDA/float32
+    echo "=== done after $(($(date +%s) - START)) s" >>"$LOG"
+    exit 0
+fi
+step demo 240 $PY -m core run --demo --check $ALL_CHECKS --json \
+    --target cpu/float32 cpu/bfloat16 $CUDA/float32 $CUDA/float32+tf32 $CUDA/bfloat16
+step pytest_gpu 300 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_memory_gpu.py
+snapshot generation-parts-cuda 120 --scenario generation-parts \
+    --target cpu/float32 cpu/bfloat16 $CUDA/float32 $CUDA/float32+tf32 $CUDA/bfloat16
+snapshot memory-placement-cuda 120 --scenario memory-placement
+snapshot boft-merge-cuda 120 --scenario boft-merge-cpu --check deltas outputs merge --target cpu/float32 $CUDA/float32
+step quantized 240 $PY -m core run --demo --check weights deltas outputs merge --json \
+    --target cpu/nf4 $CUDA/nf4 $CUDA/nf4+compute=bfloat16 $CUDA/nf4+double_quant $CUDA/fp4 $CUDA/int8
+step quantized_memory 120 $PY -m core run --demo --check memory --json --target $CUDA/nf4 $CUDA/int8
+snapshot loop-pissa-lora-cuda 120 --scenario loop-pissa-lora --target $CUDA/float32 $CUDA/bfloat16
+snapshot bf16-activations-cuda 120 --scenario bf16-activations \
+    --target cpu/float32 cpu/bfloat16 $CUDA/float32 $CUDA/float32+tf32 $CUDA/bfloat16
+step merge_bf16 120 $PY -m core run --scenario bf16-merge-residual --json \
+    --target cpu/float32 cpu/bfloat16 $CUDA/float32 $CUDA/bfloat16
+snapshot qlora-cuda 120 --scenario qlora-served-elsewhere --target cpu/nf4 $CUDA/nf4 $CUDA/bfloat16 $CUDA/float32
+step bench_400m 240 $PY -m bench --sizes 400m --skip-kernel --skip-dashboard --skip-cli \
+    --targets cpu/float32 $CUDA/float32 $CUDA/bfloat16 --out "$WORK/bench-400m.json"
+pack
+echo "=== done after $(($(date +%s) - START)) s" >>"$LOG"
