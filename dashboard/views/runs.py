@@ -8,11 +8,16 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
+from core.engine.snapshot import SUFFIX, read_snapshot
 from core.engine.store import StoreError
+from core.spec import SpecError
 from dashboard.figures.common import environment_table, highlight_differences
 from dashboard.state import set_view, start_comparison, store
 from dashboard.text import literal
 from dashboard.ui import csv_download
+
+# Snapshots made on real GPUs that ship with a checkout (none in an installed package)
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 st.title("Runs")
 
@@ -37,6 +42,28 @@ with st.expander("Compare snapshots from other machines", icon=":material/upload
             start_comparison(paths, files)
         else:
             st.warning("Choose snapshot files or type their paths first.")
+
+examples = sorted(EXAMPLES.glob(f"*{SUFFIX}"))
+if examples:
+    with st.expander("Examples made on a real GPU", icon=":material/memory:"):
+        st.caption(
+            "Snapshots made on a lent NVIDIA H200 (docs/gpu-validation.md and examples/README.md say how "
+            "and when). Opening one compares its captures here, as a new run: a real GPU's results on "
+            "any machine, no GPU needed."
+        )
+        for path in examples:
+            try:
+                shot = read_snapshot(path)
+            except SpecError as e:  # a damaged copy in the checkout: say so, open the others
+                st.error(literal(e), icon=":material/error:")
+                continue
+            what = f"{', '.join(shot.spec.checks)} on {', '.join(str(t) for t in shot.spec.targets)}"
+            made = time.strftime("%Y-%m-%d", time.gmtime(shot.created))
+            st.write(f"**{literal(path.stem)}** — {literal(shot.machine)}, {made}: {literal(what)}")
+            if st.button(
+                f"Open {literal(path.stem)}", icon=":material/open_in_new:", key=f"runs.example.{path.stem}"
+            ):
+                start_comparison([path])
 
 records = store().list_runs()
 if not records:
