@@ -59,7 +59,7 @@ if examples:
                 continue
             what = f"{', '.join(shot.spec.checks)} on {', '.join(str(t) for t in shot.spec.targets)}"
             made = time.strftime("%Y-%m-%d", time.gmtime(shot.created))
-            st.write(f"**{literal(path.stem)}** — {literal(shot.machine)}, {made}: {literal(what)}")
+            st.write(f"**{literal(path.stem)}** — {literal(shot.machine)}, {literal(made)}: {literal(what)}")
             if st.button(
                 f"Open {literal(path.stem)}", icon=":material/open_in_new:", key=f"runs.example.{path.stem}"
             ):
