@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from streamlit.testing.v1 import AppTest
 
 from dashboard.text import unescape
+
+if TYPE_CHECKING:
+    from core.engine.store import RunRecord, Store
 
 APP = str(Path(__file__).resolve().parent.parent / "dashboard" / "app.py")
 
@@ -39,3 +44,12 @@ def texts(at: AppTest) -> str:
 def no_exceptions(at: AppTest) -> None:
     """Fail with the page's exceptions, if it shows any."""
     assert not at.exception, [e.value for e in at.exception]
+
+
+def finished(store: Store, run_id: str, timeout_s: float = 240) -> RunRecord:
+    """Run `run_id` as the store reads it once it has ended, or once `timeout_s` has passed (a job the
+    app started in-process ends in the test's process: a test waits for it before it ends)."""
+    deadline = time.monotonic() + timeout_s
+    while store.open(run_id).status in ("queued", "running") and time.monotonic() < deadline:
+        time.sleep(0.25)
+    return store.open(run_id)

@@ -475,7 +475,7 @@ def test_a_block_as_first_divergence_names_the_worst_leaf_inside_it():
 
 
 def test_a_run_without_the_check_offers_to_run_it_on_its_selection(demo_workspace, monkeypatch):
-    from apptest import make_app, no_exceptions, texts
+    from apptest import finished, make_app, no_exceptions, texts
 
     from core.engine.store import Store
 
@@ -499,9 +499,4 @@ def test_a_run_without_the_check_offers_to_run_it_on_its_selection(demo_workspac
     (new,) = [r for r in Store(home).list_runs() if r.run_id not in before]
     assert new.spec.checks == ("activations",) and new.spec.targets == spec.targets
     # the job runs in this process: let it end before the next test
-    import time
-
-    deadline = time.monotonic() + 120
-    while Store(home).open(new.run_id).status in ("queued", "running") and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert Store(home).open(new.run_id).status == "succeeded"
+    assert finished(Store(home), new.run_id, 120).status == "succeeded"

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from apptest import make_app, no_exceptions, shown, texts
+from apptest import finished, make_app, no_exceptions, shown, texts
 
 from core.checks import CHECKS
 from core.demo.build import build_demo, load_manifest
@@ -205,10 +204,7 @@ def test_a_demo_run_submitted_through_the_form_completes(run_home, monkeypatch):
     new = [r.run_id for r in store.list_runs() if r.run_id not in before]
     assert len(new) == 1, "Run must start exactly one job"
     run_id = new[0]
-    deadline = time.time() + 240
-    while store.open(run_id).status in ("queued", "running") and time.time() < deadline:
-        time.sleep(0.5)
-    record = store.open(run_id)
+    record = finished(store, run_id)
     assert record.status == "succeeded", record.error
     at.query_params["run"] = run_id
     at.switch_page("views/overview.py").run()
@@ -275,10 +271,8 @@ def test_the_form_sends_strategies_and_merge_subset_and_opens_the_first_checks_p
     assert spec.strategies == ("isolated", "load_adapter")  # the ground truth is always added
     assert spec.merge_subset == ("lora_b", "lora")
     assert at.query_params["run"] == new[0].run_id
-    deadline = time.time() + 240
-    while store.open(new[0].run_id).status in ("queued", "running") and time.time() < deadline:
-        time.sleep(0.5)
-    assert store.open(new[0].run_id).status == "succeeded", store.open(new[0].run_id).error
+    record = finished(store, new[0].run_id)
+    assert record.status == "succeeded", record.error
 
 
 # --- faults and untrusted text (issue 15) -----------------------------------------------------
@@ -441,10 +435,7 @@ def test_one_press_of_run_on_a_fresh_home_fills_every_result_page(tmp_path, monk
     at.sidebar.button(key="form.run").click().run()
     no_exceptions(at)
     (record,) = store.list_runs()
-    deadline = time.time() + 240
-    while store.open(record.run_id).status in ("queued", "running") and time.time() < deadline:
-        time.sleep(0.5)
-    record = store.open(record.run_id)
+    record = finished(store, record.run_id)
     assert record.status == "succeeded", record.error
     assert record.spec.checks == tuple(CHECKS)
     assert len(record.spec.adapters) == 6

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
-from apptest import make_app, no_exceptions, texts
+from apptest import finished, make_app, no_exceptions, texts
 from streamlit.testing.v1 import AppTest
 
 from core.demo.build import build_demo
@@ -117,7 +116,4 @@ def test_form_offers_load_strategies_when_the_adapters_check_is_chosen(scenario_
     newest = Store(home).list_runs()[0]
     assert newest.spec.checks == ("adapters",)
     assert newest.spec.strategies == ("isolated", "load_adapter")
-    deadline = time.time() + 120  # let the in-process job finish before the test ends
-    while Store(home).open(newest.run_id).status in ("queued", "running") and time.time() < deadline:
-        time.sleep(0.5)
-    assert Store(home).open(newest.run_id).status == "succeeded"
+    assert finished(Store(home), newest.run_id, 120).status == "succeeded"

@@ -5,11 +5,10 @@ demo scenario button."""
 from __future__ import annotations
 
 import json
-import time
 
 import pandas as pd
 import pytest
-from apptest import make_app, shown, texts
+from apptest import finished, make_app, shown, texts
 
 from core.demo.build import build_demo
 from core.demo.scenarios import demo_spec
@@ -116,10 +115,7 @@ def test_scenario_button_runs_the_memory_scenario(memory_home, monkeypatch):
     assert not at.exception, [e.value for e in at.exception]
     new = [r for r in store.list_runs() if r.run_id not in before]
     assert len(new) == 1 and new[0].spec.checks == ("memory",)
-    deadline = time.time() + 120
-    while store.open(new[0].run_id).status in ("queued", "running") and time.time() < deadline:
-        time.sleep(0.3)
-    assert store.open(new[0].run_id).status == "succeeded"
+    assert finished(store, new[0].run_id, 120).status == "succeeded"
 
 
 def _in_order(node):

@@ -4,7 +4,6 @@ GPU to the numbers the GPU gave, and open from the Runs page."""
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -49,7 +48,7 @@ def test_the_h200_example_compares_here_to_what_the_gpu_measured(tmp_path):
 
 def test_the_runs_page_opens_an_example(tmp_path, monkeypatch):
     sys.path.insert(0, str(Path(__file__).parent))
-    from apptest import make_app, no_exceptions, texts
+    from apptest import finished, make_app, no_exceptions, texts
 
     at = make_app(tmp_path / "home", monkeypatch)
     at.switch_page("views/runs.py").run()
@@ -58,11 +57,8 @@ def test_the_runs_page_opens_an_example(tmp_path, monkeypatch):
     at.button(key="runs.example.h200-generation-parts").click().run()
     no_exceptions(at)
     run_id = at.query_params["run"]
-    store = Store(tmp_path / "home")
-    deadline = time.time() + 240
-    while store.open(run_id).status in ("queued", "running") and time.time() < deadline:
-        time.sleep(0.5)
-    assert store.open(run_id).status == "succeeded", store.open(run_id).error
+    record = finished(Store(tmp_path / "home"), run_id)
+    assert record.status == "succeeded", record.error
     at.switch_page("views/overview.py").run()
     no_exceptions(at)
     # the Overview leads with the GPU's anomaly

@@ -214,10 +214,9 @@ def test_target_names_carry_their_machine():
 
 def test_the_runs_page_imports_snapshots_and_every_page_renders_the_comparison(made, tmp_path, monkeypatch):
     import sys
-    import time
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from apptest import make_app, no_exceptions, texts
+    from apptest import finished, make_app, no_exceptions, texts
 
     _, files = made
     home = tmp_path / "dash"
@@ -229,10 +228,8 @@ def test_the_runs_page_imports_snapshots_and_every_page_renders_the_comparison(m
     no_exceptions(at)
     store = Store(home)
     (record,) = store.list_runs()
-    deadline = time.time() + 60
-    while store.open(record.run_id).status in ("queued", "running") and time.time() < deadline:
-        time.sleep(0.2)
-    assert store.open(record.run_id).status == "succeeded", store.open(record.run_id).error
+    record = finished(store, record.run_id, 60)
+    assert record.status == "succeeded", record.error
     machine = machine_name()
     at.query_params["run"] = record.run_id
     for page in (
