@@ -68,6 +68,8 @@ snapshot() {
 }
 
 CUDA=${CUDA:-cuda:0}
+# Quantized targets load the demo's LoRA alone (the qlora scenario's adapters): PiSSA, among the demo's
+# adapters, cannot start on a 4-bit base and fails the whole run (seen on 2026-11-27).
 ALL_CHECKS="weights deltas outputs merge adapters memory activations generate"
 step env 60 bash -c "date -u; nvidia-smi; $PY -c 'import sys, torch, transformers, peft, bitsandbytes, numba;
 print(sys.version); print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0));
@@ -78,7 +80,7 @@ if [ -n "${QUICK:-}" ]; then
     step demo_build 60 $PY -m core demo
     step demo 120 $PY -m core run --demo --check weights deltas outputs merge --json \
         --target cpu/float32 $CUDA/float32 $CUDA/float32+tf32 $CUDA/bfloat16 &
-    step quantized 120 $PY -m core run --demo --check weights outputs merge --json \
+    step quantized 120 $PY -m core run --scenario qlora-served-elsewhere --check weights outputs merge --json \
         --target cpu/nf4 $CUDA/nf4 $CUDA/int8 &
     snapshot generation-parts-cuda 100 --scenario generation-parts \
         --target cpu/float32 cpu/bfloat16 $CUDA/float32 $CUDA/float32+tf32 $CUDA/bfloat16 &
@@ -95,9 +97,10 @@ snapshot generation-parts-cuda 120 --scenario generation-parts \
     --target cpu/float32 cpu/bfloat16 $CUDA/float32 $CUDA/float32+tf32 $CUDA/bfloat16
 snapshot memory-placement-cuda 120 --scenario memory-placement
 snapshot boft-merge-cuda 120 --scenario boft-merge-cpu --check deltas outputs merge --target cpu/float32 $CUDA/float32
-step quantized 240 $PY -m core run --demo --check weights deltas outputs merge --json \
+step quantized 240 $PY -m core run --scenario qlora-served-elsewhere --check weights deltas outputs merge --json \
     --target cpu/nf4 $CUDA/nf4 $CUDA/nf4+compute=bfloat16 $CUDA/nf4+double_quant $CUDA/fp4 $CUDA/int8
-step quantized_memory 120 $PY -m core run --demo --check memory --json --target $CUDA/nf4 $CUDA/int8
+step quantized_memory 120 $PY -m core run --scenario qlora-served-elsewhere --check memory --json \
+    --target $CUDA/nf4 $CUDA/int8
 snapshot loop-pissa-lora-cuda 120 --scenario loop-pissa-lora --target $CUDA/float32 $CUDA/bfloat16
 snapshot bf16-activations-cuda 120 --scenario bf16-activations \
     --target cpu/float32 cpu/bfloat16 $CUDA/float32 $CUDA/float32+tf32 $CUDA/bfloat16
