@@ -432,7 +432,8 @@ def _scenario(browser, server: Server, timings: dict) -> None:
     assert run_id in _selected(page, "widget.run"), _selected(page, "widget.run")
     assert _selected(page, "widget.target") == DRILL_TARGET, _selected(page, "widget.target")
     assert tensor in _selected(page, "widget.tensor"), _selected(page, "widget.tensor")
-    assert page.locator(HEATMAP).locator(CHART).is_visible()
+    # Each Plotly chart draws on its own after the page is idle: the heatmap may come after the diff chart.
+    page.locator(HEATMAP).locator(CHART).wait_for(state="visible", timeout=STEP_TIMEOUT_S * 1000)
     assert any(tensor in t and DRILL_TARGET in t for t in _svg_texts(page, DIFF_CHART))
     assert query_params(page.url).get("tensor") == tensor, page.url
     page.get_by_role("heading", name="Inspect one tensor").evaluate("e => e.scrollIntoView({block: 'start'})")
