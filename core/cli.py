@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import signal
 import sys
 import threading
@@ -305,6 +306,11 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
+        return EXIT_ERROR
+    except BrokenPipeError:
+        # `weightdrift runs | head -1`: the reader has what it wanted; not an error to report. Stdout
+        # goes to /dev/null so the flush at exit cannot raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_ERROR
     except Exception as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)

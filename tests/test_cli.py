@@ -1,6 +1,7 @@
 """The CLI end to end on the demo workspace: real worker processes, exit codes, messages."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -136,6 +137,25 @@ def test_runs_lists_the_run_and_human_summary(two_target_run, demo_workspace):
     assert ok.returncode == 0, ok.stderr
     assert "verdicts per check and target" in ok.stdout
     assert "bitwise identical" in ok.stdout
+
+
+def test_a_reader_that_stops_early_gets_no_traceback(two_target_run):
+    """`weightdrift runs | head -1`: stdout's reader is gone before the listing is written."""
+    _, home = two_target_run
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # a reader that has already stopped: every write to the pipe fails
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "core", "runs", "--home", str(home)],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert proc.stderr == "" and proc.returncode == 2, proc.stderr
 
 
 def _one_line_error(proc, fragment):
