@@ -130,9 +130,10 @@ def summary_lines(
         lines.append(f"\n{check}: {len(worst)} row(s) furthest from their reference")
         for r in records(worst):
             who = r.get("adapter") or "base"
-            lines.append(
-                f"  [{r['verdict']}] {r['target']} vs {r['reference']} · {who} · {r['tensor']} ({r['dtype']})"
-            )
+            # a refused adapter's row has no reference and no dtype
+            against = f" vs {r['reference']}" if r.get("reference") else ""
+            dtype = f" ({r['dtype']})" if r.get("dtype") else ""
+            lines.append(f"  [{r['verdict']}] {r['target']}{against} · {who} · {r['tensor']}{dtype}")
             lines.append(f"      {r['explanation']}")
             if r.get("note"):
                 lines.append(f"      why: {r['note']}")

@@ -270,3 +270,119 @@ def test_memory_placement_of_a_4bit_base_holds_its_packed_weights(tmp_path: Path
     assert q["bytes"] == q["numel"] and 2 * q["numel"] == saved[0] * saved[1]  # two 4-bit values a byte
     lora_a = placement[(placement["role"] == "lora_A") & (placement["adapter"] == "lora")]
     assert len(lora_a) and set(lora_a["dtype"]) == {"float32"}
+
+
+# QLoRA's other methods on the same base: QDoRA and IA3, and PiSSA, which PEFT will not initialise on a
+# 4-bit or 8-bit base (it takes an SVD of W and rewrites it) — placed between them, so the run shows the
+# adapters after a refused one still loading.
+QUANTIZED_METHODS = ("dora", "pissa", "ia3")
+LLAMA_MODULES = {"attention": ("q_proj", "v_proj"), "feedforward": "down_proj"}
+METHOD_TARGETS = ("cpu/nf4", "cpu/int8")
+
+
+@pytest.fixture(scope="module")
+def methods_run(run, tmp_path_factory: pytest.TempPathFactory) -> tuple[RunRecord, Path, dict[str, Path]]:
+    from tiny_models import save_method
+
+    _, model, _ = run
+    root = tmp_path_factory.mktemp("quantized-methods")
+    folders = {
+        m: save_method("llama", m, model, root, seed, modules=LLAMA_MODULES, task_type="CAUSAL_LM")
+        for seed, m in enumerate(QUANTIZED_METHODS)
+    }
+    spec = ProbeSpec(
+        base=ModelRef(path=str(model)),
+        adapters=tuple(AdapterRef(path=str(f), name=m) for m, f in folders.items()),
+        targets=tuple(Target.parse(t) for t in METHOD_TARGETS),
+        checks=("weights", "deltas", "outputs", "adapters"),
+        strategies=("isolated", "load_adapter"),
+        probe=ProbeInputs(input_ids=IDS),
+    )
+    engine = Engine(tmp_path_factory.mktemp("quantized-methods-home"), runner=InProcessRunner())
+    job = engine.submit(spec)
+    assert job.wait(600) and job.state == "succeeded", job.error
+    return engine.store.open(job.run_id), model, folders
+
+
+def test_an_adapter_peft_refuses_on_a_quantized_base_is_a_broken_row_not_a_failed_run(methods_run) -> None:
+    from core.checks.base import CAPTURE_FAILED, NOT_LOADED
+
+    record, _, _ = methods_run
+    table = record.metrics()
+    for target in METHOD_TARGETS:
+        rows = table[table["target"] == target]
+        refused = rows[rows["adapter"] == "pissa"]
+        # weights, deltas and outputs: one row each, saying what PEFT said
+        shared = refused[refused["check"] != "adapters"]
+        assert sorted(shared["check"]) == ["deltas", "outputs", "weights"], shared[["check", "tensor"]]
+        assert (shared["tensor"] == NOT_LOADED).all() and (shared["verdict"] == "broken").all()
+        assert shared["explanation"].str.contains("Please initialize PiSSA under float32", regex=False).all()
+        # the adapters on either side of it are measured
+        others = rows[rows["adapter"].isin(["dora", "ia3"]) & (rows["check"] != "adapters")]
+        assert {(c, a) for c, a in zip(others["check"], others["adapter"], strict=True)} == {
+            (c, a) for c in ("weights", "deltas", "outputs") for a in ("dora", "ia3")
+        }
+        broken = others[others["verdict"] == "broken"]
+        if target == "cpu/nf4":
+            assert broken.empty, broken["explanation"]
+        else:
+            # QDoRA on int8 on the CPU: PEFT's DoRA forward puts the 8-bit weight back with `.to()` once its
+            # layer has run (the bare base's forward, here), without its scales, and bitsandbytes then fails
+            # (PEFT 0.21.2, bitsandbytes 0.50.2): a row says so, and DoRA's weights and ΔW are still measured
+            assert list(zip(broken["check"], broken["adapter"], broken["tensor"], strict=True)) == [
+                ("outputs", "dora", CAPTURE_FAILED)
+            ]
+            assert "(raised in bitsandbytes/" in broken["explanation"].iloc[0], broken["explanation"].iloc[0]
+        # the adapters check: `load_adapter` in a loop stops at PiSSA as the user's loop would, and says why
+        loop = rows[(rows["check"] == "adapters") & (rows["strategy"] == "load_adapter")]
+        said = loop[loop["adapter"] == "pissa"]["explanation"]
+        assert len(said) == 1 and "Please initialize PiSSA" in said.iloc[0], said
+    # on the float64 reference PiSSA loads (in float32, upcast): only the quantized targets lack it
+    assert set(table[(table["adapter"] == "pissa") & (table["verdict"] == "broken")]["target"]) == set(
+        METHOD_TARGETS
+    )
+
+
+@pytest.mark.parametrize("fmt", ("nf4", "int8"))
+def test_qdora_delta_on_a_quantized_base_is_peft_merge_of_the_dequantized_weight(
+    methods_run, fmt: str
+) -> None:
+    """ΔW of DoRA on a bitsandbytes layer: PEFT's own DoRA merge (`merge_safe`) of the dequantized W,
+    minus that W, bit for bit; and IA3's scaling of the dequantized W."""
+    from peft import PeftModel
+    from peft.utils.integrations import dequantize_module_weight
+
+    record, model, folders = methods_run
+    capture = _capture(record, fmt)
+    for name in ("dora", "ia3"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            peft_model = PeftModel.from_pretrained(
+                _fresh(model, fmt), folders[name], adapter_name=name
+            ).eval()
+        for module in ("model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj"):
+            layer = peft_model.base_model.model.get_submodule(module)
+            if name not in getattr(layer, "lora_A", getattr(layer, "ia3_l", {})):
+                continue
+            w = dequantize_module_weight(layer.get_base_layer())
+            with torch.no_grad():
+                if name == "dora":
+                    expected = layer.lora_variant[name].merge_safe(layer, name, w.clone()) - w
+                else:  # feedforward: IA3 scales the inputs, W's columns; otherwise its outputs, W's rows
+                    scale = layer.ia3_l[name].detach()
+                    expected = w * scale - w
+            mine = capture.tensors[f"deltas::{name}::{module}"]
+            assert torch.equal(mine, expected), (name, module, (mine - expected).abs().max())
+
+
+def test_the_pages_say_which_adapter_peft_refused(methods_run, monkeypatch: pytest.MonkeyPatch) -> None:
+    from apptest import make_app, no_exceptions, texts
+
+    record, _, _ = methods_run
+    home = record.run_dir.parent.parent
+    for page in ("views/overview.py", "views/drift.py"):
+        at = make_app(home, monkeypatch, run=record.run_id)
+        at.switch_page(page).run()
+        no_exceptions(at)
+        # the Overview's broken rows; the Drift page opens on its worst row (PiSSA's on nf4, or on int8)
+        assert "Please initialize PiSSA" in texts(at), texts(at)

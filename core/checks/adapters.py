@@ -109,7 +109,23 @@ class AdaptersCheck(Check):
             model = loaded.model
             name = BASE if loaded.adapter is None else loaded.adapter.name
             stage(f"capture {'base' if loaded.adapter is None else name}")
-            kind, logits = forward_output(model, ctx.probe)
+            if loaded.refused is not None:  # on a quantized target (`load_isolated`): the others go on
+                meta["steps"].append({"adapter": name, "error": loaded.refused})
+                out.notes.append(f"{variant}: {loaded.refused}")
+                continue
+            try:
+                kind, logits = forward_output(model, ctx.probe)
+            except (MemoryError, torch.OutOfMemoryError):
+                raise
+            except Exception as e:
+                if not (ctx.target.quantized and loaded.adapter is not None):
+                    raise
+                # PEFT's layer failing on a quantized base (QDoRA on int8 on the CPU once the layer has run):
+                # a finding about this adapter there, as in the shared checks (`core.checks.base.FAILED`)
+                error = f"its forward failed: {type(e).__name__}: {_first_line(e)}"
+                meta["steps"].append({"adapter": name, "error": error, "failed": True})
+                out.notes.append(f"{variant} · {name}: {error}")
+                continue
             meta["output"] = kind
             out.add(TensorKey(self.name, name, kind), logits)
             fp = consistency.fingerprint(model)
@@ -238,7 +254,9 @@ class AdaptersCheck(Check):
                             "numel": 0,
                             "bitwise_equal": False,
                             "verdict": "broken",
-                            "explanation": f"did not load: {step.get('error')}",
+                            "explanation": step["error"]
+                            if step.get("failed")
+                            else f"did not load: {step.get('error')}",
                             "reason": "did not load",
                         }
                     )

@@ -334,6 +334,48 @@ def add_note(row: dict[str, Any], text: str) -> None:
     row["note"] = f"{row['note']}; {text}" if row.get("note") else text
 
 
+# A capture's meta keys, on a quantized target: {adapter: PEFT's reason} for the adapters PEFT refused
+# there (`Loaded.refused`), and {check: {adapter: error}} for a check's capture that raised on one.
+REFUSED = "refused"
+FAILED = "failed"
+NOT_LOADED = "(not loaded)"  # the tensor name of a refused adapter's row
+CAPTURE_FAILED = "(failed)"  # and of a failed capture's
+
+
+def refused_rows(check: str, captures: list[Capture]) -> list[dict[str, Any]]:
+    """One `broken` row of `check` for each adapter PEFT refused on a target, and for each adapter whose
+    capture of `check` raised there: the table says so rather than leaving the adapter out unseen."""
+
+    def row(capture: Capture, adapter: str, tensor: str, explanation: str, note: str) -> dict[str, Any]:
+        return {
+            "check": check,
+            "target": capture.target,
+            "reference": "",
+            "adapter": adapter,
+            "tensor": tensor,
+            "role": "adapter",
+            "shape": "",
+            "numel": 0,
+            "bitwise_equal": False,
+            "verdict": "broken",
+            "explanation": explanation,
+            "note": note,
+        }
+
+    rows = []
+    for capture in captures:
+        for adapter, reason in capture.meta.get(REFUSED, {}).items():
+            note = f"PEFT does not load {adapter} on {capture.target}: nothing of it to compare there"
+            rows.append(row(capture, adapter, NOT_LOADED, reason, note))
+        for adapter, error in capture.meta.get(FAILED, {}).get(check, {}).items():
+            note = (
+                f"{adapter} loaded on {capture.target}, and measuring it for {check} raised there: "
+                "what it measured before that is in its other rows"
+            )
+            rows.append(row(capture, adapter, CAPTURE_FAILED, error, note))
+    return rows
+
+
 def missing_reference_row(tensor: torch.Tensor | tuple[int, ...]) -> dict[str, Any]:
     """A `broken` row for a tensor (or a tensor's shape) the reference does not have (key mismatch)."""
     shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else tuple(tensor)

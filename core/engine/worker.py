@@ -141,7 +141,7 @@ def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
     """
     from core.capture import BASE, Capture, capture_folder_name
     from core.checks import get_checks
-    from core.checks.base import CaptureContext
+    from core.checks.base import FAILED, REFUSED, CaptureContext
     from core.models.checkpoint import adapters_task_type, load_config, release_scratch
     from core.models.loading import STRATEGIES, float32_fallback_notes, model_class
     from core.models.probes import probe_inputs
@@ -185,8 +185,23 @@ def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
         checks = sorted(checks, key=lambda c: c.mutates_model)
         for loaded in strategy.load(spec.base, spec.adapters, target, stage=progress):
             progress("capture " + ("base" if loaded.adapter is None else loaded.adapter.name))
+            if loaded.refused is not None:  # each check's comparison says so (`refused_rows`)
+                capture.meta.setdefault(REFUSED, {})[loaded.adapter.name] = loaded.refused
+                capture.notes.append(loaded.refused)
+                continue
             for check in checks:
-                check.capture(ctx, loaded, capture)
+                try:
+                    check.capture(ctx, loaded, capture)
+                except Exception as e:
+                    if not (target.quantized and loaded.adapter is not None) or _fatal(e):
+                        raise
+                    # a PEFT or bitsandbytes layer that fails on a quantized base is a finding about that
+                    # adapter there (QDoRA on int8 on the CPU: its second forward raises), not the run's end
+                    error = f"{type(e).__name__}: {e} (raised in {_raised_in(e)})"
+                    capture.meta.setdefault(FAILED, {}).setdefault(check.name, {})[loaded.adapter.name] = (
+                        error
+                    )
+                    capture.notes.append(f"{loaded.adapter.name}: {check.name} failed: {error}")
             release_scratch()  # this model's references are read: the next model's load needs the room
             # how it was loaded, and the ops its forwards computed in float32 (a float64 reference's)
             fallbacks = [n for n in float32_fallback_notes(loaded.model) if n not in loaded.notes]
@@ -205,6 +220,24 @@ def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
     if task.part and (folder / "capture.json").exists():
         capture.join(Capture.load(folder))  # an earlier pass's checks on this target: one capture
     capture.save(folder)
+
+
+def _fatal(e: Exception) -> bool:
+    """Errors that end a task wherever they come from: cancellation, and running out of memory."""
+    import torch
+
+    return isinstance(e, (Cancelled, MemoryError, torch.OutOfMemoryError))
+
+
+def _raised_in(e: BaseException) -> str:
+    """Where `e` was raised: the innermost frame's file (from its package down) and line, so a row can say
+    whether PEFT, bitsandbytes or WeightDrift raised it."""
+    import traceback
+
+    frame = traceback.extract_tb(e.__traceback__)[-1]
+    parts = Path(frame.filename).parts
+    cut = parts.index("site-packages") + 1 if "site-packages" in parts else max(len(parts) - 3, 0)
+    return f"{'/'.join(parts[cut:])}:{frame.lineno}"
 
 
 def _comparator(spec, target, checks) -> Callable:
@@ -238,7 +271,7 @@ def run_compare(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
 
     from core.capture import Capture
     from core.checks import get_checks
-    from core.checks.base import add_note
+    from core.checks.base import add_note, refused_rows
     from core.engine.store import Store, metrics_table, read_reference_fallback, reference_fallback_note
     from core.judgement import add_peer_columns
     from core.spec import ProbeSpec, Target
@@ -282,6 +315,8 @@ def run_compare(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
             frames.append(done[check.name])
             continue
         rows = check.compare(spec, by_check[check.name], reference_capture, progress)
+        if not check.own_worker:
+            rows.extend(refused_rows(check.name, by_check[check.name]))
         tables.update(check.tables(spec, by_check[check.name], reference_capture))
         if fallback is not None:
             for row in rows:

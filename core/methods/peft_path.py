@@ -65,17 +65,27 @@ def _kind_of_layer(layer: nn.Module, adapter: str) -> str:
         raise ValueError(f"layer {type(layer).__name__} has no supported adapter '{adapter}'")
     # The additive methods merge by adding get_delta_weight for every layer type; the other rules
     # below are written for Linear layers (conv and embedding variants reshape or transpose differently).
+    # PEFT's bitsandbytes layers (QLoRA's QDoRA, IA3 on a 4- or 8-bit base) are Linear layers over a
+    # quantized W, which `peft_delta` dequantizes as their merge and forward do.
     linear = {
-        "dora": lora.Linear,
-        "boft": boft.Linear,
-        "oft": oft.Linear,
-        "ia3": ia3.Linear,
-        "hra": hra.HRALinear,
-        "miss": miss.MissLinear,
+        "dora": (lora.Linear, *_bnb_layers("lora")),
+        "boft": (boft.Linear,),
+        "oft": (oft.Linear,),
+        "ia3": (ia3.Linear, *_bnb_layers("ia3")),
+        "hra": (hra.HRALinear,),
+        "miss": (miss.MissLinear,),
     }.get(kind)
     if linear is not None and not isinstance(layer, linear):
         raise ValueError(f"peft_delta supports {kind} on Linear layers only, not {type(layer).__name__}")
     return kind
+
+
+def _bnb_layers(tuner: str) -> tuple[type, ...]:
+    """PEFT's bitsandbytes Linear layers of `tuner` (lora, ia3): those this install has."""
+    import importlib
+
+    module = importlib.import_module(f"peft.tuners.{tuner}.bnb")
+    return tuple(getattr(module, name) for name in ("Linear8bitLt", "Linear4bit") if hasattr(module, name))
 
 
 def peft_delta(layer: nn.Module, adapter_name: str) -> torch.Tensor:
@@ -96,14 +106,13 @@ def peft_delta(layer: nn.Module, adapter_name: str) -> torch.Tensor:
     The layer is never modified (weights stay bitwise equal). Raises ``ValueError`` if an adapter is
     already merged into the layer, since ``W`` is then no longer the base weight.
     """
-    from peft.utils.integrations import dequantize_module_weight
     from peft.utils.other import transpose
 
     kind = _kind_of_layer(layer, adapter_name)
     if layer.merged_adapters:
         raise ValueError(f"layer has merged adapters {layer.merged_adapters}; unmerge before peft_delta")
     with torch.no_grad():
-        weight = dequantize_module_weight(layer.get_base_layer()).detach()
+        weight = _base_weight(layer.get_base_layer()).detach()
         if kind in ADDITIVE:
             delta = layer.get_delta_weight(adapter_name)
             return delta.to_dense() if delta.is_sparse else delta  # SHiRA's is a sparse tensor
@@ -138,9 +147,23 @@ def peft_delta(layer: nn.Module, adapter_name: str) -> torch.Tensor:
             return torch.mm(w, reflections) - w
         if kind == "miss":
             return _miss_delta(layer, adapter_name, weight)
-        scale = transpose(layer.ia3_l[adapter_name].detach(), layer.fan_in_fan_out)
+        # IA3's bitsandbytes layers have no fan_in_fan_out: W is stored (out, in) there
+        scale = transpose(layer.ia3_l[adapter_name].detach(), getattr(layer, "fan_in_fan_out", False))
         w = weight.to(scale.dtype)
         return w * scale - w
+
+
+def _base_weight(base: nn.Module) -> torch.Tensor:
+    """W of a tuner layer's base layer, a bitsandbytes weight dequantized by PEFT's `dequantize_bnb_weight`.
+
+    Not PEFT's `dequantize_module_weight`: on the CPU it puts an 8-bit weight back with `.to()`, a new
+    Int8Params whose scales are gone once the layer has run a forward, and that layer's next forward then
+    fails (bitsandbytes 0.50.2); measuring must leave the model as it was."""
+    from peft.utils.integrations import dequantize_bnb_weight, dequantize_module_weight
+
+    if type(base.weight).__name__ in ("Params4bit", "Int8Params"):
+        return dequantize_bnb_weight(base.weight, state=getattr(base, "state", None))
+    return dequantize_module_weight(base)
 
 
 def _miss_delta(layer: nn.Module, adapter: str, weight: torch.Tensor) -> torch.Tensor:

@@ -435,8 +435,9 @@ class Loaded:
     """One materialised model: the bare base (adapter None) or base + one adapter."""
 
     adapter: AdapterRef | None
-    model: object
+    model: object  # None where PEFT refused the adapter on this target (`refused` says why)
     notes: list[str]  # how this model was materialised, where it differs from what was asked
+    refused: str | None = None
 
 
 def load_isolated(
@@ -450,6 +451,11 @@ def load_isolated(
     PEFT refuses to initialise PiSSA in float64 (it takes an SVD of W and rewrites it), so a
     PiSSA adapter on a float64 target is loaded in float32 and the whole model upcast; the
     note says so.
+
+    On a quantized target an adapter PEFT will not load there (PiSSA cannot be initialised on a
+    4-bit base) is a finding about that target, not bad input: it is yielded with no model and
+    PEFT's reason (`Loaded.refused`), and the adapters after it load as usual, each on a fresh base.
+    Elsewhere a load that fails ends the run (the adapter is broken, or for another base).
     """
     stage("load base")
     task_type = adapters_task_type(adapters)
@@ -466,7 +472,14 @@ def load_isolated(
             )
         notes.extend(load_notes(model))
         stage(f"load adapter {adapter.name}")
-        peft_model = attach_adapter(model, adapter, target)
+        try:
+            peft_model = attach_adapter(model, adapter, target)
+        except LoadError as e:
+            if not target.quantized:
+                raise
+            model = None
+            yield Loaded(adapter=adapter, model=None, notes=notes, refused=str(e))
+            continue
         init = float32_only_init(read_adapter_config(adapter)) if upcast else None
         if upcast and float64_offload_dtype(base) is not None:
             # too large for float64 whole: it stays float32 and runs its forward in float64 block by block

@@ -83,9 +83,12 @@ metric = bound_select(
     format_func=lambda m: METRIC_LABELS[m],
 )
 shown = selection_rows(rows, adapter)
-reference = ", ".join(dict.fromkeys(shown["reference"]))
+# a refused adapter's rows have no reference (`core.checks.base.refused_rows`)
+reference = ", ".join(r for r in dict.fromkeys(shown["reference"]) if isinstance(r, str) and r)
 st.caption(
-    f"{len(shown)} tensors against **{literal(reference)}** · colour: log₁₀ {literal(METRIC_LABELS[metric])} · "
+    f"{len(shown)} tensors"
+    + (f" against **{literal(reference)}**" if reference else "")
+    + " · colour: log₁₀ {literal(METRIC_LABELS[metric])} · "
     "symbols: "
     + literal(" ".join(f"{VERDICT_SYMBOLS[v]} {v}" for v in report.VERDICT_ORDER))
     + " · blank cells: exactly 0 or no such tensor. Click a cell to inspect it."
@@ -123,11 +126,18 @@ row = by_name[tensor]
 if view("tensor") != tensor:
     set_view("tensor", tensor)
 
+# a row of an adapter PEFT refused on the target has no reference, dtype or shape
+against = f" vs {row['reference']}" if row.get("reference") else ""
+what = " ".join(str(row[c]) for c in ("dtype", "shape") if pd.notna(row.get(c)) and row.get(c))
 verdict_box(
     row["verdict"],
-    f"{tensor} on {target} vs {row['reference']} · {row['dtype']} {row['shape']}\n{row['explanation']}"
+    f"{tensor} on {target}{against}"
+    + (f" · {what}" if what else "")
+    + f"\n{row['explanation']}"
     + (f"\nWhy: {row['note']}" if row.get("note") else ""),
 )
+if not row["numel"]:  # nothing of it was measured (`core.checks.base.refused_rows`)
+    st.stop()
 m = st.columns(5)
 m[0].metric("max |Δ|", f"{row['max_abs']:.4e}" if pd.notna(row["max_abs"]) else "—")
 m[1].metric("relative L2", f"{row['rel_l2']:.4e}" if pd.notna(row["rel_l2"]) else "—")
@@ -137,7 +147,8 @@ m[3].metric(
     f"{row['min_atol']:.3e}" if pd.notna(row["min_atol"]) else "—",
     help="The smallest atol with which this tensor passes at the row's rtol (0: rtol alone covers it).",
 )
-m[4].metric("mismatched", f"{int(row['n_mismatch'] or 0)} / {int(row['numel'])}")
+mismatched = int(row["n_mismatch"]) if pd.notna(row["n_mismatch"]) else "—"
+m[4].metric("mismatched", f"{mismatched} / {int(row['numel'])}")
 
 
 adapter_of_row = row["adapter"] if isinstance(row["adapter"], str) else None
