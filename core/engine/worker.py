@@ -198,9 +198,8 @@ def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
                     # a PEFT or bitsandbytes layer that fails on a quantized base is a finding about that
                     # adapter there (QDoRA on int8 on the CPU: its second forward raises), not the run's end
                     error = f"{type(e).__name__}: {e} (raised in {_raised_in(e)})"
-                    capture.meta.setdefault(FAILED, {}).setdefault(check.name, {})[loaded.adapter.name] = (
-                        error
-                    )
+                    failed = capture.meta.setdefault(FAILED, {}).setdefault(check.name, {})
+                    failed[loaded.adapter.name] = error
                     capture.notes.append(f"{loaded.adapter.name}: {check.name} failed: {error}")
             release_scratch()  # this model's references are read: the next model's load needs the room
             # how it was loaded, and the ops its forwards computed in float32 (a float64 reference's)
