@@ -308,8 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return EXIT_ERROR
     except BrokenPipeError:
-        # `weightdrift runs | head -1`: the reader has what it wanted; not an error to report. Stdout
-        # goes to /dev/null so the flush at exit cannot raise again.
+        # `weightdrift runs | head -1`: nothing to report; stdout to /dev/null, so the exit's flush is quiet
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_ERROR
     except Exception as e:
