@@ -3,6 +3,7 @@ spawned worker's (same numbers, bit for bit), and what happens when the server i
 
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -25,6 +26,23 @@ def _stat(pid: int) -> tuple[str, int]:
     with open(f"/proc/{pid}/comm") as f:
         name = f.read().strip()
     return name, os.getsid(pid)
+
+
+def test_the_server_waits_a_moment_for_a_passing_thread_before_it_refuses_a_fork():
+    """A thread an import leaves running a moment (CI once met 2 threads at the first request) ends
+    within the settling time, and the task forks; one that stays is counted at the deadline."""
+    code = (
+        "import threading, time\n"
+        "from core.engine.worker import threads\n"
+        "threading.Thread(target=time.sleep, args=(0.3,)).start()\n"
+        "print(threads(), threads(5.0))\n"
+        "threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+        "t0 = time.monotonic(); print(threads(0.2), 0.2 <= time.monotonic() - t0 < 5)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=worker_env(False)
+    )
+    assert out.stdout.split() == ["2", "1", "2", "True"], (out.stdout, out.stderr)
 
 
 def test_a_forked_task_process_is_made_like_a_spawned_worker_and_dies_with_its_server():
@@ -269,7 +287,6 @@ def test_a_process_without_the_libraries_validates_its_inputs_in_a_forked_worker
     """The CLI's process has not imported transformers or PEFT: the warm fork server's child checks the
     inputs, and says what is wrong exactly as the check in this process does (the same InputError)."""
     import json
-    import subprocess
 
     from tiny_models import save_with_lora
 

@@ -468,9 +468,13 @@ def preimport(fork_safe: bool = False) -> None:
         kernel.compare_cpu(a + 0.5, a, 0.0, 0.0, parallel=True, sketch=True)
 
 
-def threads() -> int:
-    """How many threads this process has now (Linux: /proc/self/task)."""
-    return len(os.listdir("/proc/self/task"))
+def threads(settle_s: float = 0.0) -> int:
+    """How many threads this process has (Linux: /proc/self/task), waiting up to `settle_s` for just one:
+    a thread an import leaves running a moment (CI met 2 at a first request) ends, and the task forks."""
+    deadline = time.monotonic() + settle_s
+    while (count := len(os.listdir("/proc/self/task"))) != 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return count
 
 
 def _stop_blas_pools() -> None:
@@ -514,6 +518,7 @@ def serve_forks(fd: int) -> int:
     gc.freeze()  # what is imported stays in pages the forked tasks share (no collection touches them)
     children: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, answer socket)
     server_pid = os.getpid()
+    settle_s = 2.0
     while True:
         ready, _, _ = select.select([control, *children], [], [])
         for pidfd in [r for r in ready if r is not control]:
@@ -535,8 +540,9 @@ def serve_forks(fd: int) -> int:
             continue
         stdin, stdout, answer_fd = fds
         answers = socket.socket(fileno=answer_fd)
-        count = threads()
+        count = threads(settle_s)
         if count != 1:
+            settle_s = 0.0  # a thread that stays: later requests are refused at once (the runner spawns)
             _answer(answers, f"refused the fork server has {count} threads")
             answers.close()
         else:
