@@ -376,7 +376,7 @@ def test_qdora_delta_on_a_quantized_base_is_peft_merge_of_the_dequantized_weight
 
 
 def test_the_pages_say_which_adapter_peft_refused(methods_run, monkeypatch: pytest.MonkeyPatch) -> None:
-    from apptest import make_app, no_exceptions, texts
+    from apptest import make_app, no_exceptions, shown, texts
 
     record, _, _ = methods_run
     home = record.run_dir.parent.parent
@@ -386,3 +386,6 @@ def test_the_pages_say_which_adapter_peft_refused(methods_run, monkeypatch: pyte
         no_exceptions(at)
         # the Overview's broken rows; the Drift page opens on its worst row (PiSSA's on nf4, or on int8)
         assert "Please initialize PiSSA" in texts(at), texts(at)
+    captions = [shown(c) for c in at.caption]
+    assert any("colour: log₁₀ relative L2 · symbols" in c for c in captions), captions
+    assert not any("{" in c for c in captions), captions  # every placeholder filled in

@@ -88,7 +88,7 @@ reference = ", ".join(r for r in dict.fromkeys(shown["reference"]) if isinstance
 st.caption(
     f"{len(shown)} tensors"
     + (f" against **{literal(reference)}**" if reference else "")
-    + " · colour: log₁₀ {literal(METRIC_LABELS[metric])} · "
+    + f" · colour: log₁₀ {literal(METRIC_LABELS[metric])} · "
     "symbols: "
     + literal(" ".join(f"{VERDICT_SYMBOLS[v]} {v}" for v in report.VERDICT_ORDER))
     + " · blank cells: exactly 0 or no such tensor. Click a cell to inspect it."
