@@ -37,6 +37,7 @@ from core.checks.base import (
     CaptureContext,
     Check,
     Reference,
+    adapter_finding,
     add_note,
     missing_reference_row,
     tolerance,
@@ -115,10 +116,8 @@ class AdaptersCheck(Check):
                 continue
             try:
                 kind, logits = forward_output(model, ctx.probe)
-            except (MemoryError, torch.OutOfMemoryError):
-                raise
             except Exception as e:
-                if not (ctx.target.quantized and loaded.adapter is not None):
+                if not adapter_finding(ctx.target, loaded, e):
                     raise
                 # PEFT's layer failing on a quantized base (QDoRA on int8 on the CPU once the layer has run):
                 # a finding about this adapter there, as in the shared checks (`core.checks.base.FAILED`)

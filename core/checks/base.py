@@ -342,6 +342,14 @@ NOT_LOADED = "(not loaded)"  # the tensor name of a refused adapter's row
 CAPTURE_FAILED = "(failed)"  # and of a failed capture's
 
 
+def adapter_finding(target: Target, loaded: Loaded, error: Exception) -> bool:
+    """Whether `error`, raised while measuring `loaded` on `target`, is a finding about that adapter there
+    (a PEFT or bitsandbytes layer failing on a quantized base: a `(failed)` row) rather than the task's
+    end (on a float target, for the bare base, or out of memory)."""
+    oom = isinstance(error, (MemoryError, torch.OutOfMemoryError))
+    return target.quantized and loaded.adapter is not None and not oom
+
+
 def refused_rows(check: str, captures: list[Capture]) -> list[dict[str, Any]]:
     """One `broken` row of `check` for each adapter PEFT refused on a target, and for each adapter whose
     capture of `check` raised there: the table says so rather than leaving the adapter out unseen."""

@@ -141,7 +141,7 @@ def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
     """
     from core.capture import BASE, Capture, capture_folder_name
     from core.checks import get_checks
-    from core.checks.base import FAILED, REFUSED, CaptureContext
+    from core.checks.base import FAILED, REFUSED, CaptureContext, adapter_finding
     from core.models.checkpoint import adapters_task_type, load_config, release_scratch
     from core.models.loading import STRATEGIES, float32_fallback_notes, model_class
     from core.models.probes import probe_inputs
@@ -193,7 +193,7 @@ def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
                 try:
                     check.capture(ctx, loaded, capture)
                 except Exception as e:
-                    if not (target.quantized and loaded.adapter is not None) or _fatal(e):
+                    if isinstance(e, Cancelled) or not adapter_finding(target, loaded, e):
                         raise
                     # a PEFT or bitsandbytes layer that fails on a quantized base is a finding about that
                     # adapter there (QDoRA on int8 on the CPU: its second forward raises), not the run's end
@@ -219,13 +219,6 @@ def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
     if task.part and (folder / "capture.json").exists():
         capture.join(Capture.load(folder))  # an earlier pass's checks on this target: one capture
     capture.save(folder)
-
-
-def _fatal(e: Exception) -> bool:
-    """Errors that end a task wherever they come from: cancellation, and running out of memory."""
-    import torch
-
-    return isinstance(e, (Cancelled, MemoryError, torch.OutOfMemoryError))
 
 
 def _raised_in(e: BaseException) -> str:
