@@ -89,6 +89,7 @@ def _run(home: Path, base: str, adapters: list[tuple[str, str]], targets: list[s
 def ratios(table: pd.DataFrame, target: str, peer: str, other: pd.DataFrame | None = None) -> pd.Series:
     """`target`'s rel_l2 ÷ `peer`'s on the same tensor, every judged row (`other`: the peer's rows come
     from another run of the same model, i.e. another process)."""
+    from core.checks import get_checks
     from core.judgement import add_peer_columns
 
     peer_name = peer if other is None else "__peer__"
@@ -99,7 +100,8 @@ def ratios(table: pd.DataFrame, target: str, peer: str, other: pd.DataFrame | No
         )
         table = pd.concat([table[table["target"] == target], theirs], ignore_index=True)
     both = table
-    judged = add_peer_columns(both, {target: peer_name, peer_name: peer_name}, set(JUDGED))
+    strict = frozenset(c.name for c in get_checks(JUDGED) if c.loads_exactly)
+    judged = add_peer_columns(both, {target: peer_name, peer_name: peer_name}, set(JUDGED), strict)
     return pd.to_numeric(judged.loc[judged["target"] == target, "peer_ratio"], errors="coerce").dropna()
 
 

@@ -8,9 +8,11 @@ Exact numbers are not yet an answer. Two readings of a finished run give one:
   agree on every tensor join their targets into groups.
 - **Anomalies.** Each target's distance to the reference is set against its *peer's* on the same
   tensor (`core.spec.peer_of`: the CPU target of its dtype without flags):
-  `peer_ratio = rel_l2 ÷ the peer's rel_l2`. A row whose ratio exceeds `ANOMALY_RATIO` is an anomaly;
-  the rest of a dtype's drift is what its own rounding gives. Where the peer is bitwise exact and
-  the target is not, the ratio is infinite; where both are exact, 1.
+  `peer_ratio = rel_l2 ÷ max(the peer's rel_l2, ε)`. A row whose ratio exceeds `ANOMALY_RATIO` is an
+  anomaly; the rest of a dtype's drift is what its own rounding gives. ε is the machine epsilon of the
+  row's dtype for computed tensors (deltas, outputs, merge, activations): an exact CPU peer does not
+  make a GPU's ordinary rounding infinite. Loaded weights keep the strict rule (ε = 0): a load that
+  should be bitwise and is not is ∞. Where both are exact, 1.
 
 Pure functions of the tables (pandas); nothing here loads a model.
 """
@@ -49,10 +51,13 @@ _NUMERICS = (
 )
 
 
-def add_peer_columns(table: pd.DataFrame, peers: dict[str, str | None], judged: set[str]) -> pd.DataFrame:
+def add_peer_columns(
+    table: pd.DataFrame, peers: dict[str, str | None], judged: set[str], strict: frozenset[str] = frozenset()
+) -> pd.DataFrame:
     """`table` with `peer` (the peer's target name; null where there is none or the check is not
-    judged) and `peer_ratio` (this row's rel_l2 ÷ the peer's on the same tensor; null where either
-    is missing and for the peer's own rows)."""
+    judged) and `peer_ratio` (this row's rel_l2 ÷ the peer's on the same tensor, floored at the row
+    dtype's machine epsilon except for the `strict` checks; null where either is missing and for the
+    peer's own rows)."""
     out = table.copy()
     if out.empty:
         out["peer"], out["peer_ratio"] = pd.Series(dtype=object), pd.Series(dtype=float)
@@ -73,20 +78,43 @@ def add_peer_columns(table: pd.DataFrame, peers: dict[str, str | None], judged: 
     peer_rel = pd.Series(lookup.reindex(index).to_numpy(), index=out.index)
     own = peer.notna() & (peer == out["target"])
     out["peer"] = peer.astype(object).where(peer.notna(), None)
-    out["peer_ratio"] = [math.nan if o else ratio(t, p) for o, t, p in zip(own, rel, peer_rel, strict=True)]
+    floors = [0.0 if c in strict else dtype_floor(d) for c, d in zip(out["check"], out["dtype"], strict=True)]
+    out["peer_ratio"] = [
+        math.nan if o else ratio(t, p, f) for o, t, p, f in zip(own, rel, peer_rel, floors, strict=True)
+    ]
     return out
 
 
-def ratio(error: float, peer_error: float) -> float:
-    """`error ÷ peer_error` for two rel_l2 values: 1 where both are 0, ∞ where only the peer's is 0
-    (or only this one is not finite), NaN where the peer's is unknown."""
+def dtype_floor(dtype: Any) -> float:
+    """The machine epsilon of a row's dtype (`torch.finfo(dtype).eps`; a quantized target's rows carry
+    its compute dtype): the smallest peer error a computed tensor is judged against. 0 where the dtype
+    is no float dtype torch knows."""
+    return _EPS.get(str(dtype).removeprefix("torch."), 0.0)
+
+
+# torch.finfo(dtype).eps, written out: judgement is pure pandas and imports no torch
+_EPS = {
+    "float64": 2.220446049250313e-16,
+    "float32": 1.1920928955078125e-07,
+    "bfloat16": 0.0078125,
+    "float16": 0.0009765625,
+}
+
+
+def ratio(error: float, peer_error: float, floor: float = 0.0) -> float:
+    """`error ÷ max(peer_error, floor)` for two rel_l2 values: 1 where both are 0, ∞ where the
+    denominator is 0 and the error not (or only this one is not finite), NaN where the peer's is
+    unknown."""
     if peer_error is None or math.isnan(peer_error):
         return math.nan
     if not math.isfinite(error):
         return math.inf if math.isfinite(peer_error) else math.nan
-    if peer_error == 0.0:
-        return 1.0 if error == 0.0 else math.inf
-    return error / peer_error
+    if error == 0.0 and peer_error == 0.0:
+        return 1.0
+    below = max(peer_error, floor)
+    if below == 0.0:
+        return math.inf
+    return error / below
 
 
 def anomalies(table: pd.DataFrame, k: float = ANOMALY_RATIO) -> pd.DataFrame:
@@ -100,6 +128,25 @@ def anomalies(table: pd.DataFrame, k: float = ANOMALY_RATIO) -> pd.DataFrame:
         .sort_values("_r", ascending=False, kind="stable")
         .drop(columns="_r")
     )
+
+
+# What a judged row is called where it is not identical, within tolerance or broken (`judged_verdicts`)
+AS_EXPECTED = "as expected for its dtype"
+ANOMALY = "anomaly"
+
+
+def judged_verdicts(table: pd.DataFrame, k: float = ANOMALY_RATIO) -> pd.Series:
+    """Each row's verdict read with the judgement, as the Overview reads it: a judged row beyond
+    tolerance is `anomaly` when its error exceeds `k`× its peer's, else `as expected for its dtype`
+    (the peer's own rows too: their drift is their dtype's rounding); `identical`, `within tolerance`
+    and `broken` stay, and so does every verdict of a row with no peer."""
+    if table.empty or "peer" not in table or "peer_ratio" not in table:
+        return table["verdict"] if "verdict" in table else pd.Series(dtype=object)
+    verdict = table["verdict"].astype(object)
+    judged = table["peer"].notna()
+    over = pd.to_numeric(table["peer_ratio"], errors="coerce") > k
+    out = verdict.where(~(judged & (verdict == "drift")), AS_EXPECTED)
+    return out.where(~(judged & over & verdict.isin(["drift", "within tolerance"])), ANOMALY)
 
 
 def anomaly_records(table: pd.DataFrame, k: float = ANOMALY_RATIO) -> list[dict[str, Any]]:

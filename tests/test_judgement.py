@@ -20,13 +20,20 @@ from safetensors.torch import load_file, save_file
 from bench.judgement import perturbing
 from core import cli
 from core.engine.store import Store
+from core.checks import get_checks
 from core.judgement import (
+    ANOMALY,
     ANOMALY_RATIO,
+    AS_EXPECTED,
     add_peer_columns,
     agreement_groups,
+    anomalies,
     anomaly_records,
+    dtype_floor,
     explain,
+    judged_verdicts,
     ratio,
+    summarise_anomalies,
 )
 from core.spec import REFERENCE_TARGET, ProbeSpec, Target, peer_of
 
@@ -103,7 +110,7 @@ def test_peer_ratio_is_rel_l2_over_the_peer_s_on_the_same_tensor():
         ("memory", "cuda:0/float32", "x", None, "m", 5.0, "drift", "float32"),
     )
     peers = {"cpu/float32": "cpu/float32", "cuda:0/float32": "cpu/float32"}
-    out = add_peer_columns(table, peers, {"outputs", "weights", "merge"})
+    out = add_peer_columns(table, peers, {"outputs", "weights", "merge"}, strict=frozenset({"weights"}))
     assert out["peer"].tolist() == ["cpu/float32"] * 8 + [None]
     r = out["peer_ratio"].tolist()
     assert math.isnan(r[0]) and math.isnan(r[3])  # the peer's own rows have no ratio
@@ -125,6 +132,81 @@ def test_peer_ratio_is_rel_l2_over_the_peer_s_on_the_same_tensor():
             "peer": "cpu/float32",
         },
     ]
+
+
+def test_a_computed_tensor_s_peer_error_is_floored_at_its_dtype_s_epsilon_and_a_load_s_is_not():
+    eps32, eps16 = torch.finfo(torch.float32).eps, torch.finfo(torch.bfloat16).eps
+    assert dtype_floor("float32") == eps32 and dtype_floor("torch.bfloat16") == eps16
+    assert dtype_floor("float16") == torch.finfo(torch.float16).eps
+    assert dtype_floor("float64") == torch.finfo(torch.float64).eps and dtype_floor("int8") == 0.0
+    table = _rows(
+        ("activations", "cpu/float32", "cpu/float64", None, "norm", 0.0, "identical", "float32"),
+        ("activations", "cuda:0/float32", "cpu/float64", None, "norm", 5e-8, "within tolerance", "float32"),
+        ("activations", "cuda:0/float32", "cpu/float64", "p", "up", 3e-5, "drift", "float32"),
+        ("activations", "cpu/float32", "cpu/float64", "p", "up", 1e-7, "within tolerance", "float32"),
+        ("weights", "cpu/float32", "checkpoint", None, "w", 0.0, "identical", "float32"),
+        ("weights", "cuda:0/float32", "checkpoint", None, "w", 5e-8, "within tolerance", "float32"),
+        ("outputs", "cpu/bfloat16", "cpu/float64", None, "logits", 0.0, "identical", "bfloat16"),
+        ("outputs", "cuda:0/bfloat16", "cpu/float64", None, "logits", 4e-3, "drift", "bfloat16"),
+    )
+    peers = {t: t.replace("cuda:0", "cpu") for t in table["target"]}
+    out = add_peer_columns(table, peers, {"activations", "weights", "outputs"}, strict=frozenset({"weights"}))
+    r = out["peer_ratio"].tolist()
+    assert r[1] == 5e-8 / eps32  # an exact CPU peer: GPU float32 rounding is no infinite ratio
+    assert r[2] == 3e-5 / eps32  # the peer under ε: judged against ε
+    assert r[5] == math.inf  # a load that should be bitwise and is not stays ∞
+    assert r[7] == 4e-3 / eps16
+    assert [a["tensor"] for a in anomaly_records(out)] == ["w", "up"]
+    assert ratio(0.0, 0.0, eps32) == 1.0 and ratio(0.0, 0.0) == 1.0 and ratio(1e-9, 0.0) == math.inf
+    # the pages' marks: judged drift is its dtype's rounding unless over k× the peer's, then an anomaly
+    marks = judged_verdicts(out).tolist()
+    assert marks == [
+        "identical",
+        "within tolerance",
+        ANOMALY,
+        "within tolerance",
+        "identical",
+        ANOMALY,
+        "identical",
+        AS_EXPECTED,
+    ]
+
+
+# The metrics table of `core run --demo --check weights deltas outputs merge activations generate` on an
+# NVIDIA H200 (shared/gpu-runs/h200-2026-11-28/demo-all-checks), peer columns as that run wrote them.
+H200_DEMO = Path(__file__).parent / "data" / "h200" / "demo-all-checks-metrics.parquet"
+
+
+def test_on_the_h200_demo_the_anomalies_are_pissa_on_cuda_float32_and_tf32_and_nothing_on_bfloat16():
+    table = pd.read_parquet(H200_DEMO).drop(columns=["peer", "peer_ratio"])
+    targets = [Target.parse(t) for t in dict.fromkeys(table["target"])]
+    peers = {str(t): str(peer_of(t, targets, REFERENCE_TARGET, True)) for t in targets}
+    assert peers["cuda:0/float32+tf32"] == "cpu/float32" and peers["cuda:0/bfloat16"] == "cpu/bfloat16"
+    strict = frozenset(c.name for c in get_checks(list(dict.fromkeys(table["check"]))) if c.loads_exactly)
+    assert strict == {"weights"}
+    out = add_peer_columns(table, peers, set(table["check"]), strict)
+    found = anomalies(out)
+    by = found.groupby(["target", "check"]).size().to_dict()
+    assert by == {
+        ("cuda:0/float32", "activations"): 59,
+        ("cuda:0/float32", "merge"): 6,
+        ("cuda:0/float32", "outputs"): 1,
+        ("cuda:0/float32+tf32", "activations"): 546,
+        ("cuda:0/float32+tf32", "deltas"): 100,
+        ("cuda:0/float32+tf32", "merge"): 398,
+        ("cuda:0/float32+tf32", "outputs"): 7,
+    }
+    assert set(found.loc[found["target"] == "cuda:0/float32", "adapter"]) == {"pissa"}
+    # before the floor: 136 on cuda:0/float32, 70 of them infinite (norm layers exact on the CPU)
+    before = anomalies(add_peer_columns(table, peers, set(table["check"]), frozenset(table["check"])))
+    plain = before[before["target"] == "cuda:0/float32"]
+    assert len(plain) == 136 and int((plain["peer_ratio"] == math.inf).sum()) == 70
+    # the pages mark no bfloat16 cell as an anomaly, and no judged cell as bare drift
+    marks = judged_verdicts(out)
+    assert not (marks[out["dtype"] == "bfloat16"] == ANOMALY).any()
+    assert not (marks[out["peer"].notna()] == "drift").any()
+    summaries = summarise_anomalies(out)
+    assert {s.target for s in summaries} == {"cuda:0/float32", "cuda:0/float32+tf32"}
 
 
 def test_groups_partition_targets_by_bitwise_equality_and_name_what_splits_them():

@@ -141,6 +141,9 @@ class Check(ABC):
     # Its rows are set against the peer's on the same tensor (`core.judgement`): checks whose rows
     # measure a target against the reference; not those comparing a target with itself.
     judged: ClassVar[bool] = True
+    # A judged check whose rows are loaded tensors that should be bitwise the file: a peer exact
+    # there makes any error ∞. Computed tensors instead floor the peer's error at their dtype's eps.
+    loads_exactly: ClassVar[bool] = False
 
     @abstractmethod
     def capture(self, ctx: CaptureContext, loaded: Loaded, out: Capture) -> None:

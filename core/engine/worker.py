@@ -316,7 +316,9 @@ def run_compare(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
                     add_note(row, reference_fallback_note(fallback))
         frame = metrics_table(rows)
         if check.judged and peers:  # a check's rows hold every target's: its peers' too
-            frame = add_peer_columns(frame, peers, {check.name})
+            frame = add_peer_columns(
+                frame, peers, {check.name}, frozenset({check.name}) if check.loads_exactly else frozenset()
+            )
         frames.append(frame)
     if (
         not task.partial and len(shared_captures) > 1

@@ -17,9 +17,9 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from core.checks.activations import ACCUMULATED, Divergence
-from core.report import SEVERITY
 from dashboard.figures.common import (
     COLORSCALE,
+    MARK_SEVERITY,
     _label,
     _log10_positive,
     _numeric,
@@ -134,7 +134,7 @@ def activations_heatmap(
         )
         cells = mine.assign(
             _depth=depth[mine.index],
-            _sev=mine["verdict"].map(SEVERITY).fillna(len(SEVERITY)),
+            _sev=mine["verdict"].map(MARK_SEVERITY).fillna(len(MARK_SEVERITY)),
             _v=_numeric(mine[metric]),
         ).sort_values(["_sev", "_v"], ascending=False, na_position="last", kind="stable")
         cells = cells.drop_duplicates(["_depth", "role"])

@@ -20,7 +20,8 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from core.report import SEVERITY, VERDICT_ORDER
+from core.judgement import ANOMALY, AS_EXPECTED, judged_verdicts
+from core.report import VERDICT_ORDER
 from dashboard.text import plot_text
 
 METRICS = ("max_abs", "rel_l2", "max_ulp", "min_atol")
@@ -68,6 +69,32 @@ VERDICT_SYMBOLS: dict[str, str] = {
     "drift": "▲",
     "broken": "✗",
 }
+# The marks a cell can carry: the verdicts, and the judgement's two words for rows with a peer
+# (`with_judgement`), in order of severity.
+MARK_ORDER = ("identical", "within tolerance", AS_EXPECTED, "drift", ANOMALY, "broken")
+MARK_SEVERITY = {v: i for i, v in enumerate(MARK_ORDER)}
+VERDICT_COLORS[AS_EXPECTED] = "#8c7ae6"
+VERDICT_COLORS[ANOMALY] = "#d6336c"
+VERDICT_SYMBOLS[AS_EXPECTED] = "≈"
+VERDICT_SYMBOLS[ANOMALY] = "‼"
+# How a page marks its cells: with the judgement (as the Overview answers) or the tolerance verdicts.
+MARKS = {"judgement": "as judged (expected for its dtype, or anomaly)", "verdict": "tolerance verdict"}
+
+
+def with_judgement(table: pd.DataFrame) -> pd.DataFrame:
+    """`table` with each row's `verdict` read with the judgement (`core.judgement.judged_verdicts`) and
+    the tolerance verdict kept in `tolerance_verdict` for the hover."""
+    if table.empty or "verdict" not in table:
+        return table
+    return table.assign(tolerance_verdict=table["verdict"], verdict=judged_verdicts(table))
+
+
+def mark_legend(marks: str) -> str:
+    """The caption's list of the symbols a page draws under `marks` (a key of `MARKS`)."""
+    shown = MARK_ORDER if marks == "judgement" else VERDICT_ORDER
+    return " ".join(f"{VERDICT_SYMBOLS[v]} {v}" for v in shown)
+
+
 UNKNOWN_COLOR = "#888888"
 UNKNOWN_SYMBOL = "?"
 
@@ -131,7 +158,7 @@ def _verdict_symbol(verdict: str) -> str:
 
 def _verdicts_in_order(present: Any) -> list[str]:
     present = [v for v in pd.unique(pd.Series(list(present), dtype=object)) if isinstance(v, str)]
-    return [v for v in VERDICT_ORDER if v in present] + [v for v in present if v not in VERDICT_ORDER]
+    return [v for v in MARK_ORDER if v in present] + [v for v in present if v not in MARK_ORDER]
 
 
 def empty_figure(message: str = "no rows", *, title: str | None = None) -> go.Figure:
@@ -296,7 +323,7 @@ def _representatives(table: pd.DataFrame, metric: str) -> pd.DataFrame:
     cells = table.assign(
         _row=_row_labels(table),
         _col=_col_labels(table),
-        _sev=table["verdict"].map(SEVERITY).fillna(len(SEVERITY)) if "verdict" in table else 0,
+        _sev=table["verdict"].map(MARK_SEVERITY).fillna(len(MARK_SEVERITY)) if "verdict" in table else 0,
         _value=_numeric(table[metric]),
     )
     cells = cells.sort_values(["_sev", "_value"], ascending=False, na_position="last", kind="stable")
@@ -317,6 +344,9 @@ def _tensor_hover(row: pd.Series) -> str:
         )
     verdict = _text(row.get("verdict"))
     lines.append(f"verdict: <b>{_verdict_symbol(verdict)} {html.escape(verdict)}</b>")
+    tolerance = _text(row.get("tolerance_verdict"))
+    if tolerance and tolerance != verdict:
+        lines.append(f"tolerance verdict: {_verdict_symbol(tolerance)} {html.escape(tolerance)}")
     for m in METRICS:
         lines.append(f"{_label(m)}: {_fmt(row.get(m))}")
     if _text(row.get("peer")) and _text(row.get("peer")) != _text(row.get("target")):

@@ -9,10 +9,17 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from core import report
 from core.checks.activations import ACCUMULATED, LOCAL_DRIFT, NAME, first_divergences
 from dashboard.figures.activations import activations_heatmap, depth_line_chart
-from dashboard.figures.common import METRIC_LABELS, VERDICT_SYMBOLS, colourable, metric_choices
+from dashboard.figures.common import (
+    MARKS,
+    METRIC_LABELS,
+    VERDICT_SYMBOLS,
+    colourable,
+    mark_legend,
+    metric_choices,
+    with_judgement,
+)
 from dashboard.state import bound_select, metrics_table, set_view, view
 from dashboard.text import inert, literal
 from dashboard.ui import (
@@ -55,6 +62,9 @@ metric = bound_select(
 drift = bound_select(
     "Drift", "drift", list(DRIFTS), default=ACCUMULATED, format_func=DRIFTS.get, horizontal=True
 )
+marks = bound_select(
+    "Cells say", "marks", list(MARKS), default="judgement", format_func=MARKS.get, horizontal=True
+)
 shown = rows[rows["adapter"].isna()] if adapter == BASE else rows[rows["adapter"] == adapter]
 
 # Lead with the finding: where each target first parts from the reference.
@@ -69,12 +79,16 @@ st.caption(
     f"{literal(shown['module_path'].nunique())} module outputs on the probe against "
     f"**{literal(', '.join(dict.fromkeys(shown['reference'])))}** · colour: log₁₀ {literal(METRIC_LABELS[metric])}"
     " · red ring: first divergence · symbols: "
-    + literal(" ".join(f"{VERDICT_SYMBOLS[v]} {v}" for v in report.VERDICT_ORDER))
+    + literal(mark_legend(marks))
     + " · blank cells: exactly 0 or no such module. Click a cell to inspect it."
 )
 
 fig = activations_heatmap(
-    colourable(shown, metric), metric, drift, divergences, title=f"{adapter} · {drift} drift · {metric}"
+    colourable(with_judgement(shown) if marks == "judgement" else shown, metric),
+    metric,
+    drift,
+    divergences,
+    title=f"{adapter} · {drift} drift · {metric}",
 )
 clickable_heatmap(fig, key="activations.heatmap")
 part = shown[shown["drift"] == drift].sort_values(["target", "order"])

@@ -7,11 +7,14 @@ import streamlit as st
 
 from core import report
 from dashboard.figures.common import (
+    MARKS,
     METRIC_LABELS,
     VERDICT_SYMBOLS,
     colourable,
     drift_heatmap,
+    mark_legend,
     metric_choices,
+    with_judgement,
 )
 from dashboard.state import bound_select, metrics_table, set_view, view
 from dashboard.text import literal
@@ -82,6 +85,9 @@ metric = bound_select(
     container=c3,
     format_func=lambda m: METRIC_LABELS[m],
 )
+marks = bound_select(
+    "Cells say", "marks", list(MARKS), default="judgement", format_func=MARKS.get, horizontal=True
+)
 shown = selection_rows(rows, adapter)
 # a refused adapter's rows have no reference (`core.checks.base.refused_rows`)
 reference = ", ".join(r for r in dict.fromkeys(shown["reference"]) if isinstance(r, str) and r)
@@ -90,11 +96,14 @@ st.caption(
     + (f" against **{literal(reference)}**" if reference else "")
     + f" · colour: log₁₀ {literal(METRIC_LABELS[metric])} · "
     "symbols: "
-    + literal(" ".join(f"{VERDICT_SYMBOLS[v]} {v}" for v in report.VERDICT_ORDER))
+    + literal(mark_legend(marks))
     + " · blank cells: exactly 0 or no such tensor. Click a cell to inspect it."
 )
 
-fig = drift_heatmap(colourable(shown, metric), metric, title=f"{check} · {adapter} · {METRIC_LABELS[metric]}")
+marked = with_judgement(shown) if marks == "judgement" else shown
+fig = drift_heatmap(
+    colourable(marked, metric), metric, title=f"{check} · {adapter} · {METRIC_LABELS[metric]}"
+)
 clickable_heatmap(fig, key="drift.heatmap")
 downloads(fig, shown, f"{record.run_id}-{check}-{adapter}-{metric}", key="drift.heatmap")
 
