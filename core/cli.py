@@ -608,6 +608,7 @@ def _run_and_report(args, engine_class, runner, plan=None, after=None) -> int:
                     "duration_s": duration,
                     "exit_code": code,
                     "groups": judgement.groups_json(),
+                    "rewrites": [r.sentence() for r in judgement.rewrites],
                     "anomalies": anomaly_records(table) if judgement.unjudged is None else [],
                     "verdicts": report.verdict_counts(table),
                     "verdicts_by_check_target": report.records(by),

@@ -257,6 +257,73 @@ def _difference(rows: pd.DataFrame, a: str, b: str) -> tuple[int, str]:
     return n, f"differs from the first group in {n} of {total} {kind}tensors{what}"
 
 
+@dataclass
+class Rewrite:
+    """An adapter that rewrites base weights when it loads (PiSSA's SVD, OLoRA's QR, on the load
+    device), and the targets whose rewritten weights differ from their peer's (or, without peers,
+    from the run's first target's)."""
+
+    adapter: str
+    n: int
+    how: str
+    differing: list[tuple[str, str]] = field(default_factory=list)  # (target, the target it differs from)
+
+    def sentence(self) -> str:
+        """`pissa rewrites 12 base weights at load (SVD on the load device): cuda:0/float32 differs from
+        cpu/float32 in them`."""
+        head = (
+            f"{self.adapter} rewrites {self.n} base weight{'s' if self.n != 1 else ''} at load ({self.how})"
+        )
+        if not self.differing:
+            return f"{head}: every target is bitwise its peer in them"
+        return f"{head}: " + "; ".join(f"{t} differs from {o} in them" for t, o in self.differing)
+
+
+def rewrites(table: pd.DataFrame, pairwise: pd.DataFrame, targets: list[str]) -> list[Rewrite]:
+    """The adapters whose rows carry a `rewrite` (base weights rewritten at load: the weights check's
+    `rewritten base` rows), each with the targets that differ in those weights from their peer."""
+    if table.empty or "rewrite" not in table:
+        return []
+    rows = table[table["rewrite"].notna() & table["target"].isin(targets)]
+    out = []
+    for adapter, mine in rows.groupby("adapter", sort=False):
+        tensors = set(mine["tensor"])
+        pairs = (
+            pairwise[pairwise["adapter"].eq(adapter) & pairwise["tensor"].isin(tensors)]
+            if len(pairwise)
+            else pairwise
+        )
+        against = _peers_or_first(mine, targets)
+        differing = []
+        for target, other in against:
+            pair = (
+                pairs[
+                    ((pairs["target"] == target) & (pairs["other"] == other))
+                    | ((pairs["target"] == other) & (pairs["other"] == target))
+                ]
+                if len(pairs)
+                else pairs
+            )
+            if len(pair) and not pair["bitwise_equal"].astype("boolean").fillna(False).all():
+                differing.append((target, other))
+        out.append(Rewrite(str(adapter), len(tensors), str(mine["rewrite"].iloc[0]), differing))
+    return out
+
+
+def _peers_or_first(rows: pd.DataFrame, targets: list[str]) -> list[tuple[str, str]]:
+    """(target, what it is set against) for the targets of `rows`: its peer where the rows name one,
+    else the run's first target."""
+    present = [t for t in targets if t in set(rows["target"])]
+    peer = rows.drop_duplicates("target").set_index("target")["peer"] if "peer" in rows else None
+    out = []
+    for t in present:
+        other = peer.get(t) if peer is not None else None
+        other = other if isinstance(other, str) else present[0]
+        if other != t and other in present:
+            out.append((t, other))
+    return out
+
+
 def explain(target_env: dict[str, Any], peer_env: dict[str, Any]) -> str:
     """The settings that differ between a target's environment and its peer's, in words
     (`TF32 on, float32 matmul precision 'high'`); empty where none does."""
@@ -352,6 +419,7 @@ class Judgement:
     expected: dict[str, int]  # dtype → rows beyond tolerance that its rounding explains
     unjudged: str | None  # why no row was judged against a peer, or None
     k: float = ANOMALY_RATIO
+    rewrites: list[Rewrite] = field(default_factory=list)  # adapters that rewrite base weights at load
 
     def groups_json(self) -> dict[str, list[list[str]]]:
         """`--json`'s `groups`: per check, the members of each group."""
@@ -361,6 +429,7 @@ class Judgement:
         """The answer in sentences, groups first, for the CLI summary."""
         out = ["agreement groups:"] if self.groups else []
         out += [f"  {g.sentence()}" for g in self.groups.values()]
+        out += [f"  {r.sentence()}" for r in self.rewrites]
         if self.unjudged:
             out.append(f"no anomaly judgement: {self.unjudged}")
         elif self.anomalies:
@@ -401,4 +470,5 @@ def judge(
         expected={} if unjudged else expected_drift(table, k),
         unjudged=unjudged,
         k=k,
+        rewrites=rewrites(table, pairwise, targets),
     )

@@ -19,8 +19,8 @@ from safetensors.torch import load_file, save_file
 
 from bench.judgement import perturbing
 from core import cli
-from core.engine.store import Store
 from core.checks import get_checks
+from core.engine.store import Store
 from core.judgement import (
     ANOMALY,
     ANOMALY_RATIO,
@@ -33,6 +33,7 @@ from core.judgement import (
     explain,
     judged_verdicts,
     ratio,
+    rewrites,
     summarise_anomalies,
 )
 from core.spec import REFERENCE_TARGET, ProbeSpec, Target, peer_of
@@ -411,3 +412,120 @@ def test_a_snapshot_from_another_machine_with_altered_outputs_is_an_anomaly(
     else:  # the same dtype in another process, on "another machine": an ordinary variant
         assert found == set()
         assert out["groups"]["outputs"] == [["gpu-box/cpu/float32", "cpu/float32"]]
+
+
+# --- base weights an adapter rewrites at load (PiSSA) --------------------------------------------
+
+
+def test_the_rewrite_sentence_names_the_targets_whose_rewritten_weights_differ_from_their_peer():
+    names = [f"model.layers.{i}.mlp.up_proj.base_layer.weight" for i in range(12)]
+    rows = [
+        {
+            "check": "weights",
+            "target": t,
+            "adapter": "pissa",
+            "tensor": n,
+            "rewrite": "SVD on the load device",
+            "peer": "cpu/float32",
+        }
+        for t in ("cpu/float32", "cuda:0/float32")
+        for n in names
+    ]
+    table = pd.DataFrame(rows)
+    pairwise = pd.DataFrame(
+        [
+            {
+                "check": "weights",
+                "target": "cpu/float32",
+                "other": "cuda:0/float32",
+                "adapter": "pissa",
+                "tensor": n,
+                "bitwise_equal": i != 3,
+            }
+            for i, n in enumerate(names)
+        ]
+    )
+    [found] = rewrites(table, pairwise, ["cpu/float32", "cuda:0/float32"])
+    assert found.sentence() == (
+        "pissa rewrites 12 base weights at load (SVD on the load device): cuda:0/float32 differs from "
+        "cpu/float32 in them"
+    )
+    same = pairwise.assign(bitwise_equal=True)
+    assert (
+        rewrites(table, same, ["cpu/float32", "cuda:0/float32"])[0]
+        .sentence()
+        .endswith(": every target is bitwise its peer in them")
+    )
+    assert rewrites(table.drop(columns="rewrite"), pairwise, ["cpu/float32"]) == []
+
+
+def test_pissa_s_rewritten_base_is_measured_against_its_float64_rewrite_and_plain_lora_adds_none(
+    demo_workspace, tmp_path, capfd
+):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from core.checks.weights import REWRITE_REFERENCE, REWRITTEN
+
+    demo = demo_workspace
+    pissa = demo["adapters"]["pissa"]["path"]
+    targets = ["cpu/float32", "cpu/float32+threads=1", "cpu/bfloat16"]
+    code, out, err = _cli(
+        capfd,
+        "run",
+        *_lora(demo),
+        f"{pissa}=pissa",
+        "--target",
+        *targets,
+        "--check",
+        "weights",
+        "--home",
+        str(tmp_path),
+    )
+    assert out["status"] == "succeeded", err
+    record = Store(tmp_path).open(out["run_id"])
+    table = record.metrics()
+    rewritten = table[table["role"] == REWRITTEN]
+    # PiSSA's 12 targeted base weights on every target; LoRA rewrites none
+    assert set(rewritten["adapter"]) == {"pissa"}
+    assert rewritten.groupby("target")["tensor"].nunique().to_dict() == {t: 12 for t in targets}
+    assert set(rewritten["reference"]) == {REWRITE_REFERENCE}
+    assert set(rewritten["rewrite"]) == {"SVD on the load device"}
+
+    # the float32 row is PEFT's own residual against W − U_r S_r V_rᵀ in float64, computed here alone
+    name = "model.layers.0.self_attn.q_proj"
+    base = AutoModelForCausalLM.from_pretrained(demo["models"]["tiny-llama"], dtype=torch.float32)
+    w64 = base.get_submodule(name).weight.detach().to(torch.float64)
+    peft_w = PeftModel.from_pretrained(base, pissa).base_model.model.get_submodule(name).base_layer.weight
+    u, s, vh = torch.linalg.svd(w64, full_matrices=False)
+    ref = w64 - u[:, :8] @ torch.diag(s[:8]) @ vh[:8]
+    row = rewritten[
+        (rewritten["target"] == "cpu/float32") & (rewritten["tensor"] == f"{name}.base_layer.weight")
+    ]
+    d = peft_w.detach().to(torch.float64) - ref
+    assert row["max_abs"].item() == d.abs().max().item()
+    assert row["rel_l2"].item() == pytest.approx((d.norm() / ref.norm()).item(), rel=1e-12)
+    assert not row["bitwise_equal"].item()
+
+    # bfloat16's rewrite differs from float32's: the weights groups split on it and say so
+    assert ["cpu/bfloat16"] in out["groups"]["weights"]
+    [sentence] = out["rewrites"]
+    assert sentence.startswith("pissa rewrites 12 base weights at load (SVD on the load device): ")
+    # a thread count that changes the SVD's rounding is named exactly when its rewritten weights differ
+    pairs = record.table("pairwise")
+    mine = pairs[
+        (pairs["target"].isin(["cpu/float32", targets[1]]))
+        & (pairs["other"].isin(["cpu/float32", targets[1]]))
+        & pairs["tensor"].isin(set(rewritten["tensor"]))
+    ]
+    differs = not mine["bitwise_equal"].astype(bool).all()
+    assert (f"{targets[1]} differs from cpu/float32 in them" in sentence) == differs
+    assert sentence.endswith("every target is bitwise its peer in them") == (not differs)
+
+    # plain LoRA alone: no rewritten row, no rewrite sentence
+    code, out, err = _cli(
+        capfd, "run", *_lora(demo), "--target", "cpu/float32", "--check", "weights", "--home", str(tmp_path)
+    )
+    assert out["status"] == "succeeded", err
+    table = Store(tmp_path).open(out["run_id"]).metrics()
+    assert not (table["role"] == REWRITTEN).any() and out["rewrites"] == []

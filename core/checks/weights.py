@@ -17,6 +17,7 @@ from core.methods.adapter_keys import (
     split_adapter_key,
     split_saved_module_key,
 )
+from core.methods.formulas import base_rewrite, rewritten_base
 from core.models.checkpoint import (
     NOT_IN_CHECKPOINT,
     Checkpoint,
@@ -31,10 +32,24 @@ from core.spec import ProbeSpec
 
 # The reference of a tensor the model computes when built and the checkpoint does not hold.
 FRESH_BUILD = "fresh build (float64)"
+# The role of a base weight an adapter rewrote when it loaded (PiSSA, OLoRA): captured under the adapter
+# as `<module>.base_layer.weight` (no `base_model.` prefix, so no saved key can share the name).
+REWRITTEN = "rewritten base"
+_REWRITTEN_SUFFIX = ".base_layer.weight"
+# Its reference: the rewrite recomputed in float64 from the checkpoint's weight (`formulas.rewritten_base`).
+REWRITE_REFERENCE = "float64 rewrite of the checkpoint"
+
+
+def rewritten_module(name: str) -> str | None:
+    """The module path of a rewritten base weight's key name (`REWRITTEN`), else None."""
+    if name.endswith(_REWRITTEN_SUFFIX) and not name.startswith("base_model."):
+        return name.removesuffix(_REWRITTEN_SUFFIX)
+    return None
 
 
 class WeightsCheck(Check):
     name = "weights"
+    loads_exactly = True
     description = "loaded tensors (base and adapter) against the checkpoint file"
     compares_in_worker = True
     redraws_rounding = True
@@ -49,6 +64,24 @@ class WeightsCheck(Check):
             state = get_peft_model_state_dict(loaded.model, adapter_name=adapter)
             for name, tensor in state.items():
                 out.add(TensorKey(self.name, adapter, name), tensor)
+            self._capture_rewritten(loaded, out)
+
+    def _capture_rewritten(self, loaded: Loaded, out: Capture) -> None:
+        """The base weights the adapter rewrote when it loaded (PiSSA, OLoRA: PEFT runs their SVD or
+        QR on the load device and writes the residual into the base layer), each under the adapter.
+        An adapter whose init rewrites nothing adds none."""
+        if base_rewrite(read_adapter_config(loaded.adapter)) is None:
+            return
+        adapter = loaded.adapter.name
+        for name, module in loaded.model.named_modules():
+            lora_a = getattr(module, "lora_A", None)
+            base_layer = getattr(module, "base_layer", None)
+            if not isinstance(lora_a, torch.nn.ModuleDict) or adapter not in lora_a or base_layer is None:
+                continue
+            weight = base_layer.weight
+            if weight.is_floating_point():  # a quantized base is refused by these inits (PEFT's words)
+                path = name.removeprefix("base_model.model.")
+                out.add(TensorKey(self.name, adapter, path + _REWRITTEN_SUFFIX), weight)
 
     def _capture_base(self, ctx: CaptureContext, model: torch.nn.Module, out: Capture) -> None:
         """The state dict (tied tensors once), plus the non-persistent buffers the checkpoint holds.
@@ -148,8 +181,27 @@ class WeightsCheck(Check):
             checkpoint = self._checkpoint(spec, key.adapter)
         except CheckpointError as e:
             raise LoadError(str(e)) from e
+        if key.adapter != BASE and rewritten_module(key.name) is not None:
+            return self._rewrite_reference(spec, key)
         reference = Reference(label="checkpoint", tensors={}, notes={})
         self._read(spec, checkpoint, key, reference, scratch)
+        return reference
+
+    def _rewrite_reference(self, spec: ProbeSpec, key: TensorKey) -> Reference:
+        """A rewritten base weight's reference: the rewrite in float64 from the checkpoint's weight."""
+        module = rewritten_module(key.name)
+        adapter = next(a for a in spec.adapters if a.name == key.adapter)
+        config = read_adapter_config(adapter)
+        base = Checkpoint.open(spec.base.path)
+        conversion = for_folder(spec.base.path, base)
+        reference = Reference(label=REWRITE_REFERENCE, tensors={}, notes={})
+        if conversion.sources(f"{module}.weight"):
+            weight = conversion.read(base, f"{module}.weight")
+            reference.tensors[key.encode()] = rewritten_base(config, module, weight)
+            reference.notes[key.encode()] = (
+                f"rewritten by {key.adapter} at load ({base_rewrite(config)}): PEFT writes W − scale·B·A "
+                "into the base layer; compared with the same rewrite of the checkpoint's W in float64"
+            )
         return reference
 
     def _read(
@@ -161,7 +213,11 @@ class WeightsCheck(Check):
         its loaded name (renamed, or built from several file tensors), with a note naming the file keys.
         """
         if key.adapter != BASE:
-            if key.name in checkpoint:
+            if rewritten_module(key.name) is not None:  # no file holds it: its float64 rewrite does
+                rewrite = self._rewrite_reference(spec, key)
+                into.tensors.update(rewrite.tensors)
+                into.notes.update(rewrite.notes)
+            elif key.name in checkpoint:
                 into.tensors[key.encode()] = checkpoint.read(key.name, scratch=scratch)
             return
         conversion = for_folder(spec.base.path, checkpoint)
@@ -179,7 +235,10 @@ class WeightsCheck(Check):
         not_in_checkpoint = set(meta.get("not_in_checkpoint", []))
         dequantized = meta.get("dequantized", {})
         built = meta.get("built", {})
+        rewrites = self._rewrites(spec)
         for row in rows:
+            if row["role"] == REWRITTEN:  # the judgement names what ran on the load device
+                row["rewrite"] = rewrites.get(row["adapter"])
             if row["adapter"] is None and row["tensor"] in dequantized:
                 add_note(row, f"quantized: {dequantized[row['tensor']]}")
             saved = self._saved_module(spec, TensorKey(self.name, row["adapter"] or BASE, row["tensor"]))
@@ -200,7 +259,8 @@ class WeightsCheck(Check):
                 if row["tensor"] in buffers:
                     add_note(row, "non-persistent buffer (not in the state dict): the model's own values")
             ref_dtype = row.get("reference_dtype")
-            cast = row["adapter"] is not None or row["tensor"] not in built  # a fresh build was not cast
+            # a fresh build and a float64 rewrite were not cast: they are computed, not loaded
+            cast = (row["adapter"] is not None or row["tensor"] not in built) and row["role"] != REWRITTEN
             if cast and ref_dtype and ref_dtype != row["dtype"] and row["verdict"] != "identical":
                 add_note(row, f"cast {ref_dtype} → {row['dtype']} on load")
         # What the checkpoints hold and the target did not load: the reference's tensors (when it
@@ -245,6 +305,19 @@ class WeightsCheck(Check):
                     self._saved_module_labels(row, saved)
                 rows.append(row)
         return rows
+
+    @staticmethod
+    def _rewrites(spec: ProbeSpec) -> dict[str, str]:
+        """Per adapter whose init rewrites the base at load, what it runs there (`base_rewrite`)."""
+        out = {}
+        for adapter in spec.adapters:
+            try:
+                how = base_rewrite(read_adapter_config(adapter))
+            except LoadError:  # moved or gone since the capture
+                continue
+            if how is not None:
+                out[adapter.name] = how
+        return out
 
     @staticmethod
     def _not_in_checkpoint(spec: ProbeSpec, row: dict[str, Any], model_class: str) -> None:
@@ -331,6 +404,8 @@ class WeightsCheck(Check):
         if key.adapter == BASE:
             module_path = key.name.rsplit(".", 1)[0]
             role = "base"
+        elif (rewritten := rewritten_module(key.name)) is not None:
+            module_path, role = rewritten, REWRITTEN
         else:
             if key.name == PROMPT_KEY:  # prompt learning's virtual tokens: no module path
                 return {"layer": None, "module": "prompt_encoder", "role": PROMPT_KEY}

@@ -535,6 +535,36 @@ def base_rewriting_init(adapter_config: Mapping[str, Any]) -> str | None:
     return "pissa" if init.startswith("pissa") else "olora" if init == "olora" else None
 
 
+# What a base-rewriting init computes on the load device when PEFT loads the adapter, in words
+_REWRITES = {"pissa": "SVD on the load device", "olora": "QR on the load device"}
+
+
+def base_rewrite(adapter_config: Mapping[str, Any]) -> str | None:
+    """How a LoRA whose init rewrites the base weight at load computes the new one, in words
+    (``SVD on the load device``); None for an adapter that leaves the base as the checkpoint has it."""
+    init = base_rewriting_init(adapter_config)
+    if init is None:
+        return None
+    if "_niter_" in str(adapter_config.get("init_lora_weights")):
+        return "randomised SVD on the load device"
+    return _REWRITES[init]
+
+
+def rewritten_base(adapter_config: Mapping[str, Any], module: str, weight: torch.Tensor) -> torch.Tensor:
+    """The weight PEFT writes into ``module``'s base layer when it loads the adapter, in float64 from
+    the checkpoint's ``weight``: PiSSA's residual (exact SVD; ``pissa_niter_K``'s randomised SVD
+    differs from it by its approximation error) or OLoRA's. ValueError for an init that rewrites none."""
+    init = base_rewriting_init(adapter_config)
+    fifo = bool(adapter_config.get("fan_in_fan_out"))
+    r, scaling = _lora_rank_and_scaling(adapter_config, module)
+    w = _t(weight.to(torch.float64), fifo)
+    if init == "pissa":
+        return _t(pissa_residual(w, r), fifo)
+    if init == "olora":
+        return _t(olora_residual(w, r, scaling), fifo)
+    raise ValueError(f"the adapter's init ({adapter_config.get('init_lora_weights')!r}) rewrites no base weight")
+
+
 def merged_weights(
     adapter_config: Mapping[str, Any],
     adapter_tensors: Mapping[str, torch.Tensor],
