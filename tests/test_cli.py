@@ -88,8 +88,13 @@ def test_run_json_and_exit_code_1_on_bfloat16_drift(two_target_run):
     # one row per (check, target, tensor or output)
     assert not table.duplicated(["check", "target", "adapter", "tensor"]).any()
 
-    w32 = table[(table.check == "weights") & (table.target == "cpu/float32")]
+    # every loaded tensor is bitwise the file; PiSSA's rewritten base weights are computed at load
+    weights32 = table[(table.check == "weights") & (table.target == "cpu/float32")]
+    w32 = weights32[weights32.role != "rewritten base"]
     assert len(w32) > 100 and (w32.verdict == "identical").all() and w32.bitwise_equal.all()
+    rewritten = weights32[weights32.role == "rewritten base"]
+    assert len(rewritten) == 12 and set(rewritten.adapter) == {"pissa"}
+    assert (rewritten.verdict == "within tolerance").all() and rewritten.rel_l2.max() < 1e-5
 
     wbf = table[(table.check == "weights") & (table.target == "cpu/bfloat16") & (table.role == "base")]
     cast = wbf[wbf.verdict != "identical"]

@@ -95,8 +95,9 @@ def test_compare_of_two_snapshots_equals_one_local_run(made, demo_workspace, tmp
     pd.testing.assert_frame_equal(left, right)
     pairs_a, pairs_b = _canonical(a.table("pairwise"), f"{machine}/"), _canonical(b.table("pairwise"))
     pd.testing.assert_frame_equal(pairs_a, pairs_b)
-    # weights across the two snapshots: bitwise equal by their content hashes alone
-    weights = pairs_a[pairs_a["check"] == "weights"]
+    # loaded weights across the two snapshots: bitwise equal by their content hashes alone (PiSSA's
+    # base, rewritten at load by an SVD whose rounding may follow the thread count, is measured apart)
+    weights = pairs_a[(pairs_a["check"] == "weights") & (pairs_a["role"] != "rewritten base")]
     assert len(weights) and (weights["compared_by"] == "hash").all() and weights["bitwise_equal"].all()
     # the environment table holds both machines' targets, with their thread counts
     envs = a.environments()

@@ -70,9 +70,12 @@ class WeightsCheck(Check):
         """The base weights the adapter rewrote when it loaded (PiSSA, OLoRA: PEFT runs their SVD or
         QR on the load device and writes the residual into the base layer), each under the adapter.
         An adapter whose init rewrites nothing adds none."""
-        if base_rewrite(read_adapter_config(loaded.adapter)) is None:
+        how = base_rewrite(read_adapter_config(loaded.adapter))
+        if how is None:
             return
         adapter = loaded.adapter.name
+        # kept with the capture: a snapshot compared where the adapter's files are not still says it
+        out.meta.setdefault(self.name, {}).setdefault("rewrites", {})[adapter] = how
         for name, module in loaded.model.named_modules():
             lora_a = getattr(module, "lora_A", None)
             base_layer = getattr(module, "base_layer", None)
@@ -235,7 +238,7 @@ class WeightsCheck(Check):
         not_in_checkpoint = set(meta.get("not_in_checkpoint", []))
         dequantized = meta.get("dequantized", {})
         built = meta.get("built", {})
-        rewrites = self._rewrites(spec)
+        rewrites = meta.get("rewrites", {})
         for row in rows:
             if row["role"] == REWRITTEN:  # the judgement names what ran on the load device
                 row["rewrite"] = rewrites.get(row["adapter"])
@@ -305,19 +308,6 @@ class WeightsCheck(Check):
                     self._saved_module_labels(row, saved)
                 rows.append(row)
         return rows
-
-    @staticmethod
-    def _rewrites(spec: ProbeSpec) -> dict[str, str]:
-        """Per adapter whose init rewrites the base at load, what it runs there (`base_rewrite`)."""
-        out = {}
-        for adapter in spec.adapters:
-            try:
-                how = base_rewrite(read_adapter_config(adapter))
-            except LoadError:  # moved or gone since the capture
-                continue
-            if how is not None:
-                out[adapter.name] = how
-        return out
 
     @staticmethod
     def _not_in_checkpoint(spec: ProbeSpec, row: dict[str, Any], model_class: str) -> None:

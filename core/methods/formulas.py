@@ -562,7 +562,9 @@ def rewritten_base(adapter_config: Mapping[str, Any], module: str, weight: torch
         return _t(pissa_residual(w, r), fifo)
     if init == "olora":
         return _t(olora_residual(w, r, scaling), fifo)
-    raise ValueError(f"the adapter's init ({adapter_config.get('init_lora_weights')!r}) rewrites no base weight")
+    raise ValueError(
+        f"the adapter's init ({adapter_config.get('init_lora_weights')!r}) rewrites no base weight"
+    )
 
 
 def merged_weights(

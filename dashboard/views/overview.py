@@ -41,10 +41,10 @@ if judgement is not None:
     )
     csv_download(gtable, f"{record.run_id}-groups", key="overview.groups.csv")
     for rewrite in judgement.rewrites:  # base weights an adapter computed on the load device
-        icon = ":material/call_split:" if rewrite.differing else ":material/info:"
-        st.warning(literal(rewrite.sentence()), icon=icon) if rewrite.differing else st.info(
-            literal(rewrite.sentence()), icon=icon
-        )
+        if rewrite.differing:
+            st.warning(literal(rewrite.sentence()), icon=":material/call_split:")
+        else:
+            st.info(literal(rewrite.sentence()), icon=":material/info:")
     if record.spec is not None and record.spec.added_peers:
         st.caption(
             f"Added to this run as peers: {literal(', '.join(map(str, record.spec.added_peers)))} "
