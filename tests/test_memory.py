@@ -64,7 +64,7 @@ def test_placement_labels_role_adapter_and_module(llama_lora):
 
 
 def test_split_name_handles_peft_and_plain_names():
-    split = memory._split_name
+    split = memory.placement._split_name
     adapters = {"default", "b"}
     assert split("base_model.model.model.layers.1.mlp.up_proj.lora_B.b.weight", adapters) == (
         "model.layers.1.mlp.up_proj",
@@ -153,7 +153,7 @@ def test_cuda_probe_without_gpu_has_no_indices():
 
 def test_uuid_text_matches_nvml_spelling():
     raw = bytes(range(16))
-    assert memory._uuid_text(raw) == "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f"
+    assert memory.sampling._uuid_text(raw) == "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f"
 
 
 def rec(stage, order, device, **kw):
