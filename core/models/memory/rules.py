@@ -14,6 +14,18 @@ if TYPE_CHECKING:
     import pandas as pd
 
 FLAG_RULES = ("stray device", "leak", "mixed placement", "forward failed", "merge failed")
+# What `leak_figures` gives per device: each figure after cleanup minus its baseline, and `tensors`,
+# allocated less the library workspaces (the whole of allocated where a run did not tell them apart).
+LEAK_COLUMNS = [
+    "device",
+    "baseline_stage",
+    "allocated",
+    "workspace",
+    "tensors",
+    "reserved",
+    "driver_used",
+    "rss",
+]
 
 
 @dataclass(frozen=True)
@@ -41,8 +53,11 @@ def _uses_device(record: Mapping[str, Any]) -> bool:
     return bool(record.get("context"))
 
 
-def _mib(n: float | None) -> str:
-    return "?" if n is None or n != n else f"{n / 2**20:.1f} MiB"
+def _size(n: float | None) -> str:
+    """Bytes in words: MiB from 1 MiB on, exact bytes below (a leak of a few KiB is no "0.0 MiB")."""
+    if n is None or n != n:
+        return "?"
+    return f"{n / 2**20:.1f} MiB" if abs(n) >= 2**20 else f"{int(n):,} bytes"
 
 
 def stray_devices(timeline: Iterable[Mapping[str, Any]], requested: Iterable[str]) -> list[Flag]:
@@ -58,7 +73,7 @@ def stray_devices(timeline: Iterable[Mapping[str, Any]], requested: Iterable[str
             first[device] = rec
     flags = []
     for device, rec in sorted(first.items(), key=lambda kv: device_sort_key(kv[0])):
-        what = [f"{c} {_mib(rec.get(c))}" for c in ("allocated", "reserved", "driver_used") if rec.get(c)]
+        what = [f"{c} {_size(rec.get(c))}" for c in ("allocated", "reserved", "driver_used") if rec.get(c)]
         if rec.get("context"):
             what.append("a CUDA context")
         flags.append(
@@ -157,16 +172,19 @@ def placement_flags(
 def leak_figures(timeline: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
     """Per device: what is still held after cleanup, against the last sample before the base load.
 
-    Columns: device, baseline_stage, allocated, reserved, driver_used, rss (bytes after cleanup
-    minus baseline; None where the figure is unknown). The base-load baseline is the stage
-    right before BASE_LOADED (imports done); on CUDA the allocator figures should return to 0.
+    Columns LEAK_COLUMNS (bytes after cleanup minus baseline; None where the figure is unknown). The
+    baseline is the stage right before BASE_LOADED (imports done); on CUDA the tensor memory should
+    return to it. Timelines recorded before library workspaces had a column of their own have no
+    `workspace`: their tensors are all of allocated, as they were judged then.
     """
     import pandas as pd
 
+    def known(value: Any) -> int | None:
+        return None if value is None or pd.isna(value) else int(value)
+
     table = pd.DataFrame(list(timeline))
-    columns = ["device", "baseline_stage", "allocated", "reserved", "driver_used", "rss"]
     if table.empty or CLEANED_UP not in set(table["stage"]):
-        return pd.DataFrame(columns=columns)
+        return pd.DataFrame(columns=LEAK_COLUMNS)
     end_order = table.loc[table["stage"] == CLEANED_UP, "order"].max()
     base_order = table.loc[table["stage"] == BASE_LOADED, "order"]
     rows = []
@@ -177,29 +195,29 @@ def leak_figures(timeline: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
             continue
         start = before.loc[before["order"].idxmax()] if len(before) else None
         row: dict[str, Any] = {"device": device, "baseline_stage": None if start is None else start["stage"]}
-        for col in ("allocated", "reserved", "driver_used", "rss"):
-            after = end.iloc[0][col]
-            if after is None or after != after:
-                row[col] = None
-                continue
-            base = 0 if start is None or start[col] is None or start[col] != start[col] else start[col]
-            row[col] = int(after - base)
+        for col in ("allocated", "workspace", "reserved", "driver_used", "rss"):
+            after = known(end.iloc[0].get(col))
+            base = None if start is None else known(start.get(col))
+            row[col] = None if after is None else after - (base or 0)
+        allocated, workspace = row["allocated"], row["workspace"]
+        row["tensors"] = None if allocated is None else allocated - (workspace or 0)
         rows.append(row)
-    out = pd.DataFrame(rows, columns=columns)
+    out = pd.DataFrame(rows, columns=LEAK_COLUMNS)
     return out.iloc[sorted(range(len(out)), key=lambda i: device_sort_key(out["device"].iloc[i]))]
 
 
 def leak_flags(leaks: pd.DataFrame) -> list[Flag]:
     """A CUDA device whose allocator still holds tensor memory after cleanup (tensors kept alive).
 
-    RSS is reported, never flagged: the C allocator keeps freed pages and imported libraries
-    stay loaded, so the CPU's figure does not return to its baseline even without a leak.
+    Library workspaces are no leak: cleanup releases them, and `tensors` leaves them out. RSS is
+    reported, never flagged: the C allocator keeps freed pages and imported libraries stay loaded,
+    so the CPU's figure does not return to its baseline even without a leak.
     """
     flags = []
     for row in leaks.to_dict(orient="records"):
         if row["device"] == "cpu":
             continue
-        held = row.get("allocated")
+        held = row.get("tensors")
         if held is not None and held == held and held > 0:
             flags.append(
                 Flag(
@@ -207,8 +225,8 @@ def leak_flags(leaks: pd.DataFrame) -> list[Flag]:
                     device=row["device"],
                     stage=CLEANED_UP,
                     explanation=(
-                        f"{row['device']} still has {_mib(held)} allocated by tensors after del, "
-                        f"gc.collect() and empty_cache() (reserved {_mib(row.get('reserved'))})"
+                        f"{row['device']} still has {_size(held)} allocated by tensors after del, "
+                        f"gc.collect() and empty_cache() (reserved {_size(row.get('reserved'))})"
                     ),
                 )
             )

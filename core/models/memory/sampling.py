@@ -18,6 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 TIMELINE_COLUMNS = ("stage", "order", "device", "allocated", "reserved", "driver_used", "rss", "context")
+# Extra timeline columns (after the required ones): the part of `allocated` that library workspaces
+# held at the sample (cuBLAS's and cuBLASLt's: torch keeps them per handle and stream, releases them
+# together and by default shares one between the two). None on the CPU and where torch cannot tell.
+TIMELINE_EXTRA = ("workspace",)
 
 # Stage names, in the order a load goes through them (adapter stages are per adapter).
 PROCESS_START = "process start"
@@ -195,6 +199,20 @@ class CudaProbe:
             return None
         return 0
 
+    def release_workspaces(self) -> dict[int, int] | None:
+        """Release PyTorch's library workspaces; per CUDA index, the allocated bytes that gave back.
+
+        None where this torch cannot release them (then they stay counted as tensor memory).
+        """
+        before = {index: self.allocated(index) for index in self.indices}
+        if not clear_library_workspaces():
+            self._note(
+                "this torch cannot release cuBLAS's workspace (no torch._C._cuda_clearCublasWorkspaces): "
+                "it counts as tensor memory, after cleanup too"
+            )
+            return None
+        return {index: before[index] - self.allocated(index) for index in self.indices}
+
     def allocated(self, index: int) -> int:
         import torch
 
@@ -207,6 +225,20 @@ class CudaProbe:
         return int(torch.cuda.memory_reserved(index))
 
 
+def clear_library_workspaces() -> bool:
+    """Give back the workspaces PyTorch keeps for cuBLAS and cuBLASLt on every device (one per handle and
+    stream, made by the first matmul there and otherwise kept to the process's end); False where this
+    torch has no way to. cuDNN's workspace needs nothing: torch takes it per call and gives it back."""
+    import torch
+
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is None:
+        return False
+    if torch.cuda.is_initialized():  # before that none exists; asking would not create a context either
+        clear()
+    return True
+
+
 def timeline_record(
     stage: str,
     order: int,
@@ -217,8 +249,10 @@ def timeline_record(
     driver_used: int | None = None,
     rss: int | None = None,
     context: bool | None = None,
+    workspace: int | None = None,
 ) -> dict[str, Any]:
-    """One row of the timeline (the columns of `memory_timeline.parquet`)."""
+    """One row of the timeline (the columns of `memory_timeline.parquet`); `workspace` is the part of
+    `allocated` that library workspaces held."""
     return {
         "stage": stage,
         "order": order,
@@ -228,6 +262,7 @@ def timeline_record(
         "driver_used": driver_used,
         "rss": rss,
         "context": context,
+        "workspace": workspace,
     }
 
 
@@ -260,6 +295,13 @@ class StageSampler:
         order = self._cpu(stage, self.rss())
         if self.probe is None:
             return
+        allocated = {index: self.probe.allocated(index) for index in self.probe.indices}
+        # Library workspaces are released at every sample, not only at cleanup, so that each stage shows
+        # those its own work made (the first matmul, DoRA's weight norm, a forward, a merge) apart from
+        # the tensors. That changes no number a check computes, and the next cuBLAS call takes its
+        # workspace again from the allocator's cache (reserved does not move); `allocated` is read before,
+        # as the process held it, so it lacks a workspace only at a stage that ran no matmul since the last.
+        workspace = self.probe.release_workspaces()
         for index in self.probe.indices:
             context = self.probe.context(index)
             self.records.append(
@@ -267,9 +309,10 @@ class StageSampler:
                     stage,
                     order,
                     f"cuda:{index}",
-                    allocated=self.probe.allocated(index),
+                    allocated=allocated[index],
                     reserved=self.probe.reserved(index),
                     driver_used=self.probe.driver_used(index, context),
                     context=context,
+                    workspace=None if workspace is None else workspace[index],
                 )
             )
