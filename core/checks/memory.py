@@ -14,7 +14,8 @@ A run without adapters has a single unnamed variant (the base load alone).
 
 Stages (timeline rows): process start and import torch (taken by the worker process itself),
 import transformers/peft, base loaded, each adapter loaded, first forward, merged, unloaded and
-cleaned up. The tables `memory_timeline` and `placement` hold every capture's records; each flag
+cleaned up; library workspaces (cuBLAS's) are released at each sample and by cleanup, and have a
+column of their own, so that a leak is tensor memory only. The tables `memory_timeline` and `placement` hold every capture's records; each flag
 (stray device, leak, mixed placement, merge failed) is a metrics row with verdict `broken`, and a
 capture without flags gets one `identical` row that says its placement was as asked.
 """
