@@ -53,14 +53,24 @@ def test_memory_page_shows_flags_of_a_gpu_run(memory_home, monkeypatch, tmp_path
     timeline = record.table("memory_timeline")
     gpu = []
     for (variant, order, stage), _ in timeline.groupby(["variant", "order", "stage"], sort=False):
+        # cuBLAS's workspace on the target from the first forward to the merge (cleanup released it)
+        workspace = 32 * 2**20 if stage in (memory.FIRST_FORWARD, memory.MERGED) else 0
         for device, used in (
             ("cuda:0", 300 * 2**20 if variant == "no_torch_device" and order >= 3 else 0),
             ("cuda:1", 500 * 2**20),
         ):
+            held = workspace if device == "cuda:1" else 0
             gpu.append(
                 {
                     **memory.timeline_record(
-                        stage, order, device, allocated=0, reserved=0, driver_used=used, context=used > 0
+                        stage,
+                        order,
+                        device,
+                        allocated=held,
+                        reserved=held,
+                        driver_used=used,
+                        context=used > 0,
+                        workspace=held,
                     ),
                     "variant": variant,
                     "target": "cuda:1/float32",
@@ -94,6 +104,8 @@ def test_memory_page_shows_flags_of_a_gpu_run(memory_home, monkeypatch, tmp_path
         assert list(flags["stage"]) == ["adapter lora loaded"]
         fig = json.loads(at.get("plotly_chart")[0].proto.spec)
         assert any(cell.startswith("✗") for trace in fig["data"] for row in trace["text"] for cell in row)
+        assert fig["data"][0]["x"][-1] == "cuda:1 workspaces"
+        assert "**workspaces** columns: what cuBLAS" in text
     finally:
         store.write_table(run_id, "memory_timeline", timeline)
         store.write_metrics(run_id, metrics)

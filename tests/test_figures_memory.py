@@ -188,3 +188,64 @@ def test_leak_table_per_panel():
     assert set(leaks["panel"]) == {"torch_device", "no_torch_device"}
     stray = leaks[(leaks["panel"] == "no_torch_device") & (leaks["device"] == "cuda:0")].iloc[0]
     assert stray["driver_used"] == 300 * MIB and stray["allocated"] == 0
+
+
+def workspace_timeline(with_column: bool = True) -> pd.DataFrame:
+    """A cuda:0 load as the H200 recorded it: DoRA's weight norm, the first matmul, makes cuBLAS's 32 MiB
+    workspace; the forward makes it again after the sample released it; cleanup releases it."""
+    workspace = 32 * MIB
+    stages = [
+        (memory.IMPORT_LIBS, 0, 0),
+        (memory.BASE_LOADED, 660_992, 0),
+        (memory.adapter_stage("dora"), 660_992 + 145_408 + workspace, workspace),
+        (memory.FIRST_FORWARD, 660_992 + 145_408 + workspace, workspace),
+        (memory.CLEANED_UP, 0, 0),
+    ]
+    rows = []
+    for order, (stage, allocated, held) in enumerate(stages):
+        rows.append(memory.timeline_record(stage, order, "cpu", rss=(400 + order) * MIB))
+        rows.append(
+            memory.timeline_record(
+                stage,
+                order,
+                "cuda:0",
+                allocated=allocated,
+                reserved=allocated and 36 * MIB,
+                driver_used=allocated and 700 * MIB,
+                context=order > 0,
+                workspace=held if with_column else None,
+            )
+        )
+    table = pd.DataFrame(rows).assign(variant="torch_device", target="cuda:0/float32", requested=True)
+    return table if with_column else table.drop(columns="workspace")
+
+
+def test_timeline_heatmap_draws_library_workspaces_beside_their_device():
+    table = workspace_timeline()
+    assert fm.workspace_devices(table) == ["cuda:0"]
+    fig = fm.timeline_heatmap(table, "allocated")
+    (trace,) = fig.data
+    assert list(trace.x) == ["cpu (RSS)", "cuda:0", "cuda:0 workspaces"]
+    dora = list(trace.y).index(memory.adapter_stage("dora"))
+    # the workspace column: 32 MiB at the stages whose matmuls made it, 0 elsewhere, none on the CPU
+    assert [row[2] for row in trace.text] == ["0.0", "0.0", "32.0", "32.0", "0.0"]
+    assert trace.z[dora][2] == 32 and trace.z[dora][1] == (660_992 + 145_408) / MIB + 32
+    assert "library workspaces (cuBLAS, cuBLASLt) 32.00 MiB" in trace.hovertext[dora][2]
+    assert "no leak" in trace.hovertext[dora][2]
+    assert "allocated 32.77 MiB, of which library workspaces 32.00 MiB" in trace.hovertext[dora][1]
+    assert "library workspaces" in fig.layout.title.text
+    # after cleanup: nothing held, no tensor left
+    (leak,) = fm.leak_table(table)[lambda t: t["device"] == "cuda:0"].to_dict(orient="records")
+    assert (leak["allocated"], leak["workspace"], leak["tensors"]) == (0, 0, 0)
+
+
+def test_timeline_heatmap_of_a_run_without_workspaces_has_no_such_column():
+    old = workspace_timeline(with_column=False)  # recorded before workspaces had a column of their own
+    assert fm.workspace_devices(old) == []
+    assert list(fm.timeline_heatmap(old).data[0].x) == ["cpu (RSS)", "cuda:0"]
+    assert "of which" not in fm.timeline_heatmap(old).data[0].hovertext[2][1]
+    # a CPU target on a GPU machine: the column is there, every figure 0, nothing to draw
+    idle = workspace_timeline().assign(workspace=0)
+    assert fm.workspace_devices(idle) == [] and len(fm.timeline_heatmap(idle).data[0].x) == 2
+    assert list(fm.leak_table(old).columns) == ["panel", *memory.LEAK_COLUMNS]
+    assert list(fm.leak_table(pd.DataFrame()).columns) == ["panel", *memory.LEAK_COLUMNS]

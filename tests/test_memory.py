@@ -3,6 +3,8 @@ constructed timeline and placement records."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pandas as pd
 import pytest
 import torch
@@ -64,7 +66,7 @@ def test_placement_labels_role_adapter_and_module(llama_lora):
 
 
 def test_split_name_handles_peft_and_plain_names():
-    split = memory._split_name
+    split = memory.placement._split_name
     adapters = {"default", "b"}
     assert split("base_model.model.model.layers.1.mlp.up_proj.lora_B.b.weight", adapters) == (
         "model.layers.1.mlp.up_proj",
@@ -116,6 +118,10 @@ class FakeProbe:
     def driver_used(self, index, context=None):
         return 500 * 2**20 if context else 0
 
+    def release_workspaces(self):
+        # read after `allocated`, before `reserved`: cuda:0's matmul made a workspace from the second stage on
+        return {0: 256 if self.calls > 0 else 0, 1: 0}
+
 
 def test_stage_sampling_records_every_stage_in_order():
     rss = iter(range(100, 10_000, 100))
@@ -127,7 +133,7 @@ def test_stage_sampling_records_every_stage_in_order():
     for stage in later:
         sampler.sample(stage)
     table = pd.DataFrame(sampler.records)
-    assert list(table.columns) == list(memory.TIMELINE_COLUMNS)
+    assert list(table.columns) == [*memory.TIMELINE_COLUMNS, *memory.TIMELINE_EXTRA]
     assert sampler.stages == memory.stage_names(["a", "b"])
     order = table.drop_duplicates("order").sort_values("order")
     assert list(order["stage"]) == sampler.stages and list(order["order"]) == list(range(len(sampler.stages)))
@@ -136,6 +142,55 @@ def test_stage_sampling_records_every_stage_in_order():
     assert list(table[table["order"] == 3]["device"]) == ["cpu", "cuda:0", "cuda:1"]
     cpu = table[table["device"] == "cpu"]
     assert cpu["rss"].is_monotonic_increasing and cpu["allocated"].isna().all()
+    assert cpu["workspace"].isna().all()
+    # allocated as the process held it, workspace its part that the release gave back
+    cuda0 = table[table["device"] == "cuda:0"]
+    assert list(cuda0["allocated"]) == [0] + [512] * (len(later) - 1)
+    assert list(cuda0["workspace"]) == [0] + [256] * (len(later) - 1)
+    assert set(table[table["device"] == "cuda:1"]["workspace"]) == {0}
+
+
+def test_release_workspaces_measures_what_clearing_gave_back(monkeypatch):
+    workspace = 32 * 2**20
+    tensors, workspaces = {0: 4096, 1: 0}, {0: workspace, 1: 0}
+    calls = []
+
+    def clear():  # as torch's: every device's workspaces go back to the allocator
+        calls.append("clear")
+        workspaces.update(dict.fromkeys(workspaces, 0))
+
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", clear, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    probe = memory.CudaProbe()
+    monkeypatch.setattr(probe, "_count", 2)
+    monkeypatch.setattr(probe, "allocated", lambda index: tensors[index] + workspaces[index])
+    assert probe.release_workspaces() == {0: workspace, 1: 0}
+    assert probe.release_workspaces() == {0: 0, 1: 0} and len(calls) == 2
+    # a torch without the function: unknown, said once, never a crash
+    monkeypatch.delattr(torch._C, "_cuda_clearCublasWorkspaces")
+    assert probe.release_workspaces() is None and probe.release_workspaces() is None
+    assert [n for n in probe.notes if "cannot release" in n] == [
+        "this torch cannot release cuBLAS's workspace (no torch._C._cuda_clearCublasWorkspaces): "
+        "it counts as tensor memory, after cleanup too"
+    ]
+
+
+def test_cleanup_releases_library_workspaces_before_emptying_the_cache(monkeypatch):
+    from core.checks.memory import cleanup
+
+    calls = []
+    monkeypatch.setattr(
+        torch._C, "_cuda_clearCublasWorkspaces", lambda: calls.append("clear workspaces"), raising=False
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    cleanup()
+    assert calls == ["clear workspaces", "empty_cache"]
+    # CUDA never initialised: nothing to release, nothing asked of the driver
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    cleanup()
+    assert memory.clear_library_workspaces() is True and calls == ["clear workspaces", "empty_cache"]
 
 
 def test_sampling_without_cuda_records_real_rss():
@@ -153,7 +208,7 @@ def test_cuda_probe_without_gpu_has_no_indices():
 
 def test_uuid_text_matches_nvml_spelling():
     raw = bytes(range(16))
-    assert memory._uuid_text(raw) == "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f"
+    assert memory.sampling._uuid_text(raw) == "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f"
 
 
 def rec(stage, order, device, **kw):
@@ -303,6 +358,161 @@ def test_leak_figures_and_flags():
     )
     assert memory.leak_flags(memory.leak_figures(timeline)) == []
     assert memory.leak_figures([]).empty
+    assert list(memory.leak_figures([]).columns) == memory.LEAK_COLUMNS
+
+
+def test_a_library_workspace_is_no_leak_and_a_tensor_beside_it_is():
+    workspace = 32 * 2**20
+
+    def timeline(end_allocated, end_workspace, base_allocated=0, base_workspace=0):
+        return [
+            rec(memory.IMPORT_LIBS, 2, "cuda:0", allocated=base_allocated, workspace=base_workspace),
+            rec(memory.BASE_LOADED, 3, "cuda:0", allocated=base_allocated + 4096, workspace=0),
+            rec(memory.CLEANED_UP, 4, "cuda:0", allocated=end_allocated, reserved=0, workspace=end_workspace),
+        ]
+
+    # sampled before its release (as the H200 run did): allocated, all of it a workspace
+    leaks = memory.leak_figures(timeline(workspace, workspace))
+    assert leaks[["allocated", "workspace", "tensors"]].iloc[0].tolist() == [workspace, workspace, 0]
+    assert memory.leak_flags(leaks) == []
+    # a 2 KiB tensor kept alive beside it
+    (flag,) = memory.leak_flags(memory.leak_figures(timeline(workspace + 2048, workspace)))
+    assert (flag.rule, flag.device, flag.stage) == ("leak", "cuda:0", memory.CLEANED_UP)
+    assert flag.explanation == (
+        "cuda:0 still has 2,048 bytes allocated by tensors after del, gc.collect() and empty_cache() "
+        "(reserved 0 bytes)"
+    )
+    # a workspace the baseline held and cleanup released (a process that ran matmuls before): no leak
+    leaks = memory.leak_figures(timeline(0, 0, base_allocated=workspace, base_workspace=workspace))
+    assert leaks[["allocated", "workspace", "tensors"]].iloc[0].tolist() == [-workspace, -workspace, 0]
+    assert memory.leak_flags(leaks) == []
+    # no workspace figure (a run recorded before the column, or a torch that cannot release it): all of
+    # allocated counts as tensors, as it was judged then
+    old = [{k: v for k, v in r.items() if k != "workspace"} for r in timeline(workspace, workspace)]
+    leaks = memory.leak_figures(old)
+    assert leaks["workspace"].isna().all() and leaks["tensors"].tolist() == [workspace]
+    assert [f.rule for f in memory.leak_flags(leaks)] == ["leak"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The rules on what a real GPU recorded: `core run --scenario memory-placement --target cuda:0/float32`
+# on an H200 (tests/data/h200-2026-11-28/README.md), made before workspaces had a column of their own
+
+H200 = Path(__file__).parent / "data" / "h200-2026-11-28" / "memory-placement"
+CUBLAS_WORKSPACE = 33_554_432  # 32 MiB, cuBLAS's default on Hopper
+
+
+def recorded(target, variant):
+    """One capture's timeline records as the memory check stored them (None where a figure is unknown)."""
+    table = pd.read_parquet(H200 / "memory_timeline.parquet")
+    part = table[(table["target"] == target) & (table["variant"] == variant)]
+    part = part[[c for c in part.columns if c not in ("variant", "target", "requested")]]
+    return part.astype(object).where(part.notna(), None).to_dict(orient="records")
+
+
+def recorded_rows(target, variant, timeline):
+    from core.capture import Capture
+    from core.checks.memory import MemoryCheck
+
+    capture = Capture(target=target, check="memory", variant=variant)
+    capture.meta["memory"] = {
+        "variant": variant,
+        "requested": [Target.parse(target).device],
+        "timeline": timeline,
+    }
+    return pd.DataFrame(MemoryCheck().flag_rows(capture))
+
+
+def with_workspace(timeline):
+    """The recorded timeline as a run now records it: cuda:0's workspace in a column of its own from the
+    stage DoRA's weight norm made it, and released by cleanup."""
+    out = []
+    for r in timeline:
+        if r["device"] == "cuda:0":
+            held = CUBLAS_WORKSPACE if r["allocated"] >= CUBLAS_WORKSPACE else 0
+            r = {**r, "workspace": held}
+            if r["stage"] == memory.CLEANED_UP:
+                r = {
+                    **r,
+                    "allocated": r["allocated"] - held,
+                    "reserved": r["reserved"] - held,
+                    "workspace": 0,
+                }
+        out.append(r)
+    return out
+
+
+@pytest.mark.parametrize("variant", ["torch_device", "no_torch_device"])
+def test_recorded_h200_run_reads_as_it_was_judged(variant):
+    """Without the workspace column the rule is the old one: the run's stored rows come out again."""
+    stored = pd.read_parquet(H200 / "metrics.parquet")
+    stored = stored[(stored["target"] == "cuda:0/float32") & (stored["variant"] == variant)]
+    rows = recorded_rows("cuda:0/float32", variant, recorded("cuda:0/float32", variant))
+    assert rows[["rule", "stage", "device", "explanation"]].values.tolist() == (
+        stored[["rule", "stage", "device", "explanation"]].values.tolist()
+    )
+    assert rows["explanation"].tolist() == [
+        "cuda:0 still has 32.0 MiB allocated by tensors after del, gc.collect() and empty_cache() "
+        "(reserved 32.0 MiB)"
+    ]
+
+
+@pytest.mark.parametrize("variant", ["torch_device", "no_torch_device"])
+def test_recorded_h200_workspace_is_no_leak_and_a_kept_tensor_is(variant):
+    timeline = with_workspace(recorded("cuda:0/float32", variant))
+    cuda0 = {r["stage"]: r for r in timeline if r["device"] == "cuda:0"}
+    assert [s for s, r in cuda0.items() if r["workspace"]] == [
+        memory.adapter_stage("dora"),
+        memory.FIRST_FORWARD,
+        memory.MERGED,
+    ]
+    rows = recorded_rows("cuda:0/float32", variant, timeline)
+    assert rows[["verdict", "rule"]].values.tolist() == [["identical", "as asked"]]
+    # the same, sampled before the release (the figures as the H200 recorded them, the column added)
+    before = [
+        {
+            **r,
+            "workspace": CUBLAS_WORKSPACE
+            if r["device"] == "cuda:0" and r["allocated"] >= CUBLAS_WORKSPACE
+            else r.get("workspace"),
+        }
+        for r in recorded("cuda:0/float32", variant)
+    ]
+    assert recorded_rows("cuda:0/float32", variant, before)["rule"].tolist() == ["as asked"]
+    # a tensor of the model's (its 65,536-byte embedding) kept past cleanup: broken, to the byte
+    kept = [
+        {**r, "allocated": r["allocated"] + 65_536}
+        if r["device"] == "cuda:0" and r["stage"] == memory.CLEANED_UP
+        else r
+        for r in timeline
+    ]
+    rows = recorded_rows("cuda:0/float32", variant, kept)
+    assert rows[["verdict", "rule", "stage", "device"]].values.tolist() == [
+        ["broken", "leak", memory.CLEANED_UP, "cuda:0"]
+    ]
+    assert rows["explanation"].iloc[0].startswith("cuda:0 still has 65,536 bytes allocated by tensors")
+    assert memory.leak_figures(kept).set_index("device").loc["cuda:0", "tensors"] == 65_536
+
+
+def test_recorded_h200_stray_context_says_why():
+    """A cpu/float32 target whose adapter loads without torch_device: 2 MiB and a context on cuda:0, from
+    the first adapter on, with PEFT's reason; with torch_device nothing touches the GPU."""
+    stored = pd.read_parquet(H200 / "metrics.parquet")
+    stored = stored[(stored["target"] == "cpu/float32") & (stored["variant"] == "no_torch_device")].iloc[0]
+    rows = recorded_rows("cpu/float32", "no_torch_device", recorded("cpu/float32", "no_torch_device"))
+    assert rows[["verdict", "rule", "stage", "device"]].values.tolist() == [
+        ["broken", "stray device", memory.adapter_stage("lora"), "cuda:0"]
+    ]
+    assert stored["explanation"] == (
+        "cuda:0 holds reserved 2.0 MiB, driver_used 520.0 MiB, a CUDA context from stage 'adapter lora "
+        "loaded' on, though only cpu was asked for"
+    )
+    assert rows["explanation"].iloc[0] == stored["explanation"] + (
+        "; PEFT, given no torch_device, loads the adapter file onto the device it infers (`cuda`, i.e. "
+        "cuda:0, wherever CUDA exists) before copying it into the model: pass torch_device to keep it off"
+    )
+    asked = recorded_rows("cpu/float32", "torch_device", recorded("cpu/float32", "torch_device"))
+    assert asked["rule"].tolist() == ["as asked"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -448,7 +658,14 @@ def test_tables_have_the_required_columns_first():
 
     tables = MemoryCheck().tables(None, [flagged_capture()])
     timeline, placement = tables["memory_timeline"], tables["placement"]
-    assert list(timeline.columns) == [*memory.TIMELINE_COLUMNS, "variant", "target", "requested"]
+    assert list(timeline.columns) == [
+        *memory.TIMELINE_COLUMNS,
+        *memory.TIMELINE_EXTRA,
+        "variant",
+        "target",
+        "requested",
+    ]
+    assert timeline["workspace"].isna().all()  # recorded without the column: unknown, not 0
     assert list(placement.columns[:7]) == list(memory.PLACEMENT_COLUMNS)
     assert list(timeline["requested"]) == [False, True, False, False, True]
 

@@ -16,6 +16,11 @@ pytestmark = [
 ]
 
 
+# torch's own ways to release and size cuBLAS's workspace (torch 2.11–2.13 have both; guarded all the same)
+CAN_RELEASE = hasattr(torch._C, "_cuda_clearCublasWorkspaces")
+WORKSPACE_SIZE = getattr(torch.backends.cuda, "cublas_workspace_size", None)
+
+
 def last_gpu() -> str:
     return f"cuda:{torch.cuda.device_count() - 1}"
 
@@ -38,7 +43,20 @@ def test_probe_sees_this_processs_context_and_memory():
     used = probe.driver_used(0, True)
     # None only where the driver cannot name this process (a container's pid namespace)
     assert used is None or used >= probe.reserved(0)
-    del x
+    # a matmul makes cuBLAS's workspace (one an earlier test's matmul left is released first); releasing
+    # it gives back exactly that, once, and leaves the tensors
+    probe.release_workspaces()
+    before = probe.allocated(0)
+    y = x @ x
+    torch.cuda.synchronize()
+    released = probe.release_workspaces()
+    if CAN_RELEASE:
+        assert released[0] == WORKSPACE_SIZE() if WORKSPACE_SIZE else released[0] > 0
+        assert probe.release_workspaces()[0] == 0
+        assert probe.allocated(0) == before + y.numel() * 4
+    else:
+        assert released is None
+    del x, y
 
 
 @pytest.mark.parametrize("where", ["first", "last"])
@@ -54,7 +72,12 @@ def test_torch_device_comparison_on_a_gpu(tmp_path, demo_workspace, where):
         loaded = part[part["stage"] == memory.BASE_LOADED].iloc[0]
         assert bool(loaded["context"]) and loaded["allocated"] > 0
         after = part[part["stage"] == memory.CLEANED_UP].iloc[0]
-        assert after["allocated"] == 0  # every tensor given back
+        assert after["allocated"] == 0  # every tensor given back, and cuBLAS's workspace released
+        if CAN_RELEASE:
+            # DoRA's weight norm is the first matmul: cuBLAS's workspace appears with it, in its own column
+            dora = part[part["stage"] == memory.adapter_stage("dora")].iloc[0]
+            assert dora["workspace"] == WORKSPACE_SIZE() if WORKSPACE_SIZE else dora["workspace"] > 0
+            assert loaded["workspace"] == 0 and after["workspace"] == 0 and after["reserved"] == 0
     # torch_device passed: every tensor and every byte on the target, nothing stray
     assert set(placement[placement["variant"] == "torch_device"]["device"]) == {target}
     rows = record.metrics()
@@ -64,3 +87,35 @@ def test_torch_device_comparison_on_a_gpu(tmp_path, demo_workspace, where):
         # not passed: PEFT loads the adapter state dict onto bare "cuda" (cuda:0) first
         stray = rows[(rows["variant"] == "no_torch_device") & (rows["rule"] == "stray device")]
         assert "cuda:0" in set(stray["device"]), rows[["variant", "rule", "device", "explanation"]]
+
+
+def test_a_tensor_kept_past_cleanup_is_a_leak(tmp_path, demo_workspace, monkeypatch):
+    """A tensor the code keeps alive past del, gc.collect() and empty_cache() (here the embedding weight,
+    kept at each adapter load as a cache of the user's would) is `broken`, to the byte, while cuBLAS's
+    workspace beside it is not. In-process, so that the tensor outlives the load."""
+    from core.checks import memory as memory_check
+    from core.engine.runners import InProcessRunner
+
+    kept = []
+    attach = memory_check.MemoryCheck._attach
+
+    def attach_and_keep(self, model, adapter, target, variant):
+        loaded, notes = attach(self, model, adapter, target, variant)
+        kept.append(loaded.get_input_embeddings().weight)
+        return loaded, notes
+
+    monkeypatch.setattr(memory_check.MemoryCheck, "_attach", attach_and_keep)
+    engine = Engine(tmp_path, runner=InProcessRunner())
+    job = engine.submit(demo_spec(demo_workspace, ["lora", "dora"], ["cuda:0/float32"], ["memory"]))
+    assert job.wait(600)
+    assert job.state == "succeeded", job.error
+    rows = engine.store.open(job.run_id).metrics()
+    rows = rows[rows["check"] == "memory"]
+    assert sorted(rows["variant"]) == ["no_torch_device", "torch_device"], rows[["rule", "explanation"]]
+    assert set(rows["rule"]) == {"leak"} and set(rows["device"]) == {"cuda:0"}
+    # one embedding per strategy (both adapters share it); the allocator counts it in 512-byte blocks
+    held = -(-kept[0].untyped_storage().nbytes() // 512) * 512
+    assert held == 65_536  # tiny-llama's embedding, float32
+    for explanation in rows["explanation"]:
+        assert explanation.startswith(f"cuda:0 still has {held:,} bytes allocated by tensors"), explanation
+    kept.clear()

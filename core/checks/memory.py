@@ -14,13 +14,15 @@ A run without adapters has a single unnamed variant (the base load alone).
 
 Stages (timeline rows): process start and import torch (taken by the worker process itself),
 import transformers/peft, base loaded, each adapter loaded, first forward, merged, unloaded and
-cleaned up. The tables `memory_timeline` and `placement` hold every capture's records; each flag
+cleaned up; library workspaces (cuBLAS's) are released at each sample and by cleanup, and have a
+column of their own, so that a leak is tensor memory only. The tables `memory_timeline` and `placement` hold every capture's records; each flag
 (stray device, leak, mixed placement, merge failed) is a metrics row with verdict `broken`, and a
 capture without flags gets one `identical` row that says its placement was as asked.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from collections.abc import Callable
 from typing import Any
@@ -251,7 +253,10 @@ class MemoryCheck(Check):
         meta = capture.meta.get(self.name, {})
         requested = meta.get("requested") or [Target.parse(capture.target).device]
         timeline = meta.get("timeline", [])
-        found = memory.stray_devices(timeline, requested)
+        found = [
+            _why_stray(f, meta.get("variant", capture.variant))
+            for f in memory.stray_devices(timeline, requested)
+        ]
         found += [memory.Flag(**f) for f in meta.get("placement_flags", [])]
         found += memory.leak_flags(memory.leak_figures(timeline))
         for key, when in (("forward_error", memory.FIRST_FORWARD), ("merge_error", memory.MERGED)):
@@ -325,15 +330,33 @@ class MemoryCheck(Check):
                 {**r, **extra, "requested": r["device"] in requested} for r in meta.get("timeline", [])
             ]
             placement += [{**r, **extra} for r in meta.get("placement", [])]
-        timeline_columns = [*memory.TIMELINE_COLUMNS, "variant", "target", "requested"]
+        timeline_columns = [
+            *memory.TIMELINE_COLUMNS,
+            *memory.TIMELINE_EXTRA,
+            "variant",
+            "target",
+            "requested",
+        ]
         placement_columns = [*memory.PLACEMENT_COLUMNS, *memory.PLACEMENT_EXTRA, "variant", "target"]
         timeline_table = pd.DataFrame(timeline, columns=timeline_columns)
-        for col in ("allocated", "reserved", "driver_used", "rss"):
+        for col in ("allocated", "reserved", "driver_used", "rss", "workspace"):
             timeline_table[col] = timeline_table[col].astype("Int64")
         timeline_table["context"] = timeline_table["context"].astype("boolean")
         placement_table = pd.DataFrame(placement, columns=placement_columns)
         placement_table["layer"] = placement_table["layer"].astype("Int64")
         return {"memory_timeline": timeline_table, "placement": placement_table}
+
+
+def _why_stray(flag: memory.Flag, variant: str) -> memory.Flag:
+    """A stray cuda:0 at an adapter's load without torch_device, with its cause: PEFT reads the adapter
+    file onto the device it infers (bare `cuda`, the current device) and only then copies it into the model."""
+    if variant != NO_TORCH_DEVICE or flag.device != "cuda:0" or not flag.stage.startswith("adapter "):
+        return flag
+    why = (
+        "; PEFT, given no torch_device, loads the adapter file onto the device it infers (`cuda`, i.e. "
+        "cuda:0, wherever CUDA exists) before copying it into the model: pass torch_device to keep it off"
+    )
+    return dataclasses.replace(flag, explanation=flag.explanation + why)
 
 
 def _new_flags(seen: dict[tuple, memory.Flag], flags: list[memory.Flag]) -> dict[tuple, memory.Flag]:
@@ -347,7 +370,9 @@ def process_samples() -> list[dict[str, Any]]:
 
 
 def cleanup() -> None:
-    """What a user does to give memory back: collect garbage, then empty PyTorch's CUDA cache."""
+    """What a user does to give memory back: collect garbage, then empty PyTorch's CUDA cache; and, before
+    that, release the library workspaces torch keeps (cuBLAS's), so that what allocated still holds
+    after cleanup is tensors the code kept alive, not a workspace torch would keep to the process's end."""
     gc.collect()
     try:
         import torch
@@ -355,6 +380,7 @@ def cleanup() -> None:
         # No synchronize(): it acts on the current device (cuda:0) and would create a context
         # there for a run on cuda:1. empty_cache frees cached blocks only where there are some.
         if torch.cuda.is_available() and torch.cuda.is_initialized():
+            memory.clear_library_workspaces()
             torch.cuda.empty_cache()
     except Exception:  # cleanup is best effort; what remains is what the next sample measures
         pass

@@ -14,7 +14,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from core.models.memory import device_sort_key, leak_figures, module_device_bytes
+from core.models.memory import LEAK_COLUMNS, device_sort_key, leak_figures, module_device_bytes
 from dashboard.figures.common import COLORSCALE, category_axis, empty_figure, title_top
 from dashboard.text import plot_text
 
@@ -25,6 +25,8 @@ CUDA_METRICS: dict[str, str] = {
     "reserved": "reserved by PyTorch's allocator",
     "allocated": "allocated by tensors",
 }
+# The column beside a CUDA device's for its library workspaces (cuBLAS's and cuBLASLt's).
+WORKSPACE_LABEL = "{device} workspaces"
 STRAY_COLOR = "#e03131"
 FLAG_COLUMNS = ["rule", "variant", "stage", "device", "module", "explanation", "target", "adapter", "tensor"]
 
@@ -87,6 +89,15 @@ def timeline_grid(timeline: pd.DataFrame, metric: str = "driver_used") -> pd.Dat
     return grid
 
 
+def workspace_devices(timeline: pd.DataFrame) -> list[str]:
+    """The CUDA devices where library workspaces held memory at some sample, in device order (none in a
+    run recorded before workspaces had a column of their own)."""
+    if timeline.empty or "workspace" not in timeline:
+        return []
+    held = timeline[(timeline["device"] != "cpu") & (timeline["workspace"].fillna(0) > 0)]
+    return sorted(held["device"].unique(), key=device_sort_key)
+
+
 def _uses(row: pd.Series) -> bool:
     for col in ("allocated", "reserved", "driver_used"):
         v = row.get(col)
@@ -106,8 +117,10 @@ def _hover(row: pd.Series) -> str:
         lines.append(f"RSS {mib('rss')}")
     else:
         ctx = row.get("context")
+        held = row.get("workspace")
         lines += [
-            f"allocated {mib('allocated')}",
+            f"allocated {mib('allocated')}"
+            + ("" if _missing(held) or not held else f", of which library workspaces {mib('workspace')}"),
             f"reserved {mib('reserved')}",
             f"driver (this process) {mib('driver_used')}",
             f"CUDA context: {'unknown' if _missing(ctx) else 'yes' if ctx else 'no'}",
@@ -118,22 +131,36 @@ def _hover(row: pd.Series) -> str:
     return "<br>".join(lines)
 
 
+def _workspace_hover(row: pd.Series) -> str:
+    value = row.get("workspace")
+    held = "unknown" if _missing(value) else f"{value / MIB:,.2f} MiB"
+    return (
+        f"<b>{plot_text(row['stage'])}</b> · {plot_text(row['device'])}<br>library workspaces (cuBLAS, "
+        f"cuBLASLt) {held}<br>part of allocated, made by this stage's matmuls; released after each sample "
+        "and by cleanup: no leak"
+    )
+
+
 def timeline_heatmap(
     timeline: pd.DataFrame, metric: str = "driver_used", *, title: str | None = None
 ) -> go.Figure:
     """Memory in MiB: rows = load stages, columns = device index, one panel per load strategy.
 
     The CPU column is the process's RSS; CUDA columns show `metric` (the driver's figure by
-    default). A cell on a device no target asked for that holds memory or a context is marked ✗.
-    Every panel shares the stages, devices and colour scale.
+    default). Where library workspaces held memory on a CUDA device, a column beside it shows them
+    (part of its allocated bytes) at the stages that made them. A cell on a device no target asked
+    for that holds memory or a context is marked ✗. Every panel shares the stages, devices and
+    colour scale.
     """
     if timeline.empty:
         return empty_figure("no memory timeline in this run", title=title)
     parts = panels(timeline)
     stages = list(timeline.sort_values("order").drop_duplicates("stage")["stage"])
     devices = sorted(timeline["device"].unique(), key=device_sort_key)
-    labels = {d: "cpu (RSS)" if d == "cpu" else d for d in devices}
-    cols = [labels[d] for d in devices]
+    with_workspace = set(workspace_devices(timeline))
+    # (device, whether the column is its library workspaces), each workspace column after its device's
+    columns = [(d, w) for d in devices for w in (False, True) if not w or d in with_workspace]
+    cols = [WORKSPACE_LABEL.format(device=d) if w else "cpu (RSS)" if d == "cpu" else d for d, w in columns]
     fig = make_subplots(
         rows=1,
         cols=len(parts),
@@ -144,11 +171,15 @@ def timeline_heatmap(
     zmax = 0.0
     for i, (target, variant, label) in enumerate(parts, start=1):
         rows = _panel_rows(timeline, target, variant)
-        z = np.full((len(stages), len(devices)), np.nan)
-        text = [["" for _ in devices] for _ in stages]
-        hover = [["not sampled" for _ in devices] for _ in stages]
+        z = np.full((len(stages), len(columns)), np.nan)
+        text = [["" for _ in columns] for _ in stages]
+        hover = [["not sampled" for _ in columns] for _ in stages]
         for _, row in rows.iterrows():
-            r, c = stages.index(row["stage"]), devices.index(row["device"])
+            r, c = stages.index(row["stage"]), columns.index((row["device"], False))
+            if row["device"] in with_workspace and not _missing(row.get("workspace")):
+                held = float(row["workspace"]) / MIB
+                z[r, c + 1], text[r][c + 1] = held, f"{held:,.1f}"
+                hover[r][c + 1] = _workspace_hover(row)
             value = cell_bytes(row, metric) / MIB
             z[r, c] = value
             requested = row.get("requested")
@@ -179,6 +210,8 @@ def timeline_heatmap(
         )
         _panel_axes(fig, i, cols, stages)
     what = "RSS (cpu), " + CUDA_METRICS.get(metric, metric) + " (cuda)" if len(devices) > 1 else "RSS"
+    if with_workspace:
+        what += ", library workspaces"
     coloraxis = {
         "colorscale": COLORSCALE,
         "cmin": 0,
@@ -317,8 +350,6 @@ def leak_table(timeline: pd.DataFrame) -> pd.DataFrame:
         if not leaks.empty:
             frames.append(leaks.assign(panel=label))
     if not frames:
-        return pd.DataFrame(
-            columns=["panel", "device", "baseline_stage", "allocated", "reserved", "driver_used", "rss"]
-        )
+        return pd.DataFrame(columns=["panel", *LEAK_COLUMNS])
     out = pd.concat(frames, ignore_index=True)
     return out[["panel", *[c for c in out.columns if c != "panel"]]]

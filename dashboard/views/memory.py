@@ -17,6 +17,7 @@ from dashboard.figures.memory import (
     module_device_heatmap,
     panels,
     timeline_heatmap,
+    workspace_devices,
 )
 from dashboard.state import bound_select, metrics_table, run_table
 from dashboard.text import inert, literal
@@ -41,7 +42,8 @@ cuda = sorted({d for d in timeline["device"] if d != "cpu"}) if len(timeline) el
 st.caption(
     "Each load strategy ran in a fresh worker process, sampled at every stage: process start, after "
     "`import torch`, after the imports, after the base load, after each adapter load, after the first "
-    "forward, after merging, and after unloading and cleaning up (`del`, `gc.collect()`, `empty_cache()`)."
+    "forward, after merging, and after unloading and cleaning up (`del`, `gc.collect()`, releasing the "
+    "library workspaces, `empty_cache()`)."
 )
 if not cuda:
     st.caption(
@@ -90,6 +92,13 @@ if cuda:
         horizontal=True,
         help="The driver's figure counts the CUDA context, which PyTorch's allocator does not see.",
     )
+if workspace_devices(timeline):
+    st.caption(
+        "**workspaces** columns: what cuBLAS (and cuBLASLt, which shares it) holds on that device, part of "
+        "its allocated bytes. Torch makes one at the first matmul and keeps it to the process's end; the "
+        "timeline releases it after each sample (the next matmul takes it again) and at cleanup, so it "
+        "shows at the stages that ran matmuls and is never counted as a leak."
+    )
 fig = timeline_heatmap(timeline, metric)
 st.plotly_chart(inert(fig), key="memory.timeline")
 downloads(fig, timeline, f"{record.run_id}-memory-timeline", key="memory.timeline")
@@ -111,7 +120,8 @@ leaks = leak_table(timeline)
 if len(leaks):
     with st.expander("Memory still held after cleanup (bytes, against the sample before the base load)"):
         st.caption(
-            "CUDA: tensor memory (`allocated`) should return to 0; the driver's figure keeps the context. "
+            "CUDA: tensor memory (`tensors`: `allocated` less the library workspaces) should return to 0; "
+            "the driver's figure keeps the context. "
             "CPU: RSS does not return to its baseline even without a leak (the C allocator keeps freed "
             "pages), so it is reported, never flagged."
         )
