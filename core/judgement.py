@@ -349,15 +349,18 @@ class AnomalySummary:
     worst_ratio: float
     worst_tensor: str
     why: str = ""
+    only_adapter: str | None = None  # the one adapter every anomalous row belongs to, if one does
 
     def sentence(self) -> str:
-        """`cuda:1/float32: outputs 310× the error of cpu/float32 (3 of 4 tensors, worst logits) — TF32 on`."""
+        """`cuda:1/float32: outputs 310× the error of cpu/float32 (3 of 4 tensors; worst logits) — TF32 on`;
+        `(59 of 630 tensors, all pissa; …)` where one adapter holds every anomalous row."""
         times = "∞×" if math.isinf(self.worst_ratio) else f"{self.worst_ratio:.3g}×"
         exact = " (exact there)" if math.isinf(self.worst_ratio) else ""
         why = f" — {self.why}" if self.why else ""
+        only = f", all {self.only_adapter}" if self.only_adapter else ""
         return (
             f"{self.target}: {self.check} {times} the error of {self.peer}{exact} "
-            f"({self.n} of {self.of} tensors; worst {self.worst_tensor}){why}"
+            f"({self.n} of {self.of} tensors{only}; worst {self.worst_tensor}){why}"
         )
 
 
@@ -382,9 +385,20 @@ def summarise_anomalies(
                 worst_tensor=str(worst["tensor"])
                 + (f" · {worst['adapter']}" if pd.notna(worst["adapter"]) else ""),
                 why=explain(envs.get(target, {}), envs.get(worst["peer"], {})),
+                only_adapter=_only_adapter(rows, judged),
             )
         )
     return out
+
+
+def _only_adapter(found: pd.DataFrame, judged: pd.DataFrame) -> str | None:
+    """The adapter every anomalous row belongs to, where the judged rows hold others too (PiSSA alone
+    on a GPU); None where the rows span several, the bare base, or the run has one adapter."""
+    names = set(found["adapter"].astype(object).where(found["adapter"].notna(), ""))
+    if len(names) != 1 or "" in names:
+        return None
+    others = set(judged["adapter"].astype(object).where(judged["adapter"].notna(), "")) - names
+    return str(names.pop()) if others else None
 
 
 def expected_drift(table: pd.DataFrame, k: float = ANOMALY_RATIO) -> dict[str, int]:

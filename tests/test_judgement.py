@@ -208,6 +208,10 @@ def test_on_the_h200_demo_the_anomalies_are_pissa_on_cuda_float32_and_tf32_and_n
     assert not (marks[out["peer"].notna()] == "drift").any()
     summaries = summarise_anomalies(out)
     assert {s.target for s in summaries} == {"cuda:0/float32", "cuda:0/float32+tf32"}
+    # the Overview's lines say that PiSSA alone is off on plain GPU float32, and TF32 everywhere
+    plain = [s.sentence() for s in summaries if s.target == "cuda:0/float32"]
+    assert len(plain) == 3 and all(", all pissa; worst " in line for line in plain)
+    assert not any("all " in s.sentence() for s in summaries if s.target != "cuda:0/float32")
 
 
 def test_groups_partition_targets_by_bitwise_equality_and_name_what_splits_them():
