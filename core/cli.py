@@ -542,8 +542,6 @@ def execute(args, plan=None, after=None) -> int:
 def _run_and_report(args, engine_class, runner, plan=None, after=None) -> int:
     from core import report
     from core.engine.store import RunRecord
-    from core.judgement import anomaly_records
-
     home = weightdrift_home(args.home)
     spec, install = plan(home) if plan is not None else (spec_from_args(args, home), None)
     engine = engine_class(home, runner=runner)
@@ -607,9 +605,7 @@ def _run_and_report(args, engine_class, runner, plan=None, after=None) -> int:
                     "status": status,
                     "duration_s": duration,
                     "exit_code": code,
-                    "groups": judgement.groups_json(),
-                    "rewrites": [r.sentence() for r in judgement.rewrites],
-                    "anomalies": anomaly_records(table) if judgement.unjudged is None else [],
+                    **judgement.answer_json(table),  # groups, rewrites, anomalies
                     "verdicts": report.verdict_counts(table),
                     "verdicts_by_check_target": report.records(by),
                     "worst": report.records(worst),

@@ -439,6 +439,14 @@ class Judgement:
         """`--json`'s `groups`: per check, the members of each group."""
         return {check: [g.members for g in gs.groups] for check, gs in self.groups.items()}
 
+    def answer_json(self, table: pd.DataFrame) -> dict[str, Any]:
+        """`--json`'s answer: `groups`, `rewrites` (sentences) and `anomalies` (`anomaly_records`)."""
+        return {
+            "groups": self.groups_json(),
+            "rewrites": [r.sentence() for r in self.rewrites],
+            "anomalies": anomaly_records(table, self.k) if self.unjudged is None else [],
+        }
+
     def lines(self) -> list[str]:
         """The answer in sentences, groups first, for the CLI summary."""
         out = ["agreement groups:"] if self.groups else []

@@ -48,3 +48,31 @@ def test_boft_on_cuda_is_healthy_and_reports_its_path(tmp_path, demo_workspace):
     assert (outputs.verdict != "broken").all()
     notes = table[table.check == "deltas"].note
     assert notes.str.contains("fbd_cuda|torch.block_diag").all()
+
+
+def test_pissa_s_base_rewritten_on_cuda_is_measured_and_named_where_it_parts_from_the_cpu(
+    tmp_path, demo_workspace
+):
+    engine = Engine(tmp_path, runner=ProcessRunner())
+    spec = ProbeSpec(
+        base=ModelRef(demo_workspace["models"]["tiny-llama"]),
+        adapters=(AdapterRef(demo_workspace["adapters"]["pissa"]["path"], "pissa"),),
+        targets=(Target.parse("cpu/float32"), Target.parse("cuda:0/float32")),
+        checks=("weights", "outputs"),
+    )
+    job = engine.submit(spec)
+    assert job.wait(600) and job.state == "succeeded", job.error
+    record = engine.store.open(job.run_id)
+    table = record.metrics()
+    rewritten = table[table.role == "rewritten base"]
+    assert rewritten.groupby("target").tensor.nunique().to_dict() == {"cpu/float32": 12, "cuda:0/float32": 12}
+    # each within float32 rounding of the float64 rewrite (an SVD in float32, on either device)
+    assert rewritten.rel_l2.max() < 1e-4, rewritten[["target", "tensor", "rel_l2"]]
+    pairs = record.table("pairwise")
+    mine = pairs[pairs.tensor.isin(set(rewritten.tensor))]
+    differs = not mine.bitwise_equal.astype(bool).all()
+    [rewrite] = record.judgement().rewrites
+    assert (("cuda:0/float32", "cpu/float32") in rewrite.differing) == differs
+    # the loaded tensors themselves stay bitwise the file on the GPU
+    loaded = table[(table.check == "weights") & (table.role != "rewritten base")]
+    assert (loaded.verdict == "identical").all()
