@@ -201,8 +201,8 @@ def add_run_options(run: ArgumentParser) -> None:
         nargs="+",
         default=[],
         metavar="SPEC",
-        help="DEVICE/DTYPE[+tf32|+deterministic|+threads=N|+matmul=P|+node=NAME], e.g. cpu/bfloat16 "
-        "(node=NAME: that Ray node's device, with --runner ray)",
+        help="DEVICE/DTYPE[+tf32|+deterministic|+threads=N|+matmul=P|+node=NAME (with --runner ray)], e.g. "
+        "cpu/bfloat16; DTYPE nf4|fp4|int8 is bitsandbytes', nf4/fp4 +compute=D|+double_quant|+portable",
     )
     run.add_argument(
         "--check",

@@ -136,7 +136,8 @@ class Target:
 
     A quantized base names its bitsandbytes format as the dtype (`cpu/nf4`, `cuda:0/fp4`, `cpu/int8`):
     bitsandbytes' defaults, with flags for the departures: `+compute=bfloat16|float16|float32`
-    (bnb_4bit_compute_dtype) and `+double_quant` (bnb_4bit_use_double_quant), 4-bit formats only.
+    (bnb_4bit_compute_dtype), `+double_quant` (bnb_4bit_use_double_quant) and, on the CPU, `+portable`
+    (bitsandbytes' fused AVX512-BF16 kernel off: the portable path every other CPU runs), 4-bit formats only.
 
     A target captured on another machine (imported from a snapshot) names it first:
     `gpu-box/cuda:0/float32+tf32`; such a target is never run here, only compared.
@@ -154,6 +155,8 @@ class Target:
     node: str | None = None
     compute: str | None = None  # `compute=DTYPE`: a 4-bit format's bnb_4bit_compute_dtype
     double_quant: bool = False  # `double_quant`: a 4-bit format's bnb_4bit_use_double_quant
+    # `portable`: a 4-bit format's layers with bitsandbytes' fused CPU kernel off (`support_avx512bf16_for_cpu`)
+    portable: bool = False
 
     @staticmethod
     def parse(text: str) -> Target:
@@ -191,7 +194,7 @@ class Target:
                 kwargs["threads"] = _thread_count(value, text)
             elif key == "matmul" and value in MATMUL_PRECISIONS:
                 kwargs["matmul_precision"] = value
-            elif key in ("compute", "double_quant"):
+            elif key in QUANTIZATION_FLAGS:
                 kwargs.update(_quantization_flag(key, value, dtype_name, text))
             elif key == "node" and valid_machine(value):
                 kwargs["node"] = value
@@ -209,7 +212,7 @@ class Target:
                 raise SpecError(
                     f"target {text!r}: unknown flag {flag!r}; flags are tf32, deterministic, threads=N, "
                     f"matmul={'|'.join(MATMUL_PRECISIONS)}, node=NAME, and for nf4/fp4 "
-                    f"compute={'|'.join(COMPUTE_DTYPES)}, double_quant"
+                    f"compute={'|'.join(COMPUTE_DTYPES)}, double_quant, portable"
                 )
         return Target(device=device, dtype=dtype_name, machine=machine, **kwargs)
 
@@ -231,6 +234,8 @@ class Target:
             flags.append(f"compute={self.compute}")
         if self.double_quant:
             flags.append("double_quant")
+        if self.portable:
+            flags.append("portable")
         return flags
 
     def __str__(self) -> str:
@@ -280,21 +285,30 @@ class Target:
 _SHORT_FLAGS = {"deterministic": "det", "double_quant": "dq"}
 
 
+# The flags of a 4-bit format's bitsandbytes layers: what each sets, for the message refusing it elsewhere
+QUANTIZATION_FLAGS = {
+    "compute": "sets bnb_4bit_compute_dtype",
+    "double_quant": "sets bnb_4bit_use_double_quant",
+    "portable": "turns off bitsandbytes' fused 4-bit CPU kernel",
+}
+
+
 def _quantization_flag(key: str, value: str, dtype: str, text: str) -> dict[str, Any]:
-    """The field of a `compute=DTYPE` or `double_quant` flag; SpecError where the format has no such setting."""
+    """The field of a `compute=DTYPE`, `double_quant` or `portable` flag; SpecError where the format has no
+    such setting."""
     if dtype not in FOUR_BIT_FORMATS:
         raise SpecError(
-            f"target {text!r}: flag {key} sets a bnb_4bit_* option and applies to "
+            f"target {text!r}: flag {key} {QUANTIZATION_FLAGS[key]} and applies to "
             f"{' and '.join(FOUR_BIT_FORMATS)} only"
         )
-    if key == "double_quant" and not value:
-        return {"double_quant": True}
+    if key in ("double_quant", "portable") and not value:
+        return {key: True}
     compute = DTYPE_ALIASES.get(value.lower())
     if key == "compute" and compute in COMPUTE_DTYPES:
         return {"compute": compute}
     raise SpecError(
-        f"target {text!r}: flag {key}={value} is not understood; expected compute={'|'.join(COMPUTE_DTYPES)} "
-        "or double_quant"
+        f"target {text!r}: flag {key}={value} is not understood; expected compute={'|'.join(COMPUTE_DTYPES)}, "
+        "double_quant or portable"
     )
 
 
@@ -451,7 +465,9 @@ def peer_of(
     that runs the comparison (`cuda:1/bfloat16+tf32` → `cpu/bfloat16`). A target imported from a snapshot
     takes the local one when the comparison has it, else the first snapshot's (in `targets`' order).
     None where there is none and none can be added (`can_add`: the model is here to run it), and for a
-    dtype whose peer would be the reference itself (its rows already are the judgement).
+    dtype whose peer would be the reference itself (its rows already are the judgement). Flags are
+    departures and the peer has none: `cpu/nf4+portable` is judged against `cpu/nf4`, bitsandbytes'
+    default path on this CPU (the fused kernel where it has AVX512-BF16), what a user's script runs.
     """
     local = Target(device="cpu", dtype=target.dtype)
     if local == reference.local:

@@ -33,6 +33,7 @@ from core.models.validate import (
 from core.spec import (
     DEFAULT_CHECKS,
     DEFAULT_MAX_NEW_TOKENS,
+    FOUR_BIT_FORMATS,
     MAX_THREADS,
     QUANTIZED_FORMATS,
     REFERENCE_TARGET,
@@ -147,7 +148,7 @@ def target_options(devices: list[Device]) -> list[str]:
         if d.kind == "cuda":
             options += [f"{d.name}/float32+tf32", f"{d.name}/float32+deterministic"]
         if d.kind == "cpu":
-            options += ["cpu/float32+threads=1", "cpu/float32+deterministic"]
+            options += ["cpu/float32+threads=1", "cpu/float32+deterministic", "cpu/nf4+portable"]
     return options
 
 
@@ -227,8 +228,9 @@ def run_form(manifest: dict | None) -> None:
         placeholder="DEVICE/DTYPE[+FLAG…]",
         help=(
             "Where to load: only devices this machine has. Flags: +tf32 (CUDA), +deterministic, "
-            "+threads=N, +matmul=high; with the Ray runner +node=NAME (that node's device). cpu/float64 "
-            "is the reference and always runs."
+            "+threads=N, +matmul=high; for nf4/fp4 +compute=DTYPE, +double_quant and on the CPU +portable "
+            "(bitsandbytes' fused AVX512-BF16 kernel off); with the Ray runner +node=NAME (that node's "
+            "device). cpu/float64 is the reference and always runs."
         ),
     )
     _target_builder(devices)
@@ -406,8 +408,17 @@ def _target_builder(devices: list[Device]) -> None:
             key="form.new.threads",
             placeholder="torch default",
         )
+        can_be_portable = device == "cpu" and dtype in FOUR_BIT_FORMATS
+        portable = st.toggle(
+            "Portable 4-bit CPU path",
+            key="form.new.portable",
+            disabled=not can_be_portable,
+            help="CPU nf4/fp4 only: bitsandbytes' fused kernel off (its default on a CPU with AVX512-BF16), "
+            "the path other CPUs run.",
+        )
         flags = (["tf32"] if tf32 and is_cuda else []) + (["deterministic"] if det else [])
         flags += [f"threads={int(threads)}"] if threads else []
+        flags += ["portable"] if portable and can_be_portable else []
         spec = "+".join([f"{device}/{dtype}", *flags])
 
         def add() -> None:

@@ -1,6 +1,8 @@
-"""Quantized bases as targets (issue 26): `cpu/nf4`, `cpu/fp4`, `cpu/int8` on a tiny Llama with a LoRA,
-through the engine (in process) with weights, deltas, outputs and merge; their logits and NF4's merge
-against transformers + bitsandbytes + PEFT called here directly, bit for bit."""
+"""Quantized bases as targets (issue 26): `cpu/nf4`, `cpu/fp4`, `cpu/int8` and the 4-bit formats `+portable`
+on a tiny Llama with a LoRA, through the engine (in process) with weights, deltas, outputs and merge; their
+logits and NF4's merge against transformers + bitsandbytes + PEFT called here directly, bit for bit. On a
+CPU with AVX512-BF16 (issue 35) `cpu/nf4` runs bitsandbytes' default there, its fused kernel, and `+portable`
+the path every other CPU runs."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from core.capture import Capture
 from core.engine.jobs import Engine, next_best_reference
 from core.engine.runners import InProcessRunner
 from core.engine.store import RunRecord
+from core.models.targets import Device, check_targets_exist
 from core.spec import (
     QUANTIZED_FORMATS,
     REFERENCE_TARGET,
@@ -28,23 +31,30 @@ from core.spec import (
     peer_of,
 )
 
-# bitsandbytes repacks a 4-bit weight for its fused kernel on a CPU with AVX512-BF16 and asserts that
-# its out_features divide by 32 (WeightDrift turns that path off, docs/quantized.md; a fresh model here
-# would take it): the test model's every quantized layer's do (the family's tiny 16 and 8 do not)
+# bitsandbytes repacks a 4-bit weight for its fused kernel on a CPU with AVX512-BF16 (its default there,
+# docs/quantized.md) and asserts that its out_features divide by 32: the test model's every quantized
+# layer's do (the family's tiny 16 and 8 do not)
 SIZES = {"hidden_size": 64, "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1}
 FORMATS = QUANTIZED_FORMATS  # every format a target can name is run here (README's table says so)
+# each format with bitsandbytes' defaults, and the 4-bit ones on the portable CPU path
+TARGETS = (*(f"cpu/{f}" for f in FORMATS), "cpu/nf4+portable", "cpu/fp4+portable")
+FUSED = pytest.mark.skipif(
+    not __import__("bitsandbytes.functional").functional.has_avx512bf16(),
+    reason="this CPU lacks AVX512-BF16: bitsandbytes' fused 4-bit kernel, and its repacking, never run here",
+)
 IDS = ((3, 17, 42, 5, 60, 8), (1, 2, 33, 48, 9, 27))
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[RunRecord, Path, Path]:
-    """One run of the three formats with the four checks on a tiny Llama and its LoRA (q_proj, v_proj)."""
+    """One run of the three formats (and the 4-bit ones +portable) with the four checks on a tiny Llama and its
+    LoRA (q_proj, v_proj)."""
     root = tmp_path_factory.mktemp("quantized")
     model, adapter = save_with_lora("llama", root, seed=3, **SIZES)
     spec = ProbeSpec(
         base=ModelRef(path=str(model)),
         adapters=(AdapterRef(path=str(adapter), name="lora"),),
-        targets=tuple(Target.parse(f"cpu/{f}") for f in FORMATS),
+        targets=tuple(Target.parse(t) for t in TARGETS),
         checks=("weights", "deltas", "outputs", "merge"),
         probe=ProbeInputs(input_ids=IDS),
     )
@@ -63,13 +73,17 @@ def _bnb(fmt: str):
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=fmt)
 
 
-def _fresh(model: Path, fmt: str):
+def _fresh(model: Path, target: str):
+    """`target`'s model as a user's script loads it: bitsandbytes' defaults; `+portable`, its fused 4-bit
+    CPU kernel turned off on every 4-bit layer (what WeightDrift did on every CPU before issue 35)."""
     from transformers import AutoModelForCausalLM
 
-    from core.models.targets import portable_4bit
-
+    fmt, _, flag = target.removeprefix("cpu/").partition("+")
     m = AutoModelForCausalLM.from_pretrained(model, quantization_config=_bnb(fmt), device_map="cpu").eval()
-    portable_4bit(m)  # as WeightDrift loads it: the same path on every CPU
+    if flag == "portable":
+        for layer in m.modules():
+            if hasattr(layer, "support_avx512bf16_for_cpu"):
+                layer.support_avx512bf16_for_cpu = False
     return m
 
 
@@ -79,8 +93,8 @@ def _logits(m) -> torch.Tensor:
         return m(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
 
 
-def _capture(record: RunRecord, fmt: str) -> Capture:
-    return Capture.load(record.run_dir / "captures" / f"cpu_{fmt}")
+def _capture(record: RunRecord, target: str) -> Capture:
+    return Capture.load(record.run_dir / "captures" / Target.parse(target).slug)
 
 
 def test_target_strings() -> None:
@@ -94,7 +108,19 @@ def test_target_strings() -> None:
     )
     assert str(t) == "cuda:1/nf4+compute=bfloat16+double_quant" and Target.parse(str(t)) == t
     assert Target.parse("cpu/int8").float_dtype == "float32"
+    portable = Target.parse("cpu/fp4+double_quant+portable")
+    assert (
+        portable.portable
+        and str(portable) == "cpu/fp4+double_quant+portable"
+        and portable.label == ("cpu·fp4·dq·portable")
+    )
+    assert not Target.parse("cpu/nf4").portable
     for bad, says in (
+        (
+            "cpu/int8+portable",
+            "turns off bitsandbytes' fused 4-bit CPU kernel and applies to nf4 and fp4 only",
+        ),
+        ("cpu/nf4+portable=1", "double_quant or portable"),
         ("cpu/int8+double_quant", "applies to nf4 and fp4 only"),
         ("cpu/float32+compute=bfloat16", "applies to nf4 and fp4 only"),
         ("cpu/nf4+compute=float64", "compute=bfloat16|float16|float32"),
@@ -102,12 +128,23 @@ def test_target_strings() -> None:
     ):
         with pytest.raises(SpecError, match=says):
             Target.parse(bad)
+    devices = [Device("cpu", "cpu", "a CPU"), Device("cuda:0", "cuda", "a GPU")]
+    check_targets_exist([Target.parse("cpu/nf4+portable")], devices)
+    with pytest.raises(SpecError, match=r"portable applies to the CPU only"):
+        check_targets_exist([Target.parse("cuda:0/nf4+portable")], devices)
 
 
 def test_a_quantized_targets_peer_is_its_format_on_the_cpu() -> None:
-    for text in ("cuda:0/nf4+compute=bfloat16+double_quant", "cuda:1/int8", "cpu/fp4+compute=float16"):
+    for text in (
+        "cuda:0/nf4+compute=bfloat16+double_quant",
+        "cuda:1/int8",
+        "cpu/fp4+compute=float16",
+        "cpu/nf4+portable",  # judged against bitsandbytes' default path on this CPU
+    ):
         t = Target.parse(text)
         assert peer_of(t, (t,), REFERENCE_TARGET) == Target(device="cpu", dtype=t.dtype)
+    spec = ProbeSpec(base=ModelRef("m"), adapters=(), targets=(Target.parse("cpu/nf4+portable"),))
+    assert spec.with_peers().added_peers == (Target.parse("cpu/nf4"),)
 
 
 def test_a_quantized_target_never_stands_in_for_the_reference() -> None:
@@ -119,14 +156,23 @@ def test_a_quantized_target_never_stands_in_for_the_reference() -> None:
 
 
 def test_every_format_runs_every_check(run) -> None:
+    from bitsandbytes.functional import has_avx512bf16
+
+    from core.checks.behaviour.merge_tables import REPACKED_MERGE
+
     record, _, _ = run
     table = record.metrics()
-    for fmt in FORMATS:
-        rows = table[table["target"] == f"cpu/{fmt}"]
+    for text in TARGETS:
+        target = Target.parse(text)
+        fmt = target.dtype
+        rows = table[table["target"] == text]
         assert set(rows["check"]) == {"weights", "deltas", "outputs", "merge"}, fmt
-        assert "broken" not in set(rows["verdict"]), rows[rows["verdict"] == "broken"][
-            ["tensor", "explanation"]
-        ]
+        broken = rows[rows["verdict"] == "broken"]
+        if fmt != "int8" and not target.portable and has_avx512bf16():
+            # a merge after the fused kernel repacked the weights: the finding of the test below, alone
+            assert set(broken["check"]) == {"merge"}, broken[["check", "tensor"]]
+            broken = broken[~broken["explanation"].str.contains(REPACKED_MERGE, regex=False)]
+        assert broken.empty, broken[["tensor", "explanation"]]
         # each quantized weight is dequantized, compared with the file and named for its format
         q = rows[(rows["check"] == "weights") & rows["tensor"].str.contains(r"_proj\.weight$")]
         assert len(q) == 7 and (q["verdict"] == "drift").all() and (q["dtype"] == "float32").all()
@@ -137,18 +183,34 @@ def test_every_format_runs_every_check(run) -> None:
         assert (others["verdict"] == "identical").all()
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_logits_are_those_of_transformers_and_bitsandbytes(run, fmt: str) -> None:
+@pytest.mark.parametrize("target", TARGETS)
+def test_logits_are_those_of_transformers_and_bitsandbytes(run, target: str) -> None:
+    """`cpu/nf4` is the user's script with bitsandbytes' defaults (on this CPU the fused kernel where it has
+    AVX512-BF16), `cpu/nf4+portable` that script with `support_avx512bf16_for_cpu=False`: bit for bit."""
     from peft import PeftModel
 
     record, model, adapter = run
-    capture = _capture(record, fmt)
-    base = _fresh(model, fmt)
+    capture = _capture(record, target)
+    base = _fresh(model, target)
     assert torch.equal(capture.tensors["outputs::-::logits"], _logits(base))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        peft_model = PeftModel.from_pretrained(_fresh(model, fmt), adapter, adapter_name="lora").eval()
+        peft_model = PeftModel.from_pretrained(_fresh(model, target), adapter, adapter_name="lora").eval()
     assert torch.equal(capture.tensors["outputs::lora::logits"], _logits(peft_model))
+
+
+@FUSED
+def test_the_default_4bit_path_on_this_cpu_is_the_fused_kernel_and_portable_is_not(run) -> None:
+    """Where the CPU has AVX512-BF16, `cpu/nf4` and `cpu/nf4+portable` are two computations (the fused kernel
+    multiplies in bfloat16), each named in a note; the test above pins each to the user's script."""
+    from core.models.targets import FUSED_4BIT_NOTE, PORTABLE_4BIT_NOTE
+
+    record, _, _ = run
+    for fmt in ("nf4", "fp4"):
+        default, portable = _capture(record, f"cpu/{fmt}"), _capture(record, f"cpu/{fmt}+portable")
+        assert not torch.equal(default.tensors["outputs::-::logits"], portable.tensors["outputs::-::logits"])
+        assert any(FUSED_4BIT_NOTE in n for n in default.notes), default.notes
+        assert any(PORTABLE_4BIT_NOTE in n for n in portable.notes), portable.notes
 
 
 def test_nf4_merge_is_peft_merge_and_unload_on_a_fresh_4bit_model(run) -> None:
@@ -156,15 +218,17 @@ def test_nf4_merge_is_peft_merge_and_unload_on_a_fresh_4bit_model(run) -> None:
     from peft.utils.integrations import dequantize_bnb_weight
 
     record, model, adapter = run
-    capture = _capture(record, "nf4")
+    capture = _capture(record, "cpu/nf4+portable")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         merged = PeftModel.from_pretrained(
-            _fresh(model, "nf4"), adapter, adapter_name="lora"
+            _fresh(model, "cpu/nf4+portable"), adapter, adapter_name="lora"
         ).merge_and_unload()
     assert torch.equal(capture.tensors["merge::lora::output:merge_and_unload:logits"], _logits(merged))
     table = record.metrics()
-    rows = table[(table["target"] == "cpu/nf4") & (table["check"] == "merge") & (table["role"] == "merged")]
+    rows = table[
+        (table["target"] == "cpu/nf4+portable") & (table["check"] == "merge") & (table["role"] == "merged")
+    ]
     assert set(rows["stage"]) == {"merge_adapter", "safe_merge"} and len(rows) == 4
     for module in ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj"):
         mine = dequantize_bnb_weight(merged.get_submodule(module).weight)
@@ -175,12 +239,90 @@ def test_nf4_merge_is_peft_merge_and_unload_on_a_fresh_4bit_model(run) -> None:
             )
     # merging moved the outputs of the 4-bit model by far more than float32 rounding
     out = table[
-        (table["target"] == "cpu/nf4") & (table["role"] == "output") & (table["stage"] == "merge_and_unload")
+        (table["target"] == "cpu/nf4+portable")
+        & (table["role"] == "output")
+        & (table["stage"] == "merge_and_unload")
     ]
-    against_unmerged = out[out["reference"] == "unmerged (cpu/nf4)"]
+    against_unmerged = out[out["reference"] == "unmerged (cpu/nf4+portable)"]
     assert float(against_unmerged["max_abs"].iloc[0]) == float(
         (_logits(merged) - _unmerged(model, adapter)).abs().max()
     )
+
+
+@FUSED
+def test_a_merge_into_weights_the_fused_kernel_repacked_is_a_finding(run) -> None:
+    """On bitsandbytes' default path on this CPU, the merge check merges as a user's script does after a
+    forward: PEFT reads the repacked 4-bit weights as the plain layout. Its outputs are that script's, bit for
+    bit; its merged weights, read from the layout they are in, are far from W + ΔW; the rows and a finding
+    say why, and the same merge on `+portable` moves the outputs by the merge's own effect alone."""
+    from peft import PeftModel
+
+    from core.checks.behaviour.merge_tables import REPACKED_MERGE
+
+    record, model, adapter = run
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft_model = PeftModel.from_pretrained(_fresh(model, "cpu/nf4"), adapter, adapter_name="lora").eval()
+        unmerged = _logits(peft_model)  # the first forward: bitsandbytes repacks each 4-bit weight
+        merged = _logits(peft_model.merge_and_unload())
+    capture = _capture(record, "cpu/nf4")
+    assert torch.equal(capture.tensors["merge::lora::output:unmerged:logits"], unmerged)
+    assert torch.equal(capture.tensors["merge::lora::output:merge_and_unload:logits"], merged)
+    moved = float((merged.double() - unmerged.double()).abs().max())
+    info = capture.meta["merge"]["adapters"]["lora"]
+    modules = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj"]
+    assert info["repacked"] == modules and info["repacked_moved"] == moved
+
+    findings = record.table("merge_findings")
+    said = findings[(findings["target"] == "cpu/nf4") & (findings["finding"] == "repacked")]
+    assert list(said["detail"]) == [
+        "on this CPU (AVX512-BF16) bitsandbytes' default fused 4-bit kernel repacked the weights of 2 adapted "
+        "modules at the first forward, and PEFT's merge read them as the plain layout, so the merged weights "
+        f"are not W + ΔW: merge_and_unload() moved the outputs by {moved:.3g} (max |Δ| against unmerged); "
+        "merged before any forward, or on the target +portable, they are"
+    ]
+    assert findings[findings["finding"] == "repacked"]["target"].tolist() == ["cpu/nf4", "cpu/fp4"]
+
+    table = record.metrics()
+    merge = table[table["check"] == "merge"]
+    for target, broken in (("cpu/nf4", True), ("cpu/nf4+portable", False)):
+        rows = merge[(merge["target"] == target) & merge["role"].isin(["merged", "roundtrip"])]
+        assert len(rows) == 6 and (rows["verdict"] == "broken").all() == broken, rows[["tensor", "verdict"]]
+        assert rows["explanation"].fillna("").str.contains(REPACKED_MERGE, regex=False).all() == broken
+    # the merged weights against W + ΔW in float64: several times the 4-bit format's own error on +portable
+    rel = merge[merge["role"] == "merged"].groupby("target")["rel_l2"].max()
+    assert rel["cpu/nf4"] > 3 * rel["cpu/nf4+portable"], rel
+    # what the merge moves: on +portable its own effect, on the default path several times that
+    out = merge[(merge["stage"] == "merge_and_unload") & merge["reference"].str.startswith("unmerged")]
+    by_target = dict(zip(out["target"], out["max_abs"], strict=True))
+    assert by_target["cpu/nf4"] == moved and by_target["cpu/nf4"] > 3 * by_target["cpu/nf4+portable"]
+
+
+def test_a_repacked_4bit_weight_is_read_from_its_layout(tmp_path: Path) -> None:
+    """`dequantize` of a weight bitsandbytes repacked at a forward: its codes times its block scales rounded
+    to bfloat16, in row order (a row of 128 inputs has two blocks of 64), bit for bit; before the forward
+    the plain weight, as PEFT reads it. Without AVX512-BF16 nothing is repacked and it stays the plain one."""
+    import copy
+
+    from bitsandbytes.functional import dequantize_4bit
+
+    from core.models.targets import dequantize, repacked
+
+    model, _ = save_with_lora("llama", tmp_path, seed=5, **{**SIZES, "intermediate_size": 128})
+    base = _fresh(model, "cpu/nf4")
+    layer = base.get_submodule("model.layers.0.mlp.down_proj")
+    state = copy.deepcopy(layer.weight.quant_state)
+    data = layer.weight.data.clone()
+    plain = dequantize(layer)
+    assert not repacked(layer) and torch.equal(plain, dequantize_4bit(data, state))
+    _logits(base)
+    state.absmax = state.absmax.to(torch.bfloat16).to(torch.float32)
+    expected = dequantize_4bit(data, state)
+    if not __import__("bitsandbytes.functional").functional.has_avx512bf16():
+        assert not repacked(layer) and torch.equal(dequantize(layer), plain)
+        return
+    assert repacked(layer) and torch.equal(dequantize(layer), expected)
+    assert repacked(layer)  # reading it left the layer's layout alone
 
 
 def _unmerged(model: Path, adapter: Path) -> torch.Tensor:
@@ -188,7 +330,9 @@ def _unmerged(model: Path, adapter: Path) -> torch.Tensor:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return _logits(PeftModel.from_pretrained(_fresh(model, "nf4"), adapter, adapter_name="lora").eval())
+        return _logits(
+            PeftModel.from_pretrained(_fresh(model, "cpu/nf4+portable"), adapter, adapter_name="lora").eval()
+        )
 
 
 @pytest.fixture(scope="module")
@@ -244,6 +388,93 @@ def test_merge_page_shows_the_finding(scenario_run, monkeypatch: pytest.MonkeyPa
     for sentence in report.served_elsewhere(record.table("pairwise")):
         assert any(sentence in s for s in infos), (sentence, infos)
     assert any(b.label.startswith("QLoRA served on bfloat16 and float32") for b in at.button)
+
+
+def _repacked_scenario(demo_workspace: dict, home: Path) -> RunRecord:
+    from core.demo.scenarios import scenario_spec
+
+    engine = Engine(home, runner=InProcessRunner())
+    job = engine.submit(scenario_spec("qlora-merge-repacked", demo_workspace, engine.devices))
+    assert job.wait(600) and job.state == "succeeded", job.error
+    return engine.store.open(job.run_id)
+
+
+def _moved(record: RunRecord) -> dict[str, float]:
+    """merge_and_unload()'s max |Δ| against unmerged, per target."""
+    table = record.metrics()
+    out = table[
+        (table["check"] == "merge")
+        & (table["stage"] == "merge_and_unload")
+        & table["reference"].str.startswith("unmerged")
+    ]
+    return dict(zip(out["target"], out["max_abs"], strict=True))
+
+
+@FUSED
+def test_repacked_merge_scenario_shows_the_finding_in_one_click(
+    demo_workspace: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`qlora-merge-repacked` on this CPU: the merge check's finding on `cpu/nf4` alone, said on the Merge
+    page, and a merge that moves the outputs more than twice as far as the same merge on `+portable`."""
+    from apptest import make_app, no_exceptions
+
+    from core.checks.behaviour.merge_tables import repacked_finding
+
+    record = _repacked_scenario(demo_workspace, tmp_path)
+    findings = record.table("merge_findings")
+    said = findings[findings["finding"] == "repacked"]
+    assert said["target"].tolist() == ["cpu/nf4"]
+    info = Capture.load(record.run_dir / "captures" / "cpu_nf4").meta["merge"]["adapters"]["lora"]
+    assert said["detail"].tolist() == [repacked_finding(info)]
+    moved = _moved(record)
+    assert moved["cpu/nf4"] == info["repacked_moved"] > 2 * moved["cpu/nf4+portable"], moved
+
+    at = make_app(tmp_path, monkeypatch, run=record.run_id)
+    at.switch_page("views/merge.py").run()
+    no_exceptions(at)
+    assert any(e.value == repacked_finding(info) for e in at.text), [e.value for e in at.text]
+    assert any("repacked for its fused CPU kernel" in str(e.value) for e in at.error)
+
+
+def test_repacked_merge_scenario_on_a_cpu_without_avx512_bf16_says_it_lacks_it(
+    demo_workspace: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the CPU lacks AVX512-BF16 (here bitsandbytes is told so), both targets run the portable path: the
+    same outputs bit for bit, no finding, and a note on each saying the CPU lacks it."""
+    import bitsandbytes.nn.modules
+
+    from core.models.targets import NO_FUSED_4BIT_NOTE
+
+    monkeypatch.setattr(bitsandbytes.nn.modules, "has_avx512bf16", lambda: False)
+    record = _repacked_scenario(demo_workspace, tmp_path)
+    findings = record.table("merge_findings")
+    assert "repacked" not in set(findings["finding"])
+    default, portable = (
+        Capture.load(record.run_dir / "captures" / s) for s in ("cpu_nf4", "cpu_nf4_portable")
+    )
+    for capture in (default, portable):
+        assert any(NO_FUSED_4BIT_NOTE in n for n in capture.notes), capture.notes
+    for key, tensor in default.tensors.items():
+        if key.startswith("merge::lora::output:"):
+            assert torch.equal(tensor, portable.tensors[key]), key
+    moved = _moved(record)
+    assert moved["cpu/nf4"] == moved["cpu/nf4+portable"] > 0
+
+
+def test_the_form_builds_a_portable_target(demo_workspace: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The target builder offers +portable for a 4-bit format on the CPU, and only there."""
+    from apptest import make_app, no_exceptions
+
+    home = Path(demo_workspace["models"]["tiny-llama"]).parents[2]  # the demo is there already
+    at = make_app(home, monkeypatch)
+    at.run()
+    no_exceptions(at)
+    assert at.sidebar.toggle(key="form.new.portable").disabled  # cpu/float32 first
+    at.sidebar.selectbox(key="form.new.dtype").set_value("nf4").run()
+    at.sidebar.toggle(key="form.new.portable").set_value(True).run()
+    at.sidebar.button(key="form.new.add").click().run()
+    no_exceptions(at)
+    assert "cpu/nf4+portable" in at.session_state["form.targets"]
 
 
 def test_memory_placement_of_a_4bit_base_holds_its_packed_weights(tmp_path: Path) -> None:
@@ -343,9 +574,9 @@ def test_an_adapter_peft_refuses_on_a_quantized_base_is_a_broken_row_not_a_faile
     )
 
 
-@pytest.mark.parametrize("fmt", ("nf4", "int8"))
+@pytest.mark.parametrize("target", METHOD_TARGETS)
 def test_qdora_delta_on_a_quantized_base_is_peft_merge_of_the_dequantized_weight(
-    methods_run, fmt: str
+    methods_run, target: str
 ) -> None:
     """ΔW of DoRA on a bitsandbytes layer: PEFT's own DoRA merge (`merge_safe`) of the dequantized W,
     minus that W, bit for bit; and IA3's scaling of the dequantized W."""
@@ -353,12 +584,12 @@ def test_qdora_delta_on_a_quantized_base_is_peft_merge_of_the_dequantized_weight
     from peft.utils.integrations import dequantize_module_weight
 
     record, model, folders = methods_run
-    capture = _capture(record, fmt)
+    capture = _capture(record, target)
     for name in ("dora", "ia3"):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             peft_model = PeftModel.from_pretrained(
-                _fresh(model, fmt), folders[name], adapter_name=name
+                _fresh(model, target), folders[name], adapter_name=name
             ).eval()
         for module in ("model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj"):
             layer = peft_model.base_model.model.get_submodule(module)

@@ -43,7 +43,16 @@ import torch
 
 from core.capture import Capture, TensorKey
 from core.checks.base import CaptureContext, Check, Measured, Reference, add_note, tolerance
-from core.checks.behaviour.merge_tables import SUBSET_SEP, UNTIE, findings_table, save_table, subset_label
+from core.checks.behaviour.merge_tables import (
+    REPACKED_MERGE,
+    REPACKED_SAVE,
+    REPACKED_STAGES,
+    SUBSET_SEP,
+    UNTIE,
+    findings_table,
+    save_table,
+    subset_label,
+)
 from core.checks.outputs import forward_output, nonfinite_output
 from core.methods import adapter_keys, formulas, peft_path, projections
 from core.models import merging
@@ -51,6 +60,7 @@ from core.models.checkpoint import keeps_tensors, read_adapter_config, read_chec
 from core.models.conversion import layer_of
 from core.models.loading import Loaded
 from core.models.merging import ROUNDING_ULPS, scale_ulp
+from core.models.targets import repacked
 from core.numerics import metrics
 from core.numerics.sketch import content_hash
 from core.spec import AdapterRef, ProbeSpec, Target
@@ -168,7 +178,7 @@ class MergeCheck(Check):
             self._add(ctx, out, adapter, "output", stage, kind, t)
             return t
 
-        output("unmerged", model)
+        unmerged = output("unmerged", model)
         sources = {}
         for module, layer in layers.items():
             try:
@@ -182,6 +192,11 @@ class MergeCheck(Check):
         tied = merging.tied_adapted_modules(model, adapter)
         meta["tied"] = [f.as_dict() for f in tied]
         state = merging.base_state(layers)
+        # bitsandbytes' fused CPU kernel repacked these 4-bit weights at the forward above (its default on a
+        # CPU with AVX512-BF16); PEFT's merge reads them as the plain layout: a finding, said on every stage
+        on_repacked = sorted(m for m, lay in layers.items() if repacked(lay.get_base_layer()))
+        if on_repacked:
+            meta["repacked"] = on_repacked
         if keeps_tensors(ctx.spec):  # for the compare task's roundtrip rows and scale_ulp
             for module, params in state.items():
                 self._add(ctx, out, adapter, "before", "", module, params["weight"])
@@ -227,7 +242,9 @@ class MergeCheck(Check):
                 f"merge: {adapter}: merge_and_unload() failed ({meta['merge_and_unload_error']})"
             )
             return
-        output("merge_and_unload", merged)
+        moved = output("merge_and_unload", merged)
+        if on_repacked:
+            meta["repacked_moved"] = float((moved.double() - unmerged.double()).abs().max())  # as its rows
         self._saved_modules_stage(ctx, out, loaded, merged)
         if ctx.target == ctx.spec.reference:
             return  # the exact model's save round trip is nobody's question: saves a second model
@@ -284,6 +301,9 @@ class MergeCheck(Check):
 
         model.base_model.set_adapter(names)  # all active: the unmerged sum
         output("subset unmerged")
+        on_repacked = sorted(m for m, lay in layers.items() if repacked(lay.get_base_layer()))
+        if on_repacked:  # as for one adapter (`_capture_adapter`)
+            meta["subset_repacked"] = on_repacked
         for a in names:  # one after another: W is rounded to its dtype after each adapter
             model.merge_adapter(adapter_names=[a])
         merged_stage("subset merge_adapter sequential")
@@ -424,14 +444,15 @@ class MergeCheck(Check):
             if role == "before":
                 continue
             info = adapters_meta.get(key.adapter, {})
+            if SUBSET_SEP in key.adapter and key.adapter not in adapters_meta:
+                info = {"repacked": meta.get("subset_repacked", [])}
             kind = info.get("kind", "lora")
             measured = capture.result(key)
             if measured is not None and role != "output":  # measured in the worker (`_add`): its row
                 row = self.measured_row(key, capture.target, measured)
                 if role == "roundtrip":
                     add_note(row, ROUNDTRIP_NOTE)
-                else:
-                    self._weight_findings(row, role, stage, name, info, target)
+                self._weight_findings(row, role, stage, name, info, target)
                 rows.append(row)
                 continue
             tensor = capture.get(key)
@@ -452,6 +473,7 @@ class MergeCheck(Check):
                 before = capture.get(TensorKey(self.name, key.adapter, key_name("before", "", name)))
                 row = self._row(spec, capture, key, tensor, before, "W before merge (same target)", "", dtype)
                 add_note(row, ROUNDTRIP_NOTE)
+                self._weight_findings(row, role, stage, name, info, target)
                 rows.append(row)
             elif role == "output":
                 rows.extend(self._output_rows(spec, capture, key, tensor, reference, kind, info, dtype))
@@ -509,6 +531,8 @@ class MergeCheck(Check):
             source = info.get("delta_sources", {}).get(name)
             if source:
                 add_note(row, f"target ΔW via {source}")
+        if role in ("merged", "roundtrip") and name in info.get("repacked", []):
+            _broken(row, f"{name}: {REPACKED_MERGE}")
         if role == "merged" and info.get("kind") == "pissa":
             add_note(
                 row,
@@ -578,7 +602,11 @@ class MergeCheck(Check):
 
     def _output_findings(self, row: dict, stage: str, info: dict) -> None:
         if row["against"] == "merged before save":
+            if info.get("repacked") and row["verdict"] == "broken":
+                add_note(row, REPACKED_SAVE)
             return
+        if info.get("repacked") and stage in REPACKED_STAGES:
+            _broken(row, REPACKED_MERGE)
         if stage in ("merge_adapter", "safe_merge", "merge_and_unload", "reload"):
             tied = info.get("tied", [])
             if tied:
@@ -617,6 +645,12 @@ class MergeCheck(Check):
 def _dtype(target: Target) -> torch.dtype:
     """The dtype a target's rows are judged in (its tolerances follow it)."""
     return getattr(torch, target.float_dtype)
+
+
+def _broken(row: dict[str, Any], explanation: str) -> None:
+    """Mark `row` broken, with `explanation` after any it has."""
+    row["verdict"] = "broken"
+    row["explanation"] = " · ".join(filter(None, [row.get("explanation"), explanation]))
 
 
 def _no_reference(tensor: torch.Tensor, label: str, note: str) -> dict[str, Any]:

@@ -108,6 +108,20 @@ register(
 )
 register(
     Scenario(
+        name="qlora-merge-repacked",
+        title="QLoRA merge after a forward on the CPU",
+        page="merge",
+        description="The demo LoRA merged into its NF4 base on the CPU by bitsandbytes' default path (cpu/nf4) "
+        "and its portable one (cpu/nf4+portable). On a CPU with AVX512-BF16 the default repacks each 4-bit "
+        "weight at the first forward for a fused kernel, and PEFT's merge after that forward reads the "
+        "repacked layout as the plain one: the merge check says so, and merge_and_unload() moves the outputs "
+        "more than twice as far as on +portable, where the move is the merge's own. On a CPU without "
+        "AVX512-BF16 both run the portable path, and the run's notes say the CPU lacks it.",
+        build=lambda m, d: demo_spec(m, ["lora"], ["cpu/nf4", "cpu/nf4+portable"], ["merge"]),
+    )
+)
+register(
+    Scenario(
         name="boft-merge-cpu",
         title="BOFT merge on CPU vs float64",
         page="merge",

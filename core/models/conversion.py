@@ -81,6 +81,8 @@ class KeyConversion:
             rename_source_key,
         )
 
+        from core.models.targets import quantized_modules
+
         # The call `from_pretrained` makes (no user key_mapping, no quantizer): legacy renamings included.
         mapping = get_model_conversion_mapping(model)
         renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
@@ -88,6 +90,12 @@ class KeyConversion:
         by_pattern = {p: c for c in converters for p in c.source_patterns}
         # `rename_source_key` asks only whether a name exists (`.get(name) is not None`).
         shapes = {n: tuple(t.shape) for n, t in [*model.state_dict().items(), *model.named_buffers()]}
+        # a bitsandbytes 4-bit weight is held packed, two values a byte: the shape it stands for is its
+        # quant state's (a conversion `remember`ed from a quantized target sizes the adapters' validation)
+        for module_name, module in quantized_modules(model).items():
+            quant_state = getattr(module.weight, "quant_state", None)
+            if quant_state is not None:
+                shapes[f"{module_name}.weight"] = tuple(quant_state.shape)
         loaded = dict.fromkeys(shapes, True)
         # A plain torch module (not a transformers model) has neither: only the legacy renamings apply.
         prefix = getattr(model, "base_model_prefix", None)

@@ -25,7 +25,7 @@ from core.models.checkpoint import (
     read_adapter_config,
     saved_head_labels,
 )
-from core.models.targets import portable_4bit, quantization_config
+from core.models.targets import cpu_4bit_path, quantization_config
 from core.spec import AdapterRef, ModelRef, Target
 
 DTYPES = {
@@ -160,7 +160,7 @@ def load_base(
         )
     m.eval()
     if quantized:
-        notes += portable_4bit(m)
+        notes += cpu_4bit_path(m, target)
     if stored is not None:
         setattr(m, FLOAT64_FORWARD, True)
     setattr(m, LOAD_NOTES, notes)

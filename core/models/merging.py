@@ -378,20 +378,19 @@ def save_fix(groups: list[list[str]], attempts: list[SaveAttempt]) -> str:
     return "see the library's error above"
 
 
-def reload_forward(
-    folder: str, device: str, dtype: torch.dtype | None, forward: Callable[[nn.Module], torch.Tensor]
-) -> torch.Tensor:
-    """Load a saved merged model on the same device and dtype and run `forward` on it; dtype None: as
-    the folder's config says (a quantized model saved with its quantization config reloads quantized)."""
+def reload_forward(folder: str, target: Target, forward: Callable[[nn.Module], torch.Tensor]) -> torch.Tensor:
+    """Load a saved merged model on `target`'s device and dtype and run `forward` on it; a quantized target
+    as the folder's config says (saved with its quantization config, it reloads quantized), on the CPU
+    path the target names (`cpu_4bit_path`), as the model it was saved from ran."""
     import transformers
 
-    from core.models.loading import model_class
+    from core.models.loading import model_class, torch_dtype
 
     config = transformers.AutoConfig.from_pretrained(folder)
-    kwargs = {} if dtype is None else {"dtype": dtype}
-    model = model_class(config).from_pretrained(folder, device_map=device, **kwargs)
+    kwargs = {} if target.quantized else {"dtype": torch_dtype(target.dtype)}
+    model = model_class(config).from_pretrained(folder, device_map=target.device, **kwargs)
     model.eval()
-    targets.portable_4bit(model)  # as the model it was saved from ran
+    targets.cpu_4bit_path(model, target)
     try:
         return forward(model)
     finally:
@@ -408,8 +407,6 @@ def save_round_trip(
     """The save report of a merged model: shared tensors, which save paths work (`try_save_file`, then
     `save_pretrained_atomic` into ``run_dir/merged/<target>/<adapter>``, or a scratch folder removed
     afterwards without a run folder) and a reload on the same target, whose model `on_reload` gets."""
-    from core.models.loading import torch_dtype
-
     groups = shared_groups(merged.state_dict())
     attempts = [try_save_file(merged)]
     scratch = None
@@ -424,8 +421,7 @@ def save_round_trip(
         reload_error = ""
         if saved.ok:
             try:
-                dtype = None if target.quantized else torch_dtype(target.dtype)
-                reload_forward(saved.folder, target.device, dtype, on_reload)
+                reload_forward(saved.folder, target, on_reload)
             except Exception as e:  # a reload failure is a finding of the save report
                 reload_error = error_text(e)
     finally:

@@ -2,9 +2,10 @@
 target's bitsandbytes layers.
 
 Quantized bases (`DEVICE/nf4`, `DEVICE/fp4`, `DEVICE/int8`): a target means bitsandbytes' call with its
-defaults; only what the target's flags name departs from them (`+compute=`, `+double_quant`).
+defaults; only what the target's flags name departs from them (`+compute=`, `+double_quant`, `+portable`).
 Dequantization is PEFT's own (`dequantize_bnb_weight`), the one its merge runs, so a weight row reads
-what merging starts from. torch is imported where it is used: the CLI imports this module before its
+what merging starts from; a weight bitsandbytes has repacked for its fused CPU kernel is read from the
+layout it is in. torch is imported where it is used: the CLI imports this module before its
 first worker has started.
 
 `apply_flags` changes process-global torch state: call it only inside a worker process
@@ -73,6 +74,10 @@ def check_targets_exist(targets: list[Target] | tuple[Target, ...], devices: lis
     for t in targets:
         if t.tf32 and t.device_type != "cuda":
             raise SpecError(f"target {t}: tf32 applies to CUDA devices only")
+        if t.portable and t.device_type != "cpu":
+            raise SpecError(
+                f"target {t}: portable applies to the CPU only (bitsandbytes' fused kernel is a CPU one)"
+            )
 
 
 def cpu_model() -> str:
@@ -221,28 +226,71 @@ def quantized_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 
 def dequantize(module: torch.nn.Module) -> torch.Tensor:
-    """The float weight a bitsandbytes layer holds, as PEFT dequantizes it to merge (`dequantize_bnb_weight`)."""
+    """The float weight a bitsandbytes layer holds, as PEFT dequantizes it to merge (`dequantize_bnb_weight`);
+    a 4-bit weight bitsandbytes has repacked for its fused CPU kernel (`repacked`) is read from that layout
+    (`_dequantize_repacked`), where PEFT would read it as the plain one."""
     from peft.utils.integrations import dequantize_bnb_weight
 
+    if repacked(module):
+        return _dequantize_repacked(module.weight)
     return dequantize_bnb_weight(module.weight, state=getattr(module, "state", None))
 
 
+def repacked(module: torch.nn.Module) -> bool:
+    """Whether a `Linear4bit` holds its weight in the layout of bitsandbytes' fused CPU kernel, which it
+    repacks into at its first forward on a CPU with AVX512-BF16 (unless `+portable` turned that off)."""
+    quant_state = getattr(getattr(module, "weight", None), "quant_state", None)
+    return bool(getattr(quant_state, "packing_format_for_cpu", False))
+
+
+def _dequantize_repacked(weight) -> torch.Tensor:
+    """The values a repacked 4-bit weight multiplies with: its 4-bit codes unpacked by bitsandbytes' own
+    inverse (on copies: the layer keeps its layout) times its block scales, which the repacking rounded
+    to bfloat16 and stores (blocks per row, rows): put back in row order here, where bitsandbytes 0.50.2's
+    inverse leaves them in the packed order."""
+    import copy
+
+    import torch
+    from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse, dequantize_4bit
+
+    state = copy.deepcopy(weight.quant_state)
+    state.original_nested = False  # the inverse would quantize the scales again: they are read as they are
+    data, state = _convert_weight_packed_for_cpu_inverse(weight.data.clone(), state)
+    state.absmax = weight.quant_state.absmax.T.reshape(-1).to(torch.float32)
+    return dequantize_4bit(data, state)
+
+
+FUSED_4BIT_NOTE = (
+    "bitsandbytes' fused 4-bit CPU kernel ran (this CPU has AVX512-BF16; bitsandbytes' default): each "
+    "4-bit weight is repacked at its first forward, its block scales rounded to bfloat16, and multiplies "
+    "in bfloat16; `+portable` names the path other CPUs run"
+)
+NO_FUSED_4BIT_NOTE = (
+    "this CPU lacks AVX512-BF16: bitsandbytes' 4-bit layers run their portable path, by default as with "
+    "+portable (its fused kernel, and the repacking of each weight at the first forward, do not run here)"
+)
 PORTABLE_4BIT_NOTE = (
-    "bitsandbytes' fused 4-bit CPU kernel (AVX512-BF16) is off: it repacks each weight at the first "
-    "forward, and PEFT's merge and dequantization then read the repacked layout as the plain one (a merge "
-    "after a forward moved a tiny Llama's logits by 0.31, before one by 0.05); the portable path runs, "
-    "as on any other CPU"
+    "bitsandbytes' fused 4-bit CPU kernel (AVX512-BF16) is off (+portable): the portable path runs, as on "
+    "a CPU without AVX512-BF16"
 )
 
 
-def portable_4bit(model: torch.nn.Module) -> list[str]:
-    """Turn off bitsandbytes' fused 4-bit kernel for CPUs with AVX512-BF16 on every `Linear4bit` of
-    `model` (it repacks the weight in place at the first forward, which PEFT's merge and
-    `dequantize_bnb_weight` do not undo); the note saying so where one was on, else none."""
-    layers = [m for m in model.modules() if getattr(m, "support_avx512bf16_for_cpu", False)]
-    for m in layers:
+def cpu_4bit_path(model: torch.nn.Module, target: Target) -> list[str]:
+    """Give `model`'s 4-bit layers the CPU path `target` names, and the note saying which ran (CPU targets
+    with 4-bit layers only): bitsandbytes' default, its fused kernel where the CPU has AVX512-BF16, or with
+    `+portable` the portable path (`support_avx512bf16_for_cpu` off on every `Linear4bit`); on a CPU without
+    AVX512-BF16 the portable path either way, and the note says the CPU lacks it."""
+    layers = [m for m in model.modules() if hasattr(m, "support_avx512bf16_for_cpu")]
+    if target.device_type != "cpu" or not layers:
+        return []
+    fused = [m for m in layers if m.support_avx512bf16_for_cpu]
+    if not fused:
+        return [NO_FUSED_4BIT_NOTE]
+    if not target.portable:
+        return [FUSED_4BIT_NOTE]
+    for m in fused:
         m.support_avx512bf16_for_cpu = False
-    return [PORTABLE_4BIT_NOTE] if layers else []
+    return [PORTABLE_4BIT_NOTE]
 
 
 def format_note(module: torch.nn.Module) -> str:

@@ -140,6 +140,7 @@ FINDING_TITLES = {
     "merge_adapter": "merge_adapter() refused",
     "merge_and_unload": "merge_and_unload() refused",
     "restore": "Weights not restored bit for bit",
+    "repacked": "Merged into 4-bit weights bitsandbytes had repacked for its fused CPU kernel",
 }
 for _, f in findings.iterrows():
     title = FINDING_TITLES.get(f["finding"])

@@ -1,6 +1,6 @@
 """The `merge` check's own tables, from its captures' metadata: `merge_save` (what each save path did
 with the merged model, and the reload) and `merge_findings` (tied storage, NaN/Inf merged in, refusals,
-stages that do not apply). Beside `core.checks.merge`, which is at the size limit."""
+stages that do not apply, a merge into weights bitsandbytes repacked for its fused CPU kernel). Beside `core.checks.merge`, which is at the size limit."""
 
 from __future__ import annotations
 
@@ -10,11 +10,48 @@ from core.capture import Capture
 
 SUBSET_SEP = "+"  # joins the names of the adapters merged together into one adapter slot
 UNTIE = "untie before merging"
+# bitsandbytes' fused 4-bit CPU kernel (its default on a CPU with AVX512-BF16) repacks a weight at the first
+# forward; PEFT's merge then reads the repacked layout as the plain one (`core.models.targets.repacked`)
+REPACKED_MERGE = (
+    "PEFT's merge read the 4-bit weight in the layout bitsandbytes' fused CPU kernel (AVX512-BF16, its "
+    "default here) repacked it into at the first forward as the plain one: the merged W is not W + ΔW"
+)
+REPACKED_SAVE = (
+    "save_pretrained after a forward: bitsandbytes' state_dict() undoes the CPU repacking but leaves the "
+    "block scales of a row with several blocks in the packed order (bitsandbytes 0.50.2), so the saved "
+    "model is not the one that ran"
+)
+# the merge check's output stages a merge of repacked weights changes (against unmerged and the reference)
+REPACKED_STAGES = (
+    "merge_adapter",
+    "unmerge_adapter",
+    "safe_merge",
+    "merge_and_unload",
+    "reload",
+    "subset merge_adapter sequential",
+    "subset merge_adapter combined",
+)
 
 
 def subset_label(names: list[str] | tuple[str, ...]) -> str:
     """The adapter slot of the adapters merged together: their names joined by `SUBSET_SEP`."""
     return SUBSET_SEP.join(names)
+
+
+def repacked_finding(info: dict) -> str:
+    """The sentence of a merge into 4-bit weights bitsandbytes had repacked for its fused CPU kernel."""
+    moved = info.get("repacked_moved")
+    by = (
+        ""
+        if moved is None
+        else f": merge_and_unload() moved the outputs by {moved:.3g} (max |Δ| against unmerged)"
+    )
+    return (
+        f"on this CPU (AVX512-BF16) bitsandbytes' default fused 4-bit kernel repacked the weights of "
+        f"{len(info['repacked'])} adapted modules at the first forward, and PEFT's merge read them as the "
+        f"plain layout, so the merged weights are not W + ΔW{by}; merged before any forward, or on the "
+        "target +portable, they are"
+    )
 
 
 def save_table(captures: list[Capture]) -> pd.DataFrame:
@@ -120,6 +157,16 @@ def findings_table(captures: list[Capture]) -> pd.DataFrame:
                             "detail": info[f"{stage}_error"],
                         }
                     )
+            if info.get("repacked"):
+                rows.append(
+                    {
+                        "target": c.target,
+                        "adapter": adapter,
+                        "finding": "repacked",
+                        "module": "",
+                        "detail": repacked_finding(info),
+                    }
+                )
             for module in info.get("restore_mismatch", []):
                 rows.append(
                     {
@@ -139,6 +186,16 @@ def findings_table(captures: list[Capture]) -> pd.DataFrame:
                     "finding": "restore",
                     "module": module,
                     "detail": "not restored bit for bit before the combined merge",
+                }
+            )
+        if merge_meta.get("subset_repacked"):
+            rows.append(
+                {
+                    "target": c.target,
+                    "adapter": subset_label(merge_meta.get("subset", [])),
+                    "finding": "repacked",
+                    "module": "",
+                    "detail": repacked_finding({"repacked": merge_meta["subset_repacked"]}),
                 }
             )
         for field in ("subset_note", "subset_together_error"):
