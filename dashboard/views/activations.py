@@ -12,7 +12,7 @@ import streamlit as st
 from core import report
 from core.checks.activations import ACCUMULATED, LOCAL_DRIFT, NAME, first_divergences
 from dashboard.figures.activations import activations_heatmap, depth_line_chart
-from dashboard.figures.common import METRIC_LABELS, VERDICT_SYMBOLS, colourable, metric_choices
+from dashboard.figures.common import BASE, METRIC_LABELS, VERDICT_SYMBOLS, colourable, metric_choices
 from dashboard.state import bound_select, metrics_table, set_view, view
 from dashboard.text import inert, literal
 from dashboard.ui import (
@@ -25,7 +25,6 @@ from dashboard.ui import (
     verdict_box,
 )
 
-BASE = "base model"
 DRIFTS = {
     ACCUMULATED: "accumulated (the target's own forward)",
     LOCAL_DRIFT: "local (each module alone, on the reference's input)",
