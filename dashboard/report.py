@@ -31,11 +31,13 @@ from dashboard.figures.common import (
     METRIC_LABELS,
     colourable,
     drift_heatmap,
+    empty_figure,
     environment_table,
     metric_choices,
     selection_rows,
     severity,
 )
+from dashboard.figures.diffs import diff_heatmap, diff_histogram, sketch_heatmap, sketch_histogram
 from dashboard.figures.memory import CUDA_METRICS, module_device_heatmap, timeline_heatmap
 from dashboard.figures.merge import MERGE_METRICS, output_rows, relabel_legacy, stage_bars, weight_rows
 from dashboard.figures.outputs import kl_position_figure, outputs_figure
@@ -70,8 +72,35 @@ def _overview(record: RunRecord, table: pd.DataFrame) -> Figures:
     return figures
 
 
+def tensor_figures(
+    record: RunRecord, check: str, target: str, adapter: str | None, tensor: str, title: str
+) -> tuple[go.Figure, go.Figure, bool] | None:
+    """One tensor's element-wise |Δ| from its reference (the drill-down): its map, its histogram, and
+    whether they come from the worker's sketch (a large model's tensors are not kept); None when every
+    element equals the reference. Raises what reading the run's or the model's files raises."""
+    from core.engine.diffmap import SketchedDiff, element_diff
+
+    diff = element_diff(record, check, target, adapter, tensor)
+    if isinstance(diff, SketchedDiff):
+        # same pictures from the block-max map and the binned histogram, and the title says so
+        if diff.sketch is None:
+            return None
+        title = title.replace("element-wise", "block max") + " · sketch (tensors not kept)"
+        return sketch_heatmap(diff.sketch, title=title), sketch_histogram(diff.sketch), True
+    if not (diff.diff != 0).any():
+        return None
+    heat = diff_heatmap(diff.diff, title=title, failing=diff.mismatch, shape=diff.shape)
+    return heat, diff_histogram(diff.diff), False
+
+
 def _drift(
-    record: RunRecord, table: pd.DataFrame, check: str | None = None, adapter: str | None = None, metric=None
+    record: RunRecord,
+    table: pd.DataFrame,
+    check: str | None = None,
+    adapter: str | None = None,
+    metric=None,
+    target: str | None = None,
+    tensor: str | None = None,
 ) -> Figures:
     present = [c for c in dict.fromkeys(table["check"]) if c in DRIFT_CHECKS] if len(table) else []
     if not present:
@@ -87,7 +116,27 @@ def _drift(
     )
     shown = selection_rows(rows, adapter)
     title = f"{check} · {adapter} · {METRIC_LABELS[metric]}"
-    return [(title, drift_heatmap(colourable(shown, metric), metric, title=title))]
+    heatmap = [(title, drift_heatmap(colourable(shown, metric), metric, title=title))]
+    if tensor is None:
+        return heatmap
+    # the drill-down into one tensor, first: what the selection went down to
+    targets = list(dict.fromkeys(shown["target"]))
+    target = _pick(
+        "target", target, targets, max(targets, key=lambda t: severity(shown[shown["target"] == t]))
+    )
+    mine = shown[shown["target"] == target]
+    tensor = _pick("tensor", tensor, list(dict.fromkeys(mine["tensor"])), None)
+    row = mine[mine["tensor"] == tensor].iloc[0]
+    title = f"|Δ| element-wise · {tensor} · {target}"
+    found = tensor_figures(
+        record, check, target, row["adapter"] if isinstance(row["adapter"], str) else None, tensor, title
+    )
+    if found is None:
+        return [
+            (f"{tensor} on {target} equals its reference exactly: nothing to map", empty_figure("|Δ| = 0")),
+            *heatmap,
+        ]
+    return [(title, found[0]), (f"histogram of |Δ| · {tensor} · {target}", found[1]), *heatmap]
 
 
 def _outputs(record: RunRecord, table: pd.DataFrame) -> Figures:
@@ -154,7 +203,7 @@ def _memory(record: RunRecord, table: pd.DataFrame, metric=None, by=None) -> Fig
         metric = _pick("metric", metric, list(CUDA_METRICS), "driver_used")
         figures.append(("Memory per load stage and device", timeline_heatmap(timeline, metric)))
     if len(placement):
-        by = _pick("by", by, ["module", "layer"], "module")
+        by = _pick("by", by, ["module", "kind"], "module")
         figures.append(("Where each module's tensors live", module_device_heatmap(placement, by)))
     return figures
 
@@ -194,7 +243,8 @@ def page_figures(
     record: RunRecord, page: str, table: pd.DataFrame | None = None, **selection: Any
 ) -> Figures:
     """The main figures of a dashboard page for this run, as the page draws them: `selection` picks what
-    the page's selectors pick (drift: check, adapter, metric; activations: adapter, metric, drift; merge:
+    the page's selectors pick (drift: check, adapter, metric, and target and tensor for the drill-down
+    into one tensor, whose figures come first; activations: adapter, metric, drift; merge:
     adapter, metric, stage; memory: metric, by; adapters: target), the worst first where left out.
     Empty when the run has no rows for the page; SelectionError for a page or selection it lacks."""
     if page not in PAGE_FIGURES:

@@ -42,19 +42,23 @@ ALLOWED: dict[str, set[str]] = {
     "core.__main__": {"core.cli"},
     "core.cli_reference": {"core.cli"},  # docs/cli.md from the parser; nothing imports it
     "core": set(),  # core/__init__.py
+    # the notebook API: a facade over core (the demo included); draws with the dashboard's pure modules
+    "weightdrift": {"weightdrift", "core.demo", "core.report", "core.judgement", *LOWER},
 }
-# The dashboard's modules that import no Streamlit that layers outside the dashboard may import: the
-# CLI's `report` command writes the report the Overview's button downloads.
-PURE_USERS: dict[str, tuple[str, ...]] = {"core.cli": ("dashboard.report",)}
-PACKAGES = ("core", "dashboard")
+# The dashboard's modules that import no Streamlit (the figure builders, text, the report), and the
+# layers outside the dashboard that may import them: the CLI's `report` command writes the report the
+# Overview's button downloads; the notebook API draws the dashboard's figures.
+PURE_DASHBOARD = ("dashboard.report", "dashboard.figures", "dashboard.text")
+PURE_USERS: dict[str, tuple[str, ...]] = {"core.cli": ("dashboard.report",), "weightdrift": PURE_DASHBOARD}
+PACKAGES = ("core", "dashboard", "weightdrift")
 MAX_MODULES = 8  # per folder, besides __init__.py
 MAX_LINES = 700
 
 
 def layer_name(module: str) -> str:
-    """The layer a `core.*` / `dashboard.*` module belongs to (its package in the table)."""
-    if module.startswith("dashboard"):
-        return "dashboard"
+    """The layer a `core.*` / `dashboard.*` / `weightdrift.*` module belongs to (its package in the table)."""
+    if module.startswith(("dashboard", "weightdrift")):
+        return module.split(".")[0]
     parts = module.split(".")
     return ".".join(parts[:2]) if len(parts) > 1 else "core"
 
@@ -92,7 +96,7 @@ def _imports(root: Path, path: Path) -> list[str]:
 
 
 def check_layers(root: Path) -> dict[str, list[str]]:
-    """Every breach of the rules under `root` (a folder holding core/ and dashboard/), by rule."""
+    """Every breach of the rules under `root` (a folder holding core/, dashboard/, weightdrift/), by rule."""
     files = sorted(p for d in PACKAGES for p in (root / d).rglob("*.py"))
     problems: dict[str, list[str]] = defaultdict(list)
     # every import between modules, those inside functions too: a circle closed by a function-level
@@ -106,7 +110,7 @@ def check_layers(root: Path) -> dict[str, list[str]]:
             pure = any(imported == m or imported.startswith(m + ".") for m in PURE_USERS.get(src, ()))
             if dst != src and dst not in ALLOWED.get(src, set()) and not pure:
                 problems["layer"].append(f"{importer} imports {imported} ({src} may not import {dst})")
-            if dst == "core.demo" and src not in ("core.cli", "dashboard", "core.demo"):
+            if dst == "core.demo" and src not in ("core.cli", "dashboard", "core.demo", "weightdrift"):
                 problems["layer"].append(
                     f"{importer} imports {imported} (only core.cli and the dashboard may)"
                 )
@@ -153,7 +157,7 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_core_the_figures_and_the_report_import_without_streamlit():
+def test_core_the_figures_the_report_and_the_api_import_without_streamlit():
     modules = sorted(
         m.name for m in pkgutil.walk_packages(core.__path__, "core.") if not m.name.endswith("__main__")
     )
@@ -163,6 +167,8 @@ def test_core_the_figures_and_the_report_import_without_streamlit():
         *(f"dashboard.figures.{p.stem}" for p in sorted(figures.glob("[!_]*.py"))),
         "dashboard.report",
         "dashboard.text",
+        "weightdrift",
+        *(f"weightdrift.{p.stem}" for p in sorted((ROOT / "weightdrift").glob("[!_]*.py"))),
     ]
     assert "core.engine.worker" in modules and "dashboard.figures.common" in modules
     code = (
@@ -172,7 +178,7 @@ def test_core_the_figures_and_the_report_import_without_streamlit():
         "print('streamlit' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False", "core/ or the dashboard's pure modules pulled in Streamlit"
+    assert out.stdout.strip() == "False", "core/, the dashboard's pure modules or weightdrift/ pulled in Streamlit"
 
 
 def test_layers_sizes_and_cycles():
