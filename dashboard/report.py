@@ -9,6 +9,7 @@ every text that comes from the run (paths, model names, exception messages) is e
 from __future__ import annotations
 
 import html
+import inspect
 import shlex
 import time
 from collections.abc import Callable
@@ -249,14 +250,15 @@ def page_figures(
     Empty when the run has no rows for the page; SelectionError for a page or selection it lacks."""
     if page not in PAGE_FIGURES:
         raise SelectionError(f"no page {page!r}: one of {', '.join(PAGE_FIGURES)}")
+    selectors = list(inspect.signature(PAGE_FIGURES[page]).parameters)[2:]  # after record and table
+    unknown = sorted(set(selection) - set(selectors))
+    if unknown:
+        raise SelectionError(
+            f"the {page} page has no selector {', '.join(map(repr, unknown))}: "
+            f"it has {', '.join(selectors) or 'none'}"
+        )
     table = record.metrics() if table is None else table
-    try:
-        figures = PAGE_FIGURES[page](record, table, **selection)
-    except TypeError as e:  # a selector the page does not have
-        if "unexpected keyword argument" not in str(e):
-            raise
-        raise SelectionError(f"the {page} page has no selector {str(e).rsplit(' ', 1)[-1]}") from None
-    return [(title, inert(fig)) for title, fig in figures]
+    return [(title, inert(fig)) for title, fig in PAGE_FIGURES[page](record, table, **selection)]
 
 
 def run_command(spec: ProbeSpec) -> str:
@@ -294,7 +296,8 @@ def run_command(spec: ProbeSpec) -> str:
 
 
 def _command(record: RunRecord) -> str:
-    """How to make this run again: `weightdrift run …`, or `weightdrift compare …` for one made from snapshots."""
+    """How to make this run again: `weightdrift run …`, or `weightdrift compare …` for a run made from
+    snapshots."""
     imported = record.imported()
     if not imported:
         return run_command(record.spec)
@@ -305,11 +308,13 @@ def _command(record: RunRecord) -> str:
 
 # --------------------------------------------------------------------------------------------- HTML
 STYLE = """
-body { font-family: system-ui, sans-serif; margin: 2rem auto; padding: 0 1rem; max-width: 1280px; color: #1f2933; }
+body { font-family: system-ui, sans-serif; margin: 2rem auto; padding: 0 1rem; max-width: 1280px; }
+body { color: #1f2933; }
 h1 { font-size: 1.6rem; } h2 { border-bottom: 1px solid #d0d7de; padding-bottom: .3rem; margin-top: 2.2rem; }
 table { border-collapse: collapse; font-size: .85rem; margin: .5rem 0; }
 th, td { border: 1px solid #d0d7de; padding: .25rem .5rem; text-align: left; vertical-align: top; }
-th { background: #f3f5f7; } pre { background: #f6f8fa; padding: .8rem; overflow-x: auto; white-space: pre-wrap; }
+th { background: #f3f5f7; }
+pre { background: #f6f8fa; padding: .8rem; overflow-x: auto; white-space: pre-wrap; }
 .anomaly { color: #b42318; } .muted { color: #57606a; font-size: .9rem; }
 """
 # Nothing leaves the file: no request to any address (Plotly's JS is inline and needs eval)

@@ -178,7 +178,9 @@ def test_core_the_figures_the_report_and_the_api_import_without_streamlit():
         "print('streamlit' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False", "core/, the dashboard's pure modules or weightdrift/ pulled in Streamlit"
+    assert out.stdout.strip() == "False", (
+        "core/, the dashboard's pure modules or weightdrift/ pulled in Streamlit"
+    )
 
 
 def test_layers_sizes_and_cycles():

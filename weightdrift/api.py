@@ -46,7 +46,7 @@ class RunError(Exception):
 
 
 class Run:
-    """A stored run, finished: its tables, its judgement, its figures (`run`, `open` and `compare` give one)."""
+    """A stored run: its tables, its judgement, its figures (`run`, `open` and `compare` give one)."""
 
     def __init__(self, record: RunRecord):
         self._record = record

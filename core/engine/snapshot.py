@@ -55,10 +55,8 @@ CAPTURE_FILES = ("capture.json", "tensors.safetensors", "sketches.safetensors")
 # Which files of a model or adapter folder the hashes cover: what loading reads to build the model.
 HASHED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 HASHED_NAMES = ("config.json", "adapter_config.json", "generation_config.json")
-TOKENIZER_NAMES = tuple(
-    "tokenizer.json tokenizer_config.json special_tokens_map.json added_tokens.json vocab.json vocab.txt "
-    "merges.txt tokenizer.model spiece.model".split()
-)
+TOKENIZER_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+TOKENIZER_NAMES += ("vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model")
 # How the checkpoint hashes are taken (`CheckpointHashes.version`). 1: the files above as bytes, no
 # tokenizer files; an adapter_config.json names its base by absolute path, so the same adapter saved in
 # another home hashed differently. 2: tokenizer files too, and each JSON config by its fields with the

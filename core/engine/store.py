@@ -313,7 +313,8 @@ class RunRecord:
     def answer(self, table: pd.DataFrame | None = None) -> list[str]:
         """The run's answer in sentences, as `weightdrift run` prints it above the counts: agreement groups
         and anomalies (`judgement`), an adapter served on another precision than its quantized base
-        (`core.report.served_elsewhere`), where each target parts from the reference (activations, generate)."""
+        (`core.report.served_elsewhere`), where each target parts from the reference (activations,
+        generate)."""
         from core.checks.activations import divergence_sentences as modules
         from core.checks.behaviour.generate import divergence_sentences as generations
         from core.report import served_elsewhere
