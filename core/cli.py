@@ -145,6 +145,11 @@ def build_parser() -> ArgumentParser:
         "--top", type=int, default=10, help="how many worst rows to report (3 per check in text)"
     )
 
+    report = sub.add_parser("report", help="write a stored run as one self-contained HTML file (for a bug)")
+    report.add_argument("run_id", metavar="RUN_ID", help="the run (python -m core runs lists them)")
+    report.add_argument("-o", "--output", required=True, metavar="FILE", help="the HTML file to write")
+    report.add_argument("--home", help=HOME_HELP)
+
     runs = sub.add_parser("runs", help="list stored runs")
     runs.add_argument("--home", help=HOME_HELP)
     runs.add_argument("--json", action="store_true", help="print the runs as JSON")
@@ -291,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
             "snapshot": cmd_snapshot,
             "compare": cmd_compare,
             "runs": cmd_runs,
+            "report": cmd_report,
             "scenarios": cmd_scenarios,
             "devices": cmd_devices,
         }
@@ -686,6 +692,15 @@ def cmd_runs(args) -> int:
         if r.id_note:
             line += f"  — note: {r.id_note}"
         print(line)
+    return EXIT_OK
+
+
+def cmd_report(args) -> int:
+    """One HTML file of a stored run, drawn by the dashboard's figure builders (docs/architecture.md)."""
+    from dashboard.report import write_report
+
+    written = write_report(weightdrift_home(args.home), args.run_id, Path(args.output))
+    print(f"report {written}", file=sys.stderr)
     return EXIT_OK
 
 

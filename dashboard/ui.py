@@ -12,8 +12,8 @@ import streamlit as st
 from core.engine.store import DAMAGED, RunRecord
 from core.spec import SpecError
 from dashboard.figures.common import figure_html
-from dashboard.figures.diffs import diff_heatmap, diff_histogram, sketch_heatmap, sketch_histogram
 from dashboard.jobs import job_panel
+from dashboard.report import tensor_figures
 from dashboard.state import engine, home, open_run, set_view, start_run, store
 from dashboard.text import inert, literal, spreadsheet_safe, trusted
 
@@ -243,20 +243,7 @@ def _diff_figures(run_id: str, check: str, target: str, adapter: str | None, ten
     Only the figures are cached (at most 256×256 cells): the full-size difference arrays of a
     large tensor are dropped as soon as they are drawn.
     """
-    from core.engine.diffmap import SketchedDiff, element_diff
-
-    diff = element_diff(store().open(run_id), check, target, adapter, tensor)
-    if isinstance(diff, SketchedDiff):
-        # A large model's tensors are compared in the worker and kept as a sketch: same pictures,
-        # from the block-max map and the binned histogram, and the title says so.
-        if diff.sketch is None:
-            return None
-        title = title.replace("element-wise", "block max") + " · sketch (tensors not kept)"
-        return sketch_heatmap(diff.sketch, title=title), sketch_histogram(diff.sketch), True
-    if not (diff.diff != 0).any():
-        return None
-    heat = diff_heatmap(diff.diff, title=title, failing=diff.mismatch, shape=diff.shape)
-    return heat, diff_histogram(diff.diff), False
+    return tensor_figures(store().open(run_id), check, target, adapter, tensor, title)
 
 
 def element_diff_view(

@@ -76,6 +76,8 @@ def test_every_page_renders_a_stored_run(run_home, monkeypatch):
     # bf16 logits drift on the demo: as its rounding gives, one line, not a red count
     assert "Drift as expected for bfloat16" in texts(at) and "No anomaly" in texts(at)
     assert [m.label for m in at.metric] == ["Identical", "Within tolerance", "Drift", "Broken"]
+    # the whole run in one file (dashboard/report.py, the bytes `weightdrift report` writes)
+    assert "Download the report (one HTML file)" in {b.label for b in at.get("download_button")}
     for page in PAGES[1:]:
         at.switch_page(page).run()
         no_exceptions(at)

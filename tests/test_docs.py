@@ -75,7 +75,7 @@ def test_every_package_is_listed_and_dependencies_come_from_the_requirements_fil
     setuptools = PYPROJECT["tool"]["setuptools"]
     on_disk = {
         ".".join(d.relative_to(ROOT).parts)
-        for top in ("core", "dashboard")
+        for top in ("core", "dashboard", "weightdrift")
         for d in [ROOT / top, *(ROOT / top).rglob("*")]
         if d.is_dir() and any(d.glob("*.py"))
     }

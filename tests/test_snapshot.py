@@ -139,7 +139,7 @@ def test_a_snapshot_of_another_base_is_refused(made, demo_workspace, tmp_path, c
     assert code == 2
     assert err.strip() == (
         f"error: snapshot {other} is not of the same base and adapters as {files['a']}: the base model "
-        "differs (files config.json, generation_config.json, model.safetensors differ)"
+        "differs (files config.json, generation_config.json, model.safetensors, tokenizer.json … differ)"
     )
     # local targets on another base: refused the same way, before anything runs
     code, _, err = _cli(

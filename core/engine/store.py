@@ -310,6 +310,19 @@ class RunRecord:
             table, self.table("pairwise"), targets, grouped, spec.peers if spec else True, self.environments()
         )
 
+    def answer(self, table: pd.DataFrame | None = None) -> list[str]:
+        """The run's answer in sentences, as `weightdrift run` prints it above the counts: agreement groups
+        and anomalies (`judgement`), an adapter served on another precision than its quantized base
+        (`core.report.served_elsewhere`), where each target parts from the reference (activations,
+        generate)."""
+        from core.checks.activations import divergence_sentences as modules
+        from core.checks.behaviour.generate import divergence_sentences as generations
+        from core.report import served_elsewhere
+
+        table = self.metrics() if table is None else table
+        parts = [*modules(table).values(), *generations(table).values()]
+        return self.judgement(table).lines() + served_elsewhere(self.table("pairwise")) + parts
+
     def partial_tables(self) -> list[Path]:
         """While the run goes on: the files of the checks compared so far (`compared`), in its order."""
         return [partial_path(self.run_dir, check) for check in self.compared()]

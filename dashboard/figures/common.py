@@ -39,6 +39,29 @@ METRIC_LABELS: dict[str, str] = {
 }
 
 
+# The checks whose rows are one tensor each (the Drift page); merge, memory and adapters have their pages.
+DRIFT_CHECKS = ("weights", "deltas")
+BASE = "base model"  # the selection of the rows without an adapter
+
+
+def severity(rows: pd.DataFrame) -> tuple[int, float]:
+    """How bad a selection is: worst verdict, then largest relative error (a page opens on the worst)."""
+    if rows.empty:
+        return (-1, 0.0)
+    sev = int(rows["verdict"].map(MARK_SEVERITY).max())
+    rel = pd.to_numeric(rows["rel_l2"], errors="coerce").max()
+    return (sev, float(rel) if pd.notna(rel) else 0.0)
+
+
+def selection_rows(rows: pd.DataFrame, adapter: str) -> pd.DataFrame:
+    """The rows one drift heatmap shows: an adapter's tensors with the base weights it sits on, or the
+    base alone (`BASE`)."""
+    base_rows = rows[rows["adapter"].isna()]
+    if adapter == BASE:
+        return base_rows
+    return pd.concat([base_rows, rows[rows["adapter"] == adapter]])
+
+
 def metric_choices(table: pd.DataFrame, metrics: tuple[str, ...] = METRICS) -> tuple[str, ...]:
     """`metrics`, and the ratio to the peer where the table has one."""
     judged = PEER_RATIO in table and pd.to_numeric(table[PEER_RATIO], errors="coerce").notna().any()

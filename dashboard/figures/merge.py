@@ -14,8 +14,11 @@ from plotly.subplots import make_subplots
 
 from core.models.merging import OUTPUT_STAGES, STAGES, SUBSET_STAGE_TEXT, SUBSET_STAGES
 from core.report import SEVERITY
-from dashboard.figures.common import VERDICT_COLORS, VERDICT_SYMBOLS, empty_figure
+from dashboard.figures.common import METRICS, VERDICT_COLORS, VERDICT_SYMBOLS, empty_figure
 from dashboard.text import plot_text
+
+# ulps at the tensor's scale first: ≤ 1 reads as rounding, where max_ulp explodes on cancelling sums.
+MERGE_METRICS = ("scale_ulp", *METRICS)
 
 # Runs stored before the stages were told apart merged with safe_merge=True throughout and ran
 # merge_and_unload on weights already merged and unmerged: their stages, named for what they ran

@@ -12,6 +12,7 @@ import streamlit as st
 from core.checks.activations import ACCUMULATED, LOCAL_DRIFT, NAME, first_divergences
 from dashboard.figures.activations import activations_heatmap, depth_line_chart
 from dashboard.figures.common import (
+    BASE,
     MARKS,
     METRIC_LABELS,
     VERDICT_SYMBOLS,
@@ -32,7 +33,6 @@ from dashboard.ui import (
     verdict_box,
 )
 
-BASE = "base model"
 DRIFTS = {
     ACCUMULATED: "accumulated (the target's own forward)",
     LOCAL_DRIFT: "local (each module alone, on the reference's input)",

@@ -7,6 +7,8 @@ import streamlit as st
 
 from core import report
 from dashboard.figures.common import (
+    BASE,
+    DRIFT_CHECKS,
     MARKS,
     METRIC_LABELS,
     VERDICT_SYMBOLS,
@@ -14,6 +16,8 @@ from dashboard.figures.common import (
     drift_heatmap,
     mark_legend,
     metric_choices,
+    selection_rows,
+    severity,
     with_judgement,
 )
 from dashboard.state import bound_select, metrics_table, set_view, view
@@ -27,10 +31,6 @@ from dashboard.ui import (
     verdict_box,
 )
 
-BASE = "base model"
-# The checks whose rows are one tensor each, drawn here; merge, memory and adapters have their pages.
-DRIFT_CHECKS = ("weights", "deltas")
-
 st.title("Drift")
 record = finished_run()
 table = metrics_table(record)
@@ -42,23 +42,6 @@ if not per_tensor:
             still_running(record, coming[0])
     st.info("This run has no per-tensor checks (weights, deltas); its other checks have their own pages.")
     st.stop()
-
-
-def selection_rows(rows: pd.DataFrame, adapter: str) -> pd.DataFrame:
-    """The rows one heatmap shows: an adapter's tensors with the base weights it sits on, or the base alone."""
-    base_rows = rows[rows["adapter"].isna()]
-    if adapter == BASE:
-        return base_rows
-    return pd.concat([base_rows, rows[rows["adapter"] == adapter]])
-
-
-def severity(rows: pd.DataFrame) -> tuple[int, float]:
-    """How bad a selection is: worst verdict, then largest relative error."""
-    if rows.empty:
-        return (-1, 0.0)
-    sev = int(rows["verdict"].map(report.SEVERITY).max())
-    rel = pd.to_numeric(rows["rel_l2"], errors="coerce").max()
-    return (sev, float(rel) if pd.notna(rel) else 0.0)
 
 
 c1, c2, c3 = st.columns([2, 2, 2])

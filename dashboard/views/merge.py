@@ -6,9 +6,10 @@ import pandas as pd
 import streamlit as st
 
 from core import report
-from dashboard.figures.common import METRIC_LABELS, METRICS, VERDICT_SYMBOLS, drift_heatmap
+from dashboard.figures.common import METRIC_LABELS, VERDICT_SYMBOLS, drift_heatmap, severity
 from dashboard.figures.merge import (
     LEGACY_STAGES,
+    MERGE_METRICS,
     method_summary,
     output_rows,
     relabel_legacy,
@@ -61,14 +62,6 @@ if legacy:
     )
 
 
-def severity(part: pd.DataFrame) -> tuple[int, float]:
-    """Worst verdict, then largest relative error: the selection opened first."""
-    if part.empty:
-        return (-1, 0.0)
-    rel = pd.to_numeric(part["rel_l2"], errors="coerce").max()
-    return (int(part["verdict"].map(report.SEVERITY).max()), float(rel) if pd.notna(rel) else 0.0)
-
-
 st.subheader("Every adapter and target at a glance")
 save = run_table(record, "merge_save")
 summary = method_summary(rows[rows["adapter"].isin([a.name for a in record.spec.adapters])], save)
@@ -113,8 +106,6 @@ adapter = bound_select(
     default=max(adapters, key=lambda a: severity(rows[rows["adapter"] == a])),
     container=c1,
 )
-# ulps at the tensor's scale first: ≤ 1 reads as rounding, where max_ulp explodes on cancelling sums.
-MERGE_METRICS = ("scale_ulp", *METRICS)
 metric = bound_select(
     "Colour by",
     "metric",

@@ -9,6 +9,7 @@ from core.engine.pairwise import pair_matrix
 from core.engine.store import ACTIVE_STATES
 from dashboard.figures.common import environment_table, highlight_differences
 from dashboard.figures.overview import groups_table, pairwise_figure, snapshot_sources, verdict_counts_figure
+from dashboard.report import report_html
 from dashboard.state import metrics_table, result_pages, run_table, view_query
 from dashboard.text import inert, literal, trusted
 from dashboard.ui import METRIC_COLUMN_CONFIG, csv_download, downloads, finished_run
@@ -86,6 +87,17 @@ if judgement is None or judgement.unjudged:
 cols = st.columns(4)
 for col, verdict in zip(cols, report.VERDICT_ORDER, strict=True):
     col.metric(trusted(verdict.capitalize()), counts[verdict])
+if not running:
+    # the whole run in one file to attach to a bug: made only when clicked (`weightdrift report` writes the same)
+    st.download_button(
+        "Download the report (one HTML file)",
+        data=lambda: report_html(record).encode(),
+        file_name=f"weightdrift-{record.run_id}.html",
+        mime="text/html",
+        key="overview.report",
+        icon=":material/download:",
+        on_click="ignore",
+    )
 
 pages = result_pages(list(dict.fromkeys(table["check"])))
 # one row that wraps, each link as wide as its label: equal columns cut "Open Adapter consistency" at 1280 px
