@@ -373,9 +373,8 @@ def main() -> int:
 
 
 def stdout_as_events() -> TextIO:
-    """This process's stdout (the runner's pipe) as the event stream, and file descriptor 1 pointed at
-    stderr (the log): what a library prints, or a process it starts (nvcc, building PEFT's BOFT kernel
-    on a GPU machine), never enters the events nor reaches the CLI's stdout."""
+    """This process's stdout (the runner's pipe) as the event stream, descriptor 1 pointed at stderr (the
+    log): what a library or a process it starts prints (nvcc on a GPU machine) never enters the events."""
     events = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     return events
@@ -597,10 +596,9 @@ def fork_server_here(control_fd: int, errors_fd: int, events: TextIO | None = No
     them itself would hold them; no thread (fork copies only the calling thread; OpenBLAS stops its
     pool at a fork), and serve_forks refuses to fork with more than one; none of this process's memory
     samples (cleared); not its stdin, stdout or `events` (the task's pipes: /dev/null and the server's
-    own error file instead), nor its session. This process
-    keeps nothing of the server's but a child's entry (the server outlives it, adopted by init), and
-    then lowers its own CPU priority as a memory timeline's (`MEMORY_TIMELINE_NICENESS`). Its samples
-    are RSS, which a fork does not change."""
+    own error file instead), nor its session. This process keeps nothing of the server's but a child's
+    entry (the server outlives it, adopted by init), and then lowers its own CPU priority as a memory
+    timeline's (`MEMORY_TIMELINE_NICENESS`). Its samples are RSS, which a fork does not change."""
 
     def server() -> int:
         from core.models import memory
@@ -675,9 +673,7 @@ def _forked(
         os.close(stdin)
         os.environ.clear()
         os.environ.update(env)  # the runner's environment now, as a spawned worker would get it
-        # descriptor 1 stays the server's error file (then the task's log): only events go to `stdout`,
-        # which no process the task starts inherits (as a spawned worker's events, made by os.dup)
-        os.set_inheritable(stdout, False)
+        os.set_inheritable(stdout, False)  # events only, held by no process the task starts (as os.dup's)
         return serve_task(os.fdopen(stdout, "w", buffering=1))
 
     _end_child(task)
