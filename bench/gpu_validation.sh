@@ -33,6 +33,10 @@ step() {
         echo "=== $name (from +$((t0 - START)) s): $*"
         cat "$WORK/$name.err"
         echo "=== $name: exit $code after $(($(date +%s) - t0)) s"
+        case " $* " in  # issue 35: one JSON document on stdout, whatever PEFT's nvcc build printed
+        *" --json "*) $PY -c 'import json, sys; json.load(open(sys.argv[1]))' "$WORK/$name.out" 2>/dev/null &&
+            echo "=== $name: stdout is one JSON document" || echo "=== $name: stdout is NOT one JSON document" ;;
+        esac
         tail -c 3000 "$WORK/$name.out"
         echo
     } >>"$LOG"
@@ -77,7 +81,7 @@ print(\"transformers\", transformers.__version__, \"peft\", peft.__version__, \"
 step devices 60 $PY -m core devices
 if [ -n "${QUICK:-}" ]; then
     # what four minutes of a machine hold: the checks side by side, the memory check alone after them
-    step demo_build 60 $PY -m core demo
+    step demo_build 60 $PY -m core demo --json  # PEFT tries to build BOFT's CUDA kernel here (nvcc)
     step demo 120 $PY -m core run --demo --check weights deltas outputs merge --json \
         --target cpu/float32 $CUDA/float32 $CUDA/float32+tf32 $CUDA/bfloat16 &
     step quantized 120 $PY -m core run --scenario qlora-served-elsewhere --check weights outputs merge --json \

@@ -16,9 +16,9 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
-from core.progress import watch
+from core.progress import stdout_for_the_answer, watch
 from core.spec import (
     DEFAULT_CHECKS,
     DEFAULT_MAX_NEW_TOKENS,
@@ -54,18 +54,23 @@ def _raise_terminated(signum: int, frame: Any) -> None:
     raise Terminated(signum)
 
 
-@contextlib.contextmanager
 def terminate_like_interrupt():
     """Within the block, SIGTERM and SIGHUP raise `Terminated` in the main thread, like Ctrl-C."""
+    return _handling_signals((signal.SIGTERM, signal.SIGHUP), _raise_terminated)
+
+
+@contextlib.contextmanager
+def _handling_signals(signals, handler):
+    """Within the block, `signals` go to `handler` (in the main thread: elsewhere none can be handled)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {sig: signal.signal(sig, handler) for sig in signals}
     try:
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for sig, before in previous.items():
+            signal.signal(sig, before)
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -300,8 +305,9 @@ def main(argv: list[str] | None = None) -> int:
             "scenarios": cmd_scenarios,
             "devices": cmd_devices,
         }
-        with terminate_like_interrupt():
-            return commands[args.command](args)
+        # the answer alone on stdout: what libraries and their processes print goes to stderr
+        with terminate_like_interrupt(), stdout_for_the_answer() as answer:
+            return commands[args.command](args, answer)
     except (UsageError, SpecError, StoreError) as e:
         print(f"error: {e}", file=sys.stderr)
         if debug:
@@ -333,17 +339,17 @@ def ensure_demo(home: Path) -> dict[str, Any]:
     )
 
 
-def cmd_demo(args) -> int:
+def cmd_demo(args, answer: TextIO) -> int:
     home = weightdrift_home(args.home)
     manifest = ensure_demo(home)
     if args.json:
-        print(json.dumps({"models": manifest["models"], "adapters": manifest["adapters"]}, indent=2))
+        print(json.dumps({key: manifest[key] for key in ("models", "adapters")}, indent=2), file=answer)
     else:
-        print(f"demo workspace: {home / 'demo'}")
+        print(f"demo workspace: {home / 'demo'}", file=answer)
         for name, path in manifest["models"].items():
-            print(f"  model    {name:12s} {path}")
+            print(f"  model    {name:12s} {path}", file=answer)
         for name, a in manifest["adapters"].items():
-            print(f"  adapter  {name:12s} {a['type']:5s} for {a['base']:11s} {a['path']}")
+            print(f"  adapter  {name:12s} {a['type']:5s} for {a['base']:11s} {a['path']}", file=answer)
     return EXIT_OK
 
 
@@ -442,7 +448,7 @@ def scenario_from_args(args, home: Path) -> ProbeSpec:
     return dataclasses.replace(spec, **changes)
 
 
-def cmd_scenarios(args) -> int:
+def cmd_scenarios(args, answer: TextIO) -> int:
     from core.demo.scenarios import SCENARIOS
 
     if args.json:
@@ -453,15 +459,16 @@ def cmd_scenarios(args) -> int:
                     for s in SCENARIOS.values()
                 ],
                 indent=2,
-            )
+            ),
+            file=answer,
         )
     else:
         for s in SCENARIOS.values():
-            print(f"{s.name:32s} [{s.page}] {s.title}: {s.description}")
+            print(f"{s.name:32s} [{s.page}] {s.title}: {s.description}", file=answer)
     return EXIT_OK
 
 
-def cmd_snapshot(args) -> int:
+def cmd_snapshot(args, answer: TextIO) -> int:
     """`run`, then its captures packed into one file (`core.engine.snapshot`)."""
     from core.engine.snapshot import write_snapshot
 
@@ -476,11 +483,11 @@ def cmd_snapshot(args) -> int:
         print(f"snapshot {out}: {size / 2**20:.2f} MiB", file=sys.stderr, flush=True)
         return {"snapshot": str(out), "snapshot_bytes": size}
 
-    code = execute(args, after=pack)
+    code = execute(args, answer, after=pack)
     return EXIT_ERROR if code == EXIT_ERROR else EXIT_OK
 
 
-def cmd_compare(args) -> int:
+def cmd_compare(args, answer: TextIO) -> int:
     """A run whose targets are the snapshots' captures (plus `--run` runs' and local `--target`s)."""
     import tempfile
 
@@ -519,11 +526,11 @@ def cmd_compare(args) -> int:
 
     # the captures of --run runs are packed here, and unpacked into the new run before it starts
     with tempfile.TemporaryDirectory(prefix="weightdrift-compare-") as tmp:
-        return execute(args, plan, after=sources)
+        return execute(args, answer, plan, after=sources)
 
 
-def execute(args, plan=None, after=None) -> int:
-    """Run a spec as a job with progress on stderr, then print its summary (or JSON); the exit code.
+def execute(args, answer: TextIO, plan=None, after=None) -> int:
+    """Run a spec as a job with progress on stderr, its summary (or JSON) to `answer`; the exit code.
 
     `plan(home)` gives the spec and what installs imported captures into its run folder
     (`Engine.submit`), by default `run`'s spec from the arguments; it is called once the first
@@ -540,14 +547,15 @@ def execute(args, plan=None, after=None) -> int:
     checks = getattr(args, "check", None) or ()
     runner.warm(FRESH_SPARES if "memory" in checks else 0)
     try:
-        return _run_and_report(args, Engine, runner, plan, after)
+        return _run_and_report(args, answer, Engine, runner, plan, after)
     finally:
         runner.kill_all()  # a worker made ready for a task that never came
 
 
-def _run_and_report(args, engine_class, runner, plan=None, after=None) -> int:
+def _run_and_report(args, answer: TextIO, engine_class, runner, plan=None, after=None) -> int:
     from core import report
     from core.engine.store import RunRecord
+
     home = weightdrift_home(args.home)
     spec, install = plan(home) if plan is not None else (spec_from_args(args, home), None)
     engine = engine_class(home, runner=runner)
@@ -566,7 +574,7 @@ def _run_and_report(args, engine_class, runner, plan=None, after=None) -> int:
         why = f"received {e.signame}" if isinstance(e, Terminated) else "received SIGINT (Ctrl-C)"
         print(f"cancelling run {job.run_id}: {why}; stopping its workers", file=sys.stderr, flush=True)
         # A second signal while the workers stop must not leave them behind: shutdown kills them.
-        with _ignoring_signals():
+        with _handling_signals((signal.SIGINT, signal.SIGTERM, signal.SIGHUP), signal.SIG_IGN):
             engine.shutdown(f"cancelled: the CLI {why}")
     watcher.join(timeout=2)
     snap = job.snapshot()
@@ -593,7 +601,8 @@ def _run_and_report(args, engine_class, runner, plan=None, after=None) -> int:
                         "verdicts": {},
                         "worst": [],
                     }
-                )
+                ),
+                file=answer,
             )
         print(f"error: run {job.run_id} {status}: {error}", file=sys.stderr)
         return EXIT_ERROR
@@ -621,42 +630,27 @@ def _run_and_report(args, engine_class, runner, plan=None, after=None) -> int:
                 },
                 indent=2,
                 default=str,
-            )
+            ),
+            file=answer,
         )
     else:
-        answer = (
+        findings = (
             judgement.lines()
             + report.served_elsewhere(record.table("pairwise"))
             + [s for found in _divergences(table).values() for s in found.values()]
         )
-        print(
-            "\n".join(
-                report.summary_lines(job.run_id, record.run_dir, duration, table, min(args.top, 3), answer)
-            )
-        )
+        lines = report.summary_lines(job.run_id, record.run_dir, duration, table, min(args.top, 3), findings)
+        print("\n".join(lines), file=answer)
         for note in record.notes():
-            print(f"note: {note}")
+            print(f"note: {note}", file=answer)
         for key, value in extra.items():
             if key == "snapshots":  # where an imported run's targets came from, one line each
                 for i in value:
-                    print(f"from {i['snapshot']}: machine {i['machine']}, targets {', '.join(i['targets'])}")
+                    targets = ", ".join(i["targets"])
+                    print(f"from {i['snapshot']}: machine {i['machine']}, targets {targets}", file=answer)
             else:
-                print(f"{key}: {value}")
+                print(f"{key}: {value}", file=answer)
     return code
-
-
-@contextlib.contextmanager
-def _ignoring_signals():
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in signals}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _divergences(table) -> dict[str, Any]:
@@ -669,18 +663,17 @@ def _divergences(table) -> dict[str, Any]:
     return {key: sentences for key, sentences in found.items() if sentences}
 
 
-def cmd_runs(args) -> int:
+def cmd_runs(args, answer: TextIO) -> int:
     from core.engine.store import Store
 
     store = Store(weightdrift_home(args.home))
     runs = store.list_runs()
     if args.json:
-        print(
-            json.dumps([{**r.info, "run_id": r.run_id, "run_dir": str(r.run_dir)} for r in runs], default=str)
-        )
+        listed = [{**r.info, "run_id": r.run_id, "run_dir": str(r.run_dir)} for r in runs]
+        print(json.dumps(listed, default=str), file=answer)
         return EXIT_OK
     if not runs:
-        print(f"no runs in {store.runs_dir}")
+        print(f"no runs in {store.runs_dir}", file=answer)
     for r in runs:
         targets = ", ".join(str(t) for t in r.spec.targets) if r.spec else "?"
         when = r.info.get("created")
@@ -691,11 +684,11 @@ def cmd_runs(args) -> int:
             line += f"  — {r.error.splitlines()[0]}"
         if r.id_note:
             line += f"  — note: {r.id_note}"
-        print(line)
+        print(line, file=answer)
     return EXIT_OK
 
 
-def cmd_report(args) -> int:
+def cmd_report(args, answer: TextIO) -> int:
     """One HTML file of a stored run, drawn by the dashboard's figure builders (docs/architecture.md)."""
     from dashboard.report import write_report
 
@@ -704,9 +697,10 @@ def cmd_report(args) -> int:
     return EXIT_OK
 
 
-def cmd_devices(args) -> int:
+def cmd_devices(args, answer: TextIO) -> int:
     from core.models.targets import devices_lines, devices_report
 
     info = devices_report()
-    print(json.dumps(info, indent=2, default=str) if args.json else "\n".join(devices_lines(info)))
+    text = json.dumps(info, indent=2, default=str) if args.json else "\n".join(devices_lines(info))
+    print(text, file=answer)
     return EXIT_OK

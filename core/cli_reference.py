@@ -63,6 +63,11 @@ def reference() -> str:
         "the same program. Exit codes: 0 every row identical or within tolerance · 1 any row drift or broken ·",
         "2 usage error or failed job.",
         "",
+        "stdout carries the answer alone: with `--json`, exactly one JSON document, whatever a library or a",
+        "process it starts prints (PEFT's nvcc build of BOFT's kernel on a GPU machine, a print at import).",
+        "For the command's length its descriptor 1 points at stderr, so that output goes to stderr, and a",
+        "worker's to its task's log (`runs/<run_id>/logs/`); progress and errors are on stderr too.",
+        "",
         *_section(parser, "##"),
     ]
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

@@ -1,11 +1,16 @@
 """The CLI's progress while a job runs: a live bar per task on a terminal (rich), plain lines
-elsewhere (CI logs, a pipe), one per progress event. Reads a job through `wait`, `events_since`
-and `snapshot` (core.engine.jobs.Job); imports nothing from core."""
+elsewhere (CI logs, a pipe), one per progress event; and stdout kept for the answer alone while a
+command runs (`stdout_for_the_answer`). Reads a job through `wait`, `events_since` and `snapshot`
+(core.engine.jobs.Job); imports nothing from core."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
 import sys
 import time
+from collections.abc import Iterator
 from typing import TextIO
 
 WIDTH = 20  # the plain lines' bar
@@ -75,3 +80,37 @@ def _bars(job, stream: TextIO, interval: float) -> None:
                     ended.add(name)
             if done:
                 return
+
+
+@contextlib.contextmanager
+def stdout_for_the_answer() -> Iterator[TextIO]:
+    """Within the block, what is written to stdout goes to stderr: a library's print(), its writes to file
+    descriptor 1, and the output of the processes it starts (nvcc building PEFT's BOFT kernel on a GPU
+    machine writes to descriptor 1 directly, two processes down). The caller writes its answer to the
+    stream this yields; it reaches stdout alone once the block ends, so `--json` is one JSON document."""
+    stdout = sys.stdout
+    _flush(stdout, sys.stderr)
+    saved: int | None = None
+    with contextlib.suppress(OSError):  # a closed descriptor 1 or 2: nothing to divert
+        saved = os.dup(1)
+        os.dup2(2, 1)
+    answer = io.StringIO()
+    sys.stdout = sys.stderr
+    try:
+        yield answer
+    finally:
+        _flush(
+            stdout, sys.__stdout__, sys.stderr
+        )  # a library's buffered chatter: to stderr, before restoring
+        sys.stdout = stdout
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)
+        stdout.write(answer.getvalue())  # a closed pipe raises here, for the caller (`| head`)
+        stdout.flush()
+
+
+def _flush(*streams) -> None:
+    for stream in streams:
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # closed, or None
+            stream.flush()

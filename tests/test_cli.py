@@ -390,3 +390,112 @@ def test_a_run_json_that_cannot_be_written_fails_the_run_with_the_reason(
         "(the disk is full: free some space)"
     )
     assert "Traceback" not in err and "None" not in err
+
+
+# A library that talks on stdout, as PEFT does on a GPU machine (nvcc building BOFT's kernel at first use):
+# when peft is imported and when an adapter's config is opened (written by the demo build, read at a
+# load), it prints, writes to descriptor 1 without a newline, and runs a process that writes to its stdout.
+CHATTY_LIBRARY = """
+import os
+import subprocess
+import sys
+
+said = set()
+
+
+def say(when):
+    if when not in said:
+        said.add(when)
+        print(f"chatter print {when}", flush=True)
+        os.write(1, f"chatter fd1 {when} ".encode())
+        subprocess.run(["/bin/sh", "-c", f"echo chatter child {when}"], check=True)
+
+
+def hook(event, args):
+    if event == "import" and args[0] == "peft":
+        say("at import")
+    elif event == "open" and str(args[0]).endswith("adapter_config.json"):
+        say("at load")
+
+
+sys.addaudithook(hook)
+"""
+# `python -m core` where tasks are spawned, not forked, as on a machine with a GPU (`gpu_visible`)
+AS_ON_A_GPU_MACHINE = (
+    "import core.engine.runners as r; r.gpu_visible = lambda *a, **k: True; "
+    "from core.__main__ import entry; entry()"
+)
+
+
+def _chatter(text: str, when: str) -> set[str]:
+    return {kind for kind in ("print", "fd1", "child") if f"chatter {kind} {when}" in text}
+
+
+@pytest.mark.e2e
+def test_json_is_one_document_whatever_a_library_prints(tmp_path):
+    """stdout under --json is one JSON document, and the human answer is alone on stdout, though a library
+    prints at import and at load in the CLI and in its workers: that goes to stderr or the task's log."""
+    (tmp_path / "chatty").mkdir()
+    (tmp_path / "chatty" / "sitecustomize.py").write_text(CHATTY_LIBRARY)  # loaded by every interpreter
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "chatty")}
+    home = tmp_path / "home"
+
+    def command(*args, python=("-m", "core")):
+        proc = subprocess.run(
+            [sys.executable, *python, *args, "--home", str(home)],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env=env,
+            timeout=300,
+        )
+        assert proc.returncode in (0, 1), proc.stderr
+        assert "chatter" not in proc.stdout, proc.stdout
+        return proc
+
+    demo = command("demo", "--json")  # builds the workspace here: peft is imported and adapters written
+    manifest = json.loads(demo.stdout)
+    assert _chatter(demo.stderr, "at import") == _chatter(demo.stderr, "at load") == {"print", "fd1", "child"}
+    inputs = ["--base", manifest["models"]["tiny-llama"], "--adapter", manifest["adapters"]["lora"]["path"]]
+    inputs += ["--target", "cpu/float32", "--check", "weights", "--no-peers"]
+
+    # the GPU machine's case: the library talks inside spawned workers, while they import and load
+    run = json.loads(command("run", *inputs, "--json", python=("-c", AS_ON_A_GPU_MACHINE)).stdout)
+    assert run["status"] == "succeeded" and run["verdicts"]["identical"] > 0
+    capture_log = Path(run["run_dir"], "logs", "cpu_float32.log").read_text()
+    assert _chatter(capture_log, "at import") == _chatter(capture_log, "at load") == {"print", "fd1", "child"}
+
+    # tasks forked by the fork server (which imported peft: its chatter is in its own error file)
+    snapshot_file = tmp_path / "here.wdsnap"
+    snapshot = json.loads(command("snapshot", *inputs, "-o", str(snapshot_file), "--json").stdout)
+    assert snapshot["snapshot"] == str(snapshot_file)
+    capture_log = Path(snapshot["run_dir"], "logs", "cpu_float32.log").read_text()
+    assert _chatter(capture_log, "at load") == {"print", "fd1", "child"}
+
+    # in the CLI's process (--in-process): at load, into the CLI's own descriptor 1
+    compare = command("compare", str(snapshot_file), "--json", "--in-process")
+    assert json.loads(compare.stdout)["status"] == "succeeded"
+    assert _chatter(compare.stderr, "at load") == {"print", "fd1", "child"}
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_the_answer_is_alone_on_stdout_in_either_form(json_flag, tmp_path, monkeypatch, capfd):
+    """The human answer too: what a library prints while a command works goes to stderr, its lines stay
+    whole and in order on stdout (here `runs`, listing through a store that talks, at the descriptors)."""
+    from core import cli
+    from core.engine.store import Store
+
+    listed = Store.list_runs
+
+    def talking(store):
+        print("chatter print at load")
+        os.write(1, b"chatter fd1 at load ")
+        subprocess.run(["/bin/sh", "-c", "echo chatter child at load"], check=True)
+        return listed(store)
+
+    monkeypatch.setattr(Store, "list_runs", talking)
+    capfd.readouterr()
+    assert cli.main(["runs", "--home", str(tmp_path), *json_flag]) == 0
+    out, err = capfd.readouterr()
+    assert out == ("[]\n" if json_flag else f"no runs in {tmp_path / 'runs'}\n")
+    assert _chatter(err, "at load") == {"print", "fd1", "child"}

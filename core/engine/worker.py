@@ -18,7 +18,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TextIO
 
 from core.models.memory import sample_process
 
@@ -358,6 +358,7 @@ def main() -> int:
     `--fork-server FD`, the fork server: see `serve_forks`)."""
     if sys.argv[1:2] == [FORK_SERVER_ARG]:
         return serve_forks(int(sys.argv[2]))
+    events = stdout_as_events()  # before the imports: what they print goes to the log too
     sample_process("process start")
     import torch  # noqa: F401  (imported here so the memory timeline can say what importing it costs)
 
@@ -367,16 +368,22 @@ def main() -> int:
         preimport_fresh()
         hosted = os.environ.pop(HOSTS_FORK_SERVER_ENV, "")
         if hosted:
-            fork_server_here(*map(int, hosted.split(",")))
+            fork_server_here(*map(int, hosted.split(",")), events=events)
     elif ahead:
         preimport()
-    return serve_task()
+    return serve_task(events)
 
 
-def serve_task() -> int:
-    """Read one task on stdin, run it, write its events on stdout; the exit code says how it ended."""
+def stdout_as_events() -> TextIO:
+    """This process's stdout (the runner's pipe) as the event stream, descriptor 1 pointed at stderr (the
+    log): what a library or a process it starts prints (nvcc on a GPU machine) never enters the events."""
     events = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)  # anything a library prints goes to the log, not into the event stream
+    os.dup2(2, 1)
+    return events
+
+
+def serve_task(events: TextIO) -> int:
+    """Read one task on stdin, run it, write its events to `events`; the exit code says how it ended."""
     cancel = {"requested": False}
 
     def on_term(signum, frame):
@@ -582,18 +589,18 @@ def lower_priority(niceness: int, pid: int = 0) -> None:
                 f.write(str(niceness))
 
 
-def fork_server_here(control_fd: int, errors_fd: int) -> None:
+def fork_server_here(control_fd: int, errors_fd: int, events: TextIO | None = None) -> None:
     """Fork the fork server from this memory timeline's fresh interpreter, now that it has imported
     torch, transformers and PEFT (`preimport_fresh`): the server starts with those imports done and
     does the rest of `preimport` itself, instead of importing them all a second time.
 
     What the server inherits and why that is safe: the imported modules, as a server that imported
     them itself would hold them; no thread (fork copies only the calling thread; OpenBLAS stops its
-    pool at a fork), and serve_forks refuses to fork with more than one; none of this process's memory samples (cleared); not its stdin or stdout (the
-    task's pipes: /dev/null and the server's own error file instead), nor its session. This process
-    keeps nothing of the server's but a child's entry (the server outlives it, adopted by init), and
-    then lowers its own CPU priority as a memory timeline's (`MEMORY_TIMELINE_NICENESS`). Its samples
-    are RSS, which a fork does not change."""
+    pool at a fork), and serve_forks refuses to fork with more than one; none of this process's memory
+    samples (cleared); not its stdin, stdout or `events` (the task's pipes: /dev/null and the server's
+    own error file instead), nor its session. This process keeps nothing of the server's but a child's
+    entry (the server outlives it, adopted by init), and then lowers its own CPU priority as a memory
+    timeline's (`MEMORY_TIMELINE_NICENESS`). Its samples are RSS, which a fork does not change."""
 
     def server() -> int:
         from core.models import memory
@@ -607,6 +614,8 @@ def fork_server_here(control_fd: int, errors_fd: int) -> None:
         os.dup2(errors_fd, 1)
         os.dup2(errors_fd, 2)
         os.close(errors_fd)
+        if events is not None:  # the runner reads the interpreter's events until every end is closed
+            events.close()
         control = socket.socket(fileno=control_fd)
         control.send(f"pid {os.getpid()}".encode())  # so the runner can kill the server it did not start
         control.detach()
@@ -663,12 +672,11 @@ def _forked(
         for pidfd in pidfds:
             os.close(pidfd)
         os.dup2(stdin, 0)
-        os.dup2(stdout, 1)
         os.close(stdin)
-        os.close(stdout)
         os.environ.clear()
         os.environ.update(env)  # the runner's environment now, as a spawned worker would get it
-        return serve_task()
+        os.set_inheritable(stdout, False)  # events only, held by no process the task starts (as os.dup's)
+        return serve_task(os.fdopen(stdout, "w", buffering=1))
 
     _end_child(task)
 
