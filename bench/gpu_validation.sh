@@ -80,17 +80,23 @@ print(sys.version); print(torch.__version__, torch.version.cuda, torch.cuda.get_
 print(\"transformers\", transformers.__version__, \"peft\", peft.__version__, \"bnb\", bitsandbytes.__version__, \"numba\", numba.__version__)'"
 step devices 60 $PY -m core devices
 if [ -n "${QUICK:-}" ]; then
-    # what four minutes of a machine hold: the checks side by side, the memory check alone after them
-    step demo_build 60 $PY -m core demo --json  # PEFT tries to build BOFT's CUDA kernel here (nvcc)
-    step demo 120 $PY -m core run --demo --check weights deltas outputs merge --json \
+    # What one lent machine's minutes hold (issues 35 and 36): the demo with every check on the four
+    # targets of the H200 tables and the quantized path side by side; then, alone (their numbers are
+    # memory or time), the GPU-marked tests, the memory scenario and the bench's worker ratio.
+    QUICK_CHECKS="weights deltas outputs merge activations generate"
+    step demo_build 90 $PY -m core demo --json  # PEFT tries to build BOFT's CUDA kernel here (nvcc)
+    step demo_all 270 $PY -m core run --demo --check $QUICK_CHECKS --json \
         --target cpu/float32 $CUDA/float32 $CUDA/float32+tf32 $CUDA/bfloat16 &
-    step quantized 120 $PY -m core run --scenario qlora-served-elsewhere --check weights outputs merge --json \
-        --target cpu/nf4 $CUDA/nf4 $CUDA/int8 &
-    snapshot generation-parts-cuda 100 --scenario generation-parts \
-        --target cpu/float32 cpu/bfloat16 $CUDA/float32 $CUDA/float32+tf32 $CUDA/bfloat16 &
+    step quantized 200 $PY -m core run --scenario qlora-served-elsewhere --check weights outputs merge --json \
+        --target cpu/nf4 cpu/nf4+portable $CUDA/nf4 $CUDA/int8 &
     wait
-    snapshot memory-placement-cuda 45 --scenario memory-placement
-    snapshot boft-merge-cuda 45 --scenario boft-merge-cpu --check deltas outputs merge --target cpu/float32 $CUDA/float32
+    step pytest_gpu 200 $PY -m pytest -q -p no:cacheprovider -m gpu -x tests/ -k "not memory" --timeout 180
+    step pytest_gpu_memory 120 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_memory_gpu.py --timeout 100
+    step memory 60 $PY -m core run --scenario memory-placement --target $CUDA/float32 --json
+    if [ -n "${BENCH_WORKERS:-}" ]; then
+        step bench_workers 150 $PY -m bench $BENCH_WORKERS --out "$WORK/bench-workers.json"
+    fi
+    pack
     echo "=== done after $(($(date +%s) - START)) s" >>"$LOG"
     exit 0
 fi
