@@ -75,6 +75,7 @@ class Outcome:
     cancelled: bool = False
     error: str | None = None
     stderr_tail: str = ""
+    timed_out: bool = False  # killed at its time limit (`Task.timeout_s`): the engine says in which stage
 
 
 class Runner(ABC):
@@ -607,8 +608,13 @@ class ProcessRunner(Runner):
         except BrokenPipeError:
             pass
         terminated_at = None
+        deadline = None if task.timeout_s is None else time.monotonic() + task.timeout_s
+        timed_out = False
         while proc.poll() is None:
-            if cancel.is_set():
+            if deadline is not None and time.monotonic() > deadline and not timed_out:
+                timed_out = True  # no stage boundary may come: the process and whatever it started go
+                _kill_session(proc)
+            elif cancel.is_set():
                 if terminated_at is None:
                     proc.send_signal(signal.SIGTERM)  # cooperative: the worker stops at the next stage
                     terminated_at = time.monotonic()
@@ -617,6 +623,8 @@ class ProcessRunner(Runner):
             time.sleep(0.05)
         reader.join(timeout=5)
         code = proc.returncode
+        if timed_out:
+            return Outcome(ok=False, error=f"timed out after {task.timeout_s:g} s", timed_out=True)
         final = last["final"] or {}
         if code == 0 and final.get("type") == "done":
             return Outcome(ok=True)
@@ -628,6 +636,14 @@ class ProcessRunner(Runner):
         if getattr(proc, "server_lost", False):
             how += " (its fork server stopped)"
         return Outcome(ok=False, error=f"worker process {how}", stderr_tail=tail(log_path))
+
+
+def _kill_session(proc: subprocess.Popen | ForkedProcess) -> None:
+    """Kill a task's process and its session's other processes (each task makes its own session)."""
+    proc.kill()
+    if proc.pid is not None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _note(log_path: Path, text: str) -> None:
