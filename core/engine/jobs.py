@@ -398,8 +398,7 @@ class Engine:
             runner.kill_all()
 
     def _persist(self, job: Job) -> None:
-        """Write the job's state to run.json; a failed write is kept on the job, never raised (the
-        job goes on, and ends failed with that reason)."""
+        """Write the job's state to run.json; a failed write is kept on the job (it ends failed), never raised."""
         snap = job.snapshot()
         try:
             self._write_state(job, snap)
@@ -416,6 +415,7 @@ class Engine:
             started=snap["started"],
             finished=snap["finished"],
             duration_s=None if not snap["finished"] else round(snap["finished"] - snap["started"], 3),
+            workers=job.runner.workers,  # how its task processes were made (`runners.worker_path`)
             targets={
                 k: {kk: vv for kk, vv in v.items() if kk != "elapsed_s"} for k, v in snap["tasks"].items()
             },
@@ -482,7 +482,7 @@ class Engine:
             failed = [o for t, o in ran if self._fails_run(job, t, o)]
             failed += [o for o in partial if not o.ok and not o.cancelled]
             reference_failed = [
-                o for t, o in ran if not o.ok and not o.cancelled and self._reference_only(job, t)
+                o for t, o in ran if not (o.ok or o.cancelled) and self._reference_only(job, t)
             ]
             if reference_failed and not failed:
                 # the other targets' captures stand: compare them against the next-best reference
