@@ -508,11 +508,11 @@ class ProcessRunner(Runner):
         # and PEFT, 3.5 s of imports (the CLI's process has neither) that the warm fork server has done.
         if "transformers" in sys.modules and "peft" in sys.modules:
             return False  # imported here already: quicker than a fork
+        # in a fork server's child, or a GPU path's spare: imported there, and no CUDA context made here
         with self._lock:
-            if self._server is None or not self._server.alive():
+            if (self._server is None or not self._server.alive()) and not self._ready:
                 return False
         from core.models.checkpoint import InputError
-        from core.spec import SpecError
 
         errors: list[dict[str, Any]] = []
         task = Task(kind="validate", run_dir="", spec=spec.to_dict())
