@@ -111,7 +111,9 @@ def test_a_task_that_hangs_is_killed_at_its_limit_its_rows_read_broken_and_the_d
         assert snap["tasks"]["cpu/float32"]["state"] == "succeeded"
 
         killed = [p for p in runner.started if p.returncode == -signal.SIGKILL]
-        assert len(killed) == 1 and isinstance(killed[0], ForkedProcess), [(type(p).__name__, p.returncode) for p in runner.started]
+        assert len(killed) == 1 and isinstance(killed[0], ForkedProcess), [
+            (type(p).__name__, p.returncode) for p in runner.started
+        ]
         assert _session_members(killed[0].pid) == []  # nothing it started is left behind
 
         rows = engine.store.open(job.run_id).metrics()
@@ -185,3 +187,15 @@ def test_a_spawned_worker_that_hangs_is_killed_at_the_limit_with_every_process_i
     assert _session_members(proc.pid) == []
     with pytest.raises(ProcessLookupError):
         os.kill(child, 0)
+
+
+def test_task_timeout_on_run_and_snapshot_sets_the_specs_limit(tmp_path):
+    from core.cli import build_parser, spec_from_args
+
+    for command in (["run"], ["snapshot", "-o", str(tmp_path / "x.wdsnap")]):
+        args = build_parser().parse_args(
+            [*command, "--base", "m", "--target", "cpu/float32", "--task-timeout", "90"]
+        )
+        assert spec_from_args(args, tmp_path).task_timeout_s == 90.0
+        args = build_parser().parse_args([*command, "--base", "m", "--target", "cpu/float32"])
+        assert spec_from_args(args, tmp_path).task_timeout_s is None  # the default from size and checks
