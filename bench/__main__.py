@@ -316,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         result["cli_demo"] = cli_demo.measure_cli_demo(
             args.cli_runs, timeout=args.timeout, keep_home=args.keep_homes, say=say
         )
-        failed = failed or result["cli_demo"]["summary"]["failed"] > 0 or "error" in result["cli_demo"]
+        paths = result["cli_demo"]["paths"].values()
+        failed = failed or any(p["summary"]["failed"] > 0 for p in paths) or "error" in result["cli_demo"]
     result["machine"]["load_average_at_end"] = list(os.getloadavg())
     result["total_s"] = time.perf_counter() - started
 
@@ -348,9 +349,10 @@ def main(argv: list[str] | None = None) -> int:
     if "cli_demo" in result:
         print(
             f'### CLI: `{result["cli_demo"]["command"]}` against `python -c "{cli_demo.BARE_IMPORT}"` '
-            f"({args.cli_runs} pairs, medians)\n"
+            f"({args.cli_runs} repetitions, medians), per worker path\n"
         )
-        print(cli_demo.cli_demo_table(result["cli_demo"]) + "\n")
+        for path, runs in result["cli_demo"]["paths"].items():
+            print(f"`WEIGHTDRIFT_WORKERS={path}`:\n\n" + cli_demo.cli_demo_table(runs) + "\n")
     print(f"Everything measured: {out_path}")
     return 1 if failed else 0
 

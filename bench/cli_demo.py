@@ -6,6 +6,11 @@ repetition, one after the other on the same machine: the bare import (wall clock
 process), then the CLI run (wall clock of the whole process, on a home whose demo workspace was
 built once beforehand, untimed: building it is not what is measured). Reported: each repetition's
 times and ratio, the medians, and the ratio of the medians (the done-when figure).
+
+Issue 36: the same for both worker paths (`core.engine.runners.worker_path`), the run made once per
+path in each repetition after the same bare import: `WEIGHTDRIFT_WORKERS=cpu` (tasks forked from the fork
+server, as on a machine without a GPU) and `WEIGHTDRIFT_WORKERS=gpu` (spawned spares imported ahead, as
+where a GPU is visible); each run's `run.json` says which it took, and the measure checks it.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 TARGETS = ("cpu/float32", "cpu/bfloat16")
 BARE_IMPORT = "import torch, transformers, peft"
 TARGET_RATIO = 4.0
+WORKER_PATHS = ("cpu", "gpu")
 
 
 def every_check() -> list[str]:
@@ -55,14 +61,23 @@ def _timed(cmd: list[str], env: dict[str, str], timeout: float) -> dict[str, Any
 
 
 def measure_cli_demo(
-    repeats: int, timeout: float = 900.0, keep_home: bool = False, say: Callable[[str], None] = print
+    repeats: int,
+    timeout: float = 900.0,
+    keep_home: bool = False,
+    say: Callable[[str], None] = print,
+    paths: tuple[str, ...] = WORKER_PATHS,
 ) -> dict[str, Any]:
-    """`repeats` pairs of (bare import, CLI demo run with every check); medians and their ratio."""
+    """`repeats` times: a bare import, then the CLI demo run with every check once per worker path in
+    `paths`; per path its runs, medians and their ratio (`result["paths"][path]`)."""
     home = Path(tempfile.mkdtemp(prefix="weightdrift-bench-cli-"))
     env = {**os.environ, "WEIGHTDRIFT_HOME": str(home)}
     checks = every_check()
     run_cmd = [sys.executable, "-m", "core", "run", "--demo", "--target", *TARGETS, "--check", *checks]
-    result: dict[str, Any] = {"command": " ".join(["python", *run_cmd[1:]]), "home": str(home), "runs": []}
+    result: dict[str, Any] = {
+        "command": " ".join(["python", *run_cmd[1:]]),
+        "home": str(home),
+        "paths": {path: {"runs": []} for path in paths},
+    }
     try:
         say("cli demo: building the demo workspace (untimed)")
         built = _timed([sys.executable, "-m", "core", "demo"], env, timeout)
@@ -71,19 +86,36 @@ def measure_cli_demo(
             return result
         for i in range(repeats):
             bare = _timed([sys.executable, "-c", BARE_IMPORT], env, timeout)
-            run = _timed(run_cmd, env, timeout)
-            ok = bare["returncode"] == 0 and run["returncode"] in (0, 1)  # 1: drift found, still a run
-            ratio = run["wall_s"] / bare["wall_s"] if ok and bare["wall_s"] > 0 else None
-            result["runs"].append({"bare_import": bare, "run": run, "ok": ok, "ratio": ratio})
-            say(
-                f"cli demo {i + 1}/{repeats}: import {bare['wall_s']:.1f} s, run {run['wall_s']:.1f} s"
-                + (f" ({ratio:.2f}×)" if ratio is not None else f" — failed: {run['stderr_tail']}")
-            )
+            for path in paths:
+                runs_before = set((home / "runs").glob("*"))
+                run = _timed(run_cmd, {**env, "WEIGHTDRIFT_WORKERS": path}, timeout)
+                took = [_workers_of(d) for d in set((home / "runs").glob("*")) - runs_before]
+                ok = bare["returncode"] == 0 and run["returncode"] in (0, 1) and took == [path]
+                ratio = run["wall_s"] / bare["wall_s"] if ok and bare["wall_s"] > 0 else None
+                result["paths"][path]["runs"].append(
+                    {"bare_import": bare, "run": run, "ok": ok, "ratio": ratio}
+                )
+                say(
+                    f"cli demo {i + 1}/{repeats}, {path} workers: import {bare['wall_s']:.1f} s, "
+                    f"run {run['wall_s']:.1f} s"
+                    + (f" ({ratio:.2f}×)" if ratio is not None else f" — failed: {took} {run['stderr_tail']}")
+                )
     finally:
         if not keep_home:
             shutil.rmtree(home, ignore_errors=True)
-    result["summary"] = summarize(result["runs"])
+    for runs in result["paths"].values():
+        runs["summary"] = summarize(runs["runs"])
     return result
+
+
+def _workers_of(run_dir: Path) -> str | None:
+    """The worker path a run recorded in its run.json (None if unreadable)."""
+    import json
+
+    try:
+        return json.loads((run_dir / "run.json").read_text()).get("workers")
+    except (OSError, ValueError):
+        return None
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -280,6 +280,9 @@ def add_run_options(run: ArgumentParser) -> None:
         "--trust-remote-code", action="store_true", help="allow the model's own code (off by default)"
     )
     add_runner_options(run)
+    run.add_argument(
+        "--task-timeout", type=float, metavar="SECONDS", help="kill a task past it; its rows read broken"
+    )
     add_peer_option(run)
     run.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
     run.add_argument("--home", help=HOME_HELP)
@@ -390,6 +393,7 @@ def spec_from_args(args, home: Path) -> ProbeSpec:
         peers=not args.no_peers,
         probe=ProbeInputs(prompts=prompts_from_args(args)),
         max_new_tokens=_max_new_tokens(args) or DEFAULT_MAX_NEW_TOKENS,
+        task_timeout_s=args.task_timeout,
     )
 
 
@@ -426,6 +430,7 @@ def scenario_from_args(args, home: Path) -> ProbeSpec:
         raise UsageError("--scenario picks the base and adapters itself; leave out --base and --adapter")
     spec = scenario_spec(args.scenario, ensure_demo(home), discover_devices())
     changes: dict[str, Any] = {"seed": args.seed, "peers": not args.no_peers}
+    changes["task_timeout_s"] = args.task_timeout
     if args.target:
         changes["targets"] = tuple(Target.parse(t) for t in args.target)
     if args.check:
@@ -531,21 +536,16 @@ def cmd_compare(args, answer: TextIO) -> int:
 
 def execute(args, answer: TextIO, plan=None, after=None) -> int:
     """Run a spec as a job with progress on stderr, its summary (or JSON) to `answer`; the exit code.
-
-    `plan(home)` gives the spec and what installs imported captures into its run folder
-    (`Engine.submit`), by default `run`'s spec from the arguments; it is called once the first
-    worker is starting, so its checks overlap the worker's imports. `after(record)` runs once the
-    run succeeded and returns what to add to the report.
-    """
+    `plan(home)` gives the spec and what installs imported captures into its run folder (`Engine.submit`),
+    by default `run`'s from the arguments, called once the workers start importing. `after(record)` runs
+    once the run succeeded and returns what to add to the report."""
     from core.engine.jobs import Engine
     from core.engine.ray_runner import make_runner
     from core.engine.runners import FRESH_SPARES, InProcessRunner
 
     runner = InProcessRunner() if args.in_process else make_runner(args.runner, args.ray_address)
-    # the fork server imports the libraries while this process reads the inputs, and so do fresh
-    # interpreters for the memory timelines a run of the memory check will have
-    checks = getattr(args, "check", None) or ()
-    runner.warm(FRESH_SPARES if "memory" in checks else 0)
+    # workers import the libraries while this process reads the inputs (memory timelines' too)
+    runner.warm(FRESH_SPARES if "memory" in (getattr(args, "check", None) or ()) else 0)
     try:
         return _run_and_report(args, answer, Engine, runner, plan, after)
     finally:

@@ -387,6 +387,10 @@ class ProbeSpec:
     added_peers: tuple[Target, ...] = ()
     # How many tokens the `generate` check decodes greedily per prompt.
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    # The longest one task of the run may take, in seconds, before its worker is killed and its rows read
+    # `broken: timed out …`; None: the default from the checkpoint's size and the checks
+    # (`core.engine.jobs.task_time_limit`).
+    task_timeout_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -424,6 +428,7 @@ class ProbeSpec:
             peers=bool(d.get("peers", True)),
             added_peers=tuple(Target.parse(t) for t in d.get("added_peers") or ()),
             max_new_tokens=int(d.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)),
+            task_timeout_s=d.get("task_timeout_s"),
         )
 
     @staticmethod
@@ -456,6 +461,21 @@ class ProbeSpec:
 def prompts_from_text(text: str) -> tuple[str, ...]:
     """Prompts written one a line (a prompt file, the form's box): each line, blank ones skipped."""
     return tuple(line for line in text.splitlines() if line.strip())
+
+
+# How close a dtype's results come to float64's, for the next-best reference: float16 keeps more
+# mantissa bits than bfloat16.
+_DTYPE_CLOSENESS = {"float64": 3, "float32": 2, "float16": 1, "bfloat16": 0}
+
+
+def next_best_reference(spec: ProbeSpec) -> Target | None:
+    """The target that stands in for a reference that could not run: the widest dtype, on the CPU
+    and without numerics flags where there is a choice. Never a quantized one (its weights are not the
+    checkpoint's): None when the run has no other."""
+    floats = [t for t in spec.targets if not t.quantized]
+    if not floats:
+        return None
+    return max(floats, key=lambda t: (_DTYPE_CLOSENESS.get(t.dtype, -1), t.device == "cpu", not t.flags))
 
 
 def peer_of(

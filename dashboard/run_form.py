@@ -163,7 +163,7 @@ def _demo_paths(manifest: dict | None) -> dict[str, str]:
 
 def run_form(manifest: dict | None) -> None:
     """Draw the form in the sidebar; on Run, submit the spec to the engine and select the new run."""
-    runner, devices, runner_ok = _runner_choice()
+    runner, devices, runner_ok, task_timeout = _runner_choice()
     demo_paths = _demo_paths(manifest)
     records = store().list_runs()  # read once: both "recent" lists come from it
     bases = list(demo_paths) + [b for b in recent_bases(records) if b not in demo_paths]
@@ -350,6 +350,7 @@ def run_form(manifest: dict | None) -> None:
             peers=bool(peers),
             probe=ProbeInputs(prompts=prompts_from_text(prompt_text)),
             max_new_tokens=int(max_new_tokens),
+            task_timeout_s=task_timeout,
         )
         start_run(spec, result_page(spec.checks), runner)
 
@@ -359,9 +360,20 @@ RUNNER_LABELS = {"process": "Worker processes here", "ray": "Ray (this or other 
 
 def _runner_choice() -> tuple:
     """Where the run's tasks go (None: the engine's worker processes), the devices targets may name
-    there, and whether that choice can run: worker processes on this machine (default), or Ray tasks
-    on a Ray cluster (core.engine.ray_runner; a local Ray when no address is given)."""
+    there, whether that choice can run, and each task's time limit (None: the engine's default):
+    worker processes on this machine (default), or Ray tasks on a Ray cluster (core.engine.ray_runner;
+    a local Ray when no address is given)."""
     with st.expander("Runner"):
+        timeout = st.number_input(
+            "Task time limit (s)",
+            value=None,
+            min_value=1.0,
+            step=60.0,
+            key="form.task_timeout",
+            placeholder="from the model's size and the checks",
+            help="A task still running after this many seconds is killed: its rows read broken "
+            "(timed out after N s in stage S), and the other tasks go on.",
+        )
         choice = st.radio(
             "Run the tasks on",
             list(RUNNER_LABELS),
@@ -371,7 +383,7 @@ def _runner_choice() -> tuple:
             "(cuda:N) or to a node (+node=NAME in the target), and brings the capture back here.",
         )
         if choice != "ray":
-            return None, engine().devices, True
+            return None, engine().devices, True, timeout
         address = st.text_input(
             "Ray address",
             key="form.ray_address",
@@ -379,10 +391,10 @@ def _runner_choice() -> tuple:
         )
         try:
             runner = ray_runner(address.strip())
-            return runner, runner.devices(), True
+            return runner, runner.devices(), True, timeout
         except SpecError as e:  # not installed, or the cluster cannot be reached: nothing runs
             st.error(literal(e), icon=":material/error:")
-            return None, engine().devices, False
+            return None, engine().devices, False, timeout
 
 
 def _target_builder(devices: list[Device]) -> None:

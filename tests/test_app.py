@@ -250,7 +250,9 @@ def test_a_run_owned_by_another_process_shows_its_stored_progress(run_home, monk
     store.delete(record.run_id)
 
 
-def test_the_form_sends_strategies_and_merge_subset_and_opens_the_first_checks_page(run_home, monkeypatch):
+def test_the_form_sends_strategies_merge_subset_and_time_limit_and_opens_the_first_checks_page(
+    run_home, monkeypatch
+):
     home, _ = run_home
     manifest = load_manifest(home)
     store = Store(home)
@@ -263,6 +265,7 @@ def test_the_form_sends_strategies_and_merge_subset_and_opens_the_first_checks_p
     at.run()  # the strategy and merge pickers appear for these checks
     at.session_state["form.strategies"] = ["load_adapter"]
     at.session_state["form.merge_subset"] = ["lora_b", "lora"]
+    at.sidebar.number_input(key="form.task_timeout").set_value(900.0)  # the Runner section's time limit
     at.run()
     at.sidebar.button(key="form.run").click().run()
     no_exceptions(at)
@@ -272,6 +275,7 @@ def test_the_form_sends_strategies_and_merge_subset_and_opens_the_first_checks_p
     assert spec.checks == ("merge", "adapters")
     assert spec.strategies == ("isolated", "load_adapter")  # the ground truth is always added
     assert spec.merge_subset == ("lora_b", "lora")
+    assert spec.task_timeout_s == 900.0
     assert at.query_params["run"] == new[0].run_id
     record = finished(store, new[0].run_id)
     assert record.status == "succeeded", record.error

@@ -16,7 +16,7 @@ from core.engine import runners
 from core.engine.jobs import Engine
 from core.engine.runners import FORKS, ForkedProcess, ForkServer, ProcessRunner, worker_env
 from core.engine.worker import FORKED_NAME
-from core.spec import AdapterRef, ModelRef, ProbeSpec, Target
+from core.spec import AdapterRef, ModelRef, ProbeSpec, SpecError, Target
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not FORKS, reason="the fork server needs Linux")]
 
@@ -220,7 +220,7 @@ class RecordingRunner(ProcessRunner):
 
 
 def test_forked_and_spawned_tasks_give_the_same_metrics_bit_for_bit_and_a_dead_server_is_no_hang(
-    tmp_path, wide_model
+    tmp_path, wide_model, monkeypatch
 ):
     base, lora = wide_model
     spec = ProbeSpec(
@@ -260,6 +260,25 @@ def test_forked_and_spawned_tasks_give_the_same_metrics_bit_for_bit_and_a_dead_s
     # the parallel passes ran: tensors this large take them
     weights = table(forked).query("check == 'weights'")
     assert (weights["numel"] >= 1 << 17).any()
+
+    # The GPU machines' path (WEIGHTDRIFT_WORKERS=gpu): no fork server; spawned spares imported ahead take
+    # the tasks, one each. The same rows, bit for bit; each run says which path it took.
+    monkeypatch.setenv(runners.WORKERS_ENV, "gpu")
+    gpu = RecordingRunner()
+    gpu.warm()
+    assert gpu._server is None and len(gpu._ready) == runners.WARM_SPARES
+    warmed = list(gpu._ready)
+    gpu_engine = Engine(tmp_path / "gpu", runner=gpu)
+    on_gpu_path = gpu_engine.submit(spec)
+    assert on_gpu_path.wait(900) and on_gpu_path.state == "succeeded", on_gpu_path.error
+    gpu_engine.shutdown("test over")
+    assert gpu.started and not any(isinstance(p, ForkedProcess) for p in gpu.started)
+    assert gpu.started[0] is warmed[0]  # the first task took a spare that had imported before the run
+    assert len(set(map(id, gpu.started))) == len(gpu.started)  # one task per process
+    assert all(p.poll() is not None for p in gpu.started + gpu._ready)  # shutdown left none waiting
+    assert_frame_equal(gpu_engine.store.open(on_gpu_path.run_id).metrics(), table(forked), check_exact=True)
+    assert engine.store.open(forked.run_id).info["workers"] == "cpu"
+    assert gpu_engine.store.open(on_gpu_path.run_id).info["workers"] == "gpu"
 
 
 VALIDATE_IN_WORKER = r"""
@@ -341,6 +360,19 @@ def test_a_machine_with_a_gpu_spawns_every_task(tmp_path, monkeypatch):
 
     monkeypatch.setattr(runners, "gpu_visible", lambda: True)
     runner = ProcessRunner()
-    assert not runner.forks
+    assert not runner.forks and runner.workers == "gpu"
     runner.warm(fresh=0)
     assert runner._server is None  # no fork server is started
+    assert len(runner._ready) == runners.WARM_SPARES  # spawned spares import ahead instead
+    runner.kill_all()
+    # WEIGHTDRIFT_WORKERS chooses, either way; anything else is a one-line error
+    monkeypatch.setenv(runners.WORKERS_ENV, "cpu")
+    assert runners.worker_path() == "cpu" and ProcessRunner().forks == FORKS
+    monkeypatch.setattr(runners, "gpu_visible", lambda: False)
+    monkeypatch.setenv(runners.WORKERS_ENV, "gpu")
+    assert runners.worker_path() == "gpu" and not ProcessRunner().forks
+    monkeypatch.setenv(runners.WORKERS_ENV, "tpu")
+    with pytest.raises(
+        SpecError, match=r"^WEIGHTDRIFT_WORKERS='tpu': give gpu or cpu \(or leave it unset\)$"
+    ):
+        ProcessRunner()

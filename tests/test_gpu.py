@@ -13,8 +13,8 @@ pytestmark = [
 ]
 
 
-def run(home, demo, targets, adapters, checks):
-    engine = Engine(home, runner=ProcessRunner())
+def run(home, demo, targets, adapters, checks, runner=None, record=None):
+    engine = Engine(home, runner=runner or ProcessRunner())
     spec = ProbeSpec(
         base=ModelRef(demo["models"]["tiny-llama"]),
         adapters=tuple(AdapterRef(demo["adapters"][n]["path"], n) for n in adapters),
@@ -24,7 +24,43 @@ def run(home, demo, targets, adapters, checks):
     job = engine.submit(spec)
     assert job.wait(600)
     assert job.state == "succeeded", job.error
+    engine.shutdown("test over")
+    if record is not None:
+        record.update(engine.store.open(job.run_id).info)
     return engine.store.open(job.run_id).metrics()
+
+
+def test_the_gpu_paths_spares_give_a_spawned_tasks_rows_bit_for_bit_and_nothing_is_forked(
+    tmp_path, demo_workspace, monkeypatch
+):
+    """Where a GPU is visible no task is forked (bitsandbytes made a CUDA context at import): spares
+    spawned ahead take the tasks, and their rows are those of tasks each spawned when it came."""
+    from pandas.testing import assert_frame_equal
+
+    from core.engine import runners
+
+    class Recording(ProcessRunner):
+        def __init__(self):
+            super().__init__()
+            self.started = []
+
+        def _start(self, task, log_path):
+            self.started.append(super()._start(task, log_path))
+            return self.started[-1]
+
+    args = (demo_workspace, ["cpu/float32", "cuda:0/float32", "cuda:0/bfloat16"], ["lora", "dora"])
+    checks = ["weights", "outputs", "activations"]
+    warm, info = Recording(), {}
+    warm.warm()
+    assert warm.workers == "gpu" and warm._server is None and warm._ready
+    spares = run(tmp_path / "spares", *args, checks, runner=warm, record=info)
+    assert info["workers"] == "gpu"
+    assert warm.started and not any(isinstance(p, runners.ForkedProcess) for p in warm.started)
+    monkeypatch.setattr(runners, "WARM_SPARES", 0)  # each task spawned when it comes, as before spares
+    cold = Recording()
+    spawned = run(tmp_path / "spawned", *args, checks, runner=cold)
+    assert not cold._ready and not any(isinstance(p, runners.ForkedProcess) for p in cold.started)
+    assert_frame_equal(spares, spawned, check_exact=True)
 
 
 def test_cuda_loads_are_bitwise_the_checkpoint(tmp_path, demo_workspace):

@@ -343,6 +343,7 @@ REFUSED = "refused"
 FAILED = "failed"
 NOT_LOADED = "(not loaded)"  # the tensor name of a refused adapter's row
 CAPTURE_FAILED = "(failed)"  # and of a failed capture's
+TIMED_OUT = "(timed out)"  # and of a task killed at its time limit (`timed_out_row`)
 
 
 def adapter_finding(target: Target, loaded: Loaded, error: Exception) -> bool:
@@ -353,38 +354,50 @@ def adapter_finding(target: Target, loaded: Loaded, error: Exception) -> bool:
     return target.quantized and loaded.adapter is not None and not oom
 
 
+def broken_row(
+    check: str, target: str, adapter: str | None, tensor: str, explanation: str, note: str
+) -> dict[str, Any]:
+    """A `broken` row that stands for what could not be measured on `target` (`tensor` names why, in
+    parentheses): the table says so rather than leaving it out unseen."""
+    return {
+        "check": check,
+        "target": target,
+        "reference": "",
+        "adapter": adapter,
+        "tensor": tensor,
+        "role": "adapter" if adapter else "",
+        "shape": "",
+        "numel": 0,
+        "bitwise_equal": False,
+        "verdict": "broken",
+        "explanation": explanation,
+        "note": note,
+    }
+
+
 def refused_rows(check: str, captures: list[Capture]) -> list[dict[str, Any]]:
     """One `broken` row of `check` for each adapter PEFT refused on a target, and for each adapter whose
     capture of `check` raised there: the table says so rather than leaving the adapter out unseen."""
-
-    def row(capture: Capture, adapter: str, tensor: str, explanation: str, note: str) -> dict[str, Any]:
-        return {
-            "check": check,
-            "target": capture.target,
-            "reference": "",
-            "adapter": adapter,
-            "tensor": tensor,
-            "role": "adapter",
-            "shape": "",
-            "numel": 0,
-            "bitwise_equal": False,
-            "verdict": "broken",
-            "explanation": explanation,
-            "note": note,
-        }
-
     rows = []
     for capture in captures:
         for adapter, reason in capture.meta.get(REFUSED, {}).items():
             note = f"PEFT does not load {adapter} on {capture.target}: nothing of it to compare there"
-            rows.append(row(capture, adapter, NOT_LOADED, reason, note))
+            rows.append(broken_row(check, capture.target, adapter, NOT_LOADED, reason, note))
         for adapter, error in capture.meta.get(FAILED, {}).get(check, {}).items():
             note = (
                 f"{adapter} loaded on {capture.target}, and measuring it for {check} raised there: "
                 "what it measured before that is in its other rows"
             )
-            rows.append(row(capture, adapter, CAPTURE_FAILED, error, note))
+            rows.append(broken_row(check, capture.target, adapter, CAPTURE_FAILED, error, note))
     return rows
+
+
+def timed_out_row(check: str, target: str, variant: str | None, finding: str) -> dict[str, Any]:
+    """The `broken` row of `check` on `target` whose task was killed at its time limit (`finding`: "timed
+    out after N s in stage S"): what the task measured is lost with its process."""
+    what = f"{check}:{variant}" if variant else check
+    note = f"the task capturing {what} on {target} ran past its time limit (--task-timeout) and was killed"
+    return broken_row(check, target, None, TIMED_OUT, finding, note)
 
 
 def missing_reference_row(tensor: torch.Tensor | tuple[int, ...]) -> dict[str, Any]:

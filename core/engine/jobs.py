@@ -22,23 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from core.engine.runners import Outcome, ProcessRunner, Runner
-from core.engine.store import Store, StoreError, write_reference_fallback
+from core.engine.store import Store, StoreError, write_reference_fallback, write_timed_out
 from core.engine.worker import BACKGROUND_NICENESS, Task
-from core.spec import ProbeSpec, SpecError, Target
-
-# How close a dtype's results come to float64's, for the next-best reference: float16 keeps more
-# mantissa bits than bfloat16.
-_DTYPE_CLOSENESS = {"float64": 3, "float32": 2, "float16": 1, "bfloat16": 0}
-
-
-def next_best_reference(spec: ProbeSpec) -> Target | None:
-    """The target that stands in for a reference that could not run: the widest dtype, on the CPU
-    and without numerics flags where there is a choice. Never a quantized one (its weights are not the
-    checkpoint's): None when the run has no other."""
-    floats = [t for t in spec.targets if not t.quantized]
-    if not floats:
-        return None
-    return max(floats, key=lambda t: (_DTYPE_CLOSENESS.get(t.dtype, -1), t.device == "cpu", not t.flags))
+from core.spec import ProbeSpec, SpecError, Target, next_best_reference
 
 
 def capture_passes(spec: ProbeSpec, checks: list) -> list[tuple[str, ...]]:
@@ -57,36 +43,37 @@ def capture_passes(spec: ProbeSpec, checks: list) -> list[tuple[str, ...]]:
 
 
 def small_base(spec: ProbeSpec) -> bool:
-    """Whether the run's base checkpoint holds at most CAPTURE_PASSES_UP_TO bytes (a hub id, or weights
-    transformers finds elsewhere, count as large)."""
-    from core.models.checkpoint import Checkpoint, CheckpointError
+    """Whether the run's base checkpoint holds at most CAPTURE_PASSES_UP_TO bytes (unknown: large)."""
+    from core.models.checkpoint import base_bytes
     from core.spec import CAPTURE_PASSES_UP_TO
 
-    try:
-        return Checkpoint.open(spec.base.path).nbytes <= CAPTURE_PASSES_UP_TO
-    except CheckpointError:
-        return False
+    size = base_bytes(spec)
+    return size is not None and size <= CAPTURE_PASSES_UP_TO
+
+
+def task_time_limit(spec: ProbeSpec) -> float:
+    """How long one task of the run may take, in seconds: `spec.task_timeout_s`, else 10 minutes plus 2
+    per GiB of the base checkpoint (32 GiB where unknown) per check: far above what a task takes (the
+    demo's: seconds; an 8B model's load and compare: minutes), so it ends a task that hangs, not a slow one."""
+    from core.models.checkpoint import base_bytes
+
+    if spec.task_timeout_s is not None:
+        return spec.task_timeout_s
+    gib = (base_bytes(spec) or 32 * 2**30) / 2**30
+    return round(600 + 120 * gib * max(1, len(spec.checks)))
 
 
 def task_lanes(
     tasks: list[Task], spec: ProbeSpec, small: bool, cpus: int, first_compare: str | None = None
 ) -> tuple[dict[str, list[Task]], dict[str, list[str]]]:
     """The capture tasks by lane (each lane's in order, the lanes at once), and the labels a task waits
-    for before it starts beyond its lane's order.
+    for before it starts beyond its lane's order (docs/workers.md, "Which tasks run at once").
 
-    A lane is a device (cuda:0 of two Ray nodes are two devices): one model in its memory at a time.
-    A small model (`small`: up to CAPTURE_PASSES_UP_TO, run in worker processes) on the CPU is held
-    by several processes at once, each with its numerics of its own: each target's tasks form a lane
-    (its passes join one capture, in order; its own-worker tasks, which need no reference, between its
-    first pass and the passes that wait for the reference, instead of at the run's end, once the
-    first pass's partial compare, labelled `first_compare`, has written the first page's rows), the
-    reference's task waits for the first pass (whose rows fill the first page), and the memory
-    timelines (fresh interpreters, mostly importing libraries, each sampling its own process) take
-    `cpus` lanes of their own, at a lower CPU priority (`ProcessRunner`), and wait for the first pass
-    and its compare too: interpreters a warm runner kept have imported already, and would otherwise
-    take the cores from the first page's rows. Its other tasks but the first pass run at
-    `BACKGROUND_NICENESS` (`Task.niceness`): the first page's captures, their compare and the
-    dashboard drawing them get the CPU first.
+    A lane is a device (cuda:0 of two Ray nodes are two devices): one model in its memory at a time. A
+    small model's (`small`) CPU tasks: a lane per target (its first pass, its own-worker tasks once the
+    first pass's compare `first_compare` is in, its later passes), the reference's task after the first
+    pass, the memory timelines in `cpus` lanes of their own after the first pass and its compare; all
+    but the first pass's at `BACKGROUND_NICENESS` (`Task.niceness`): the first page gets the CPU first.
     """
     lanes: dict[str, list[Task]] = {}
     after: dict[str, list[str]] = {}
@@ -170,6 +157,7 @@ class Job:
     runner: Runner | None = field(default=None, repr=False)
     # the checks whose rows are stored while the run goes on (`partial/<check>.parquet`), in order
     compared: list[str] = field(default_factory=list)
+    time_limit_s: float | None = None  # of each task (`task_time_limit`)
     # called (on the engine's threads) when checks' rows are stored and when the job ends: `on_rows`
     _on_rows: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
@@ -261,6 +249,8 @@ class Engine:
             raise SpecError("no target given; e.g. --target cpu/float32")
         if not spec.checks:
             raise SpecError("no check given")
+        if spec.task_timeout_s is not None and not spec.task_timeout_s > 0:
+            raise SpecError(f"task timeout {spec.task_timeout_s:g} s: give a number of seconds above 0")
         get_checks(spec.checks)
         unknown = [s for s in spec.strategies if s not in STRATEGIES]
         if unknown or not spec.strategies:
@@ -288,15 +278,10 @@ class Engine:
     def submit(
         self, spec: ProbeSpec, install: Callable[[Path], None] | None = None, runner: Runner | None = None
     ) -> Job:
-        """Validate, store and start a run; returns its Job at once.
-
-        `runner` runs this job's tasks instead of the engine's own (e.g. a Ray runner the user chose).
-
-        The run's spec is `spec.with_peers()`: the job's and the stored one list the peers it added.
-
-        `install` puts captures made elsewhere (snapshots) into the new run folder before the job
-        starts; if it fails, the run is stored as failed with the reason and the error is raised.
-        """
+        """Validate, store and start a run (its spec `spec.with_peers()`, listing the peers it added);
+        returns its Job at once. `runner` runs its tasks instead of the engine's own (the user's Ray
+        runner). `install` puts captures made elsewhere (snapshots) into the new run folder before the
+        job starts; if it fails, the run is stored as failed with the reason and the error is raised."""
         spec = spec.with_peers()  # a peer the run lacks is captured like the reference
         self.validate(spec, runner)
         if install is None and any(t.machine for t in spec.targets):
@@ -322,7 +307,8 @@ class Engine:
                     )
                 self.store.release(record.run_id)
                 raise
-        job = Job(run_id=record.run_id, run_dir=record.run_dir, spec=spec, runner=runner or self.runner)
+        job = Job(record.run_id, record.run_dir, spec, runner=runner or self.runner)
+        job.time_limit_s = task_time_limit(spec)
         for task in self._capture_tasks(job):
             job.tasks[task.label] = TaskProgress(name=task.label)
         job.tasks["compare"] = TaskProgress(name="compare")  # a partial compare's is added when it starts
@@ -412,8 +398,7 @@ class Engine:
             runner.kill_all()
 
     def _persist(self, job: Job) -> None:
-        """Write the job's state to run.json; a failed write is kept on the job, never raised (the
-        job goes on, and ends failed with that reason)."""
+        """Write the job's state to run.json; a failed write is kept on the job (it ends failed), never raised."""
         snap = job.snapshot()
         try:
             self._write_state(job, snap)
@@ -430,6 +415,7 @@ class Engine:
             started=snap["started"],
             finished=snap["finished"],
             duration_s=None if not snap["finished"] else round(snap["finished"] - snap["started"], 3),
+            workers=job.runner.workers,  # how its task processes were made (`runners.worker_path`)
             targets={
                 k: {kk: vv for kk, vv in v.items() if kk != "elapsed_s"} for k, v in snap["tasks"].items()
             },
@@ -450,14 +436,21 @@ class Engine:
 
         with job.lock:
             progress.state, progress.started = "running", time.time()
+        task = replace(task, timeout_s=job.time_limit_s)
         outcome = job.runner.run(task, on_event, job.cancel_event, self._log_path(job, task))
         with job.lock:
             progress.finished = time.time()
             progress.state = "succeeded" if outcome.ok else "cancelled" if outcome.cancelled else "failed"
+            if outcome.timed_out:  # "timed out after N s in stage S": its rows' finding, or the run's end
+                outcome.error = f"{outcome.error} in stage {progress.stage or 'start'!r}"
+                if self._finding(job, task, outcome):
+                    write_timed_out(job.run_dir, task.target or "", task.checks, task.variant, outcome.error)
             if outcome.error is not None:
                 # one place words every failure: which task, what, and where it stopped
                 where = f"stage {progress.stage or 'start'!r}, step {progress.step} of {progress.of}"
-                outcome.error = f"{task.label}: {outcome.error} ({where})"
+                outcome.error = f"{task.label}: {outcome.error}" + (
+                    "" if outcome.timed_out else f" ({where})"
+                )
                 if outcome.stderr_tail:
                     outcome.error += f"; stderr tail:\n{outcome.stderr_tail}"
             progress.error = outcome.error
@@ -486,10 +479,10 @@ class Engine:
             compare = Task(kind="compare", run_dir=str(job.run_dir), spec=job.spec.to_dict())
             ran, partial = self._run_captures(job, compare)
             outcomes = [o for _, o in ran] + partial
-            failed = [o for t, o in ran if not o.ok and not o.cancelled and not self._reference_only(job, t)]
+            failed = [o for t, o in ran if self._fails_run(job, t, o)]
             failed += [o for o in partial if not o.ok and not o.cancelled]
             reference_failed = [
-                o for t, o in ran if not o.ok and not o.cancelled and self._reference_only(job, t)
+                o for t, o in ran if not (o.ok or o.cancelled) and self._reference_only(job, t)
             ]
             if reference_failed and not failed:
                 # the other targets' captures stand: compare them against the next-best reference
@@ -509,17 +502,27 @@ class Engine:
                 self._finish(job, "cancelled", job.cancel_reason)
                 return
             outcome = self._run_task(job, compare)
-            if outcome.ok:
-                self._finish(job, "succeeded", None)
+            if outcome.ok or outcome.cancelled:
+                self._finish(job, *(("succeeded", None) if outcome.ok else ("cancelled", job.cancel_reason)))
             else:
-                cancelled = outcome.cancelled
-                self._finish(
-                    job,
-                    "cancelled" if cancelled else "failed",
-                    job.cancel_reason if cancelled else outcome.error,
-                )
+                self._finish(job, "failed", outcome.error)
         except Exception as e:  # the engine must outlive any job
             self._finish(job, "failed", f"engine error: {type(e).__name__}: {e}")
+
+    def _fails_run(self, job: Job, task: Task, outcome: Outcome) -> bool:
+        """Whether a capture task's outcome fails the run: not the reference's alone nor a `_finding`."""
+        harmless = outcome.ok or outcome.cancelled or self._reference_only(job, task)
+        return not harmless and not self._finding(job, task, outcome)
+
+    @staticmethod
+    def _finding(job: Job, task: Task, outcome: Outcome) -> bool:
+        """Whether `outcome` is a finding about `task`'s target, its rows `broken`, while the run goes on:
+        a capture task killed at its time limit, but the reference's where other targets need it."""
+        from core.checks import get_checks
+
+        if not outcome.timed_out or task.kind != "capture" or task.target != str(job.spec.reference):
+            return outcome.timed_out and task.kind == "capture"
+        return not any(c.needs_reference_target for c in get_checks(task.checks))
 
     @staticmethod
     def _reference_only(job: Job, task: Task) -> bool:
@@ -558,9 +561,8 @@ class Engine:
         first_checks = {c.name for c in get_checks(job.spec.checks) if c.reference_first}
 
         def waits_for(task: Task) -> list[str]:
-            """A check whose targets read the reference's capture while they capture (activations):
-            its tasks start once the reference's task with that check has ended; and what `task_lanes`
-            says it waits for."""
+            """What `task_lanes` says `task` waits for, and the reference's task with a check whose targets
+            read the reference's capture while they capture (activations)."""
             wanted = first_checks.intersection(task.checks)
             if not wanted or task.target == reference:
                 return after.get(task.label, [])
@@ -635,7 +637,7 @@ class Engine:
                 outcomes.append((task, outcome))
                 if outcome.ok:
                     ended_ok(task)
-                elif not outcome.cancelled and not self._reference_only(job, task):
+                elif self._fails_run(job, task, outcome):
                     job.cancel_event.set()  # one failed target fails the job: stop the others early
                 ended[task.label].set()
                 if job.cancel_event.is_set():

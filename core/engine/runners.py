@@ -40,6 +40,7 @@ from core.engine.worker import (
     run_task,
     task_json,
 )
+from core.spec import SpecError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Fresh interpreters a warm runner keeps for a run's memory timelines (`warm(fresh=...)`): a run's
@@ -48,6 +49,22 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 FRESH_SPARES = 2
 # fork needs Linux here: pidfds to reap, /proc to count threads, SCM_RIGHTS to hand a task its pipes
 FORKS = sys.platform == "linux" and hasattr(os, "pidfd_open") and hasattr(socket, "send_fds")
+
+
+# `gpu` or `cpu`: makes the process runner act as where a GPU is visible, or as where none is (`worker_path`)
+WORKERS_ENV = "WEIGHTDRIFT_WORKERS"
+# Spawned spares the GPU path keeps importing ahead of its tasks (`ProcessRunner`): a few cores' worth
+WARM_SPARES = max(1, min(4, (os.cpu_count() or 1) // 2))
+
+
+def worker_path() -> str:
+    """How the process runner makes task processes here: "cpu", forked from a fork server, or "gpu",
+    spawned (spare interpreters imported ahead, never forked), as where a GPU is visible (`gpu_visible`);
+    `WEIGHTDRIFT_WORKERS=gpu|cpu` chooses (a CPU machine measures the GPU machines' path)."""
+    chosen = os.environ.get(WORKERS_ENV, "").strip().lower()
+    if chosen and chosen not in ("gpu", "cpu"):
+        raise SpecError(f"{WORKERS_ENV}={os.environ[WORKERS_ENV]!r}: give gpu or cpu (or leave it unset)")
+    return chosen or ("gpu" if gpu_visible() else "cpu")
 
 
 def gpu_visible(dev: Path = Path("/dev"), env: dict[str, str] | None = None) -> bool:
@@ -75,6 +92,7 @@ class Outcome:
     cancelled: bool = False
     error: str | None = None
     stderr_tail: str = ""
+    timed_out: bool = False  # killed at its time limit (`Task.timeout_s`): the engine says in which stage
 
 
 class Runner(ABC):
@@ -84,6 +102,11 @@ class Runner(ABC):
     places_nodes = False
     # Whether tasks may run at once on one device: each in a process of its own (not `InProcessRunner`).
     concurrent = True
+
+    @property
+    def workers(self) -> str:
+        """The worker path a run records (`run.json`'s "workers"): `worker_path`."""
+        return worker_path()
 
     @abstractmethod
     def run(
@@ -415,13 +438,17 @@ class ProcessRunner(Runner):
     """Runs each task in a fresh process: forked by its fork server (started by `warm`, or with the
     first task that may fork), else spawned; a process's stderr goes to its task's log.
 
-    `fork=False`: spawn every task's process (what the fork server's processes are compared with); so
-    does a machine with a GPU (`gpu_visible`)."""
+    `fork=False`: spawn every task's process (what the fork server's processes are compared with). The GPU
+    path (`worker_path`) forks nothing either: `warm` and each task taken keep `WARM_SPARES` spawned
+    interpreters importing everything (bitsandbytes, which initialises CUDA, included) for the next
+    tasks, each of which takes one: one task per process, numerics flags and CUDA contexts its own."""
 
     def __init__(self, grace_s: float = 10.0, python: str | None = None, fork: bool = True):
         self.grace_s = grace_s
         self.python = python or sys.executable
-        self.forks = fork and FORKS and not gpu_visible()
+        self._workers = worker_path()
+        self.forks = fork and FORKS and self._workers == "cpu"
+        self._ready: list[subprocess.Popen] = []  # the GPU path's spares, imported or importing
         self._server: ForkServer | None = None
         self._prepared: dict[tuple[str, str], subprocess.Popen | ForkedProcess] = {}
         self._live: set = set()  # every task's process started and not yet reaped
@@ -430,10 +457,15 @@ class ProcessRunner(Runner):
         self._lock = threading.Lock()
         self._live_lock = threading.Lock()  # apart: _start runs under _lock in prepare
 
+    @property
+    def workers(self) -> str:
+        return self._workers
+
     def kill_all(self) -> None:
         with self._lock:
             self._prepared.clear()
             self._spares.clear()  # tracked: killed below
+            self._ready.clear()
             server, self._server = self._server, None
         with self._live_lock:
             procs = list(self._live)
@@ -458,6 +490,14 @@ class ProcessRunner(Runner):
                 self._spares.append(server.host)
             while len(self._spares) < fresh:
                 self._spares.append(self._spawn_worker(subprocess.DEVNULL, fresh=True))
+            self._top_up()
+
+    def _top_up(self) -> None:
+        """On the GPU path, start spares until `WARM_SPARES` are alive; under _lock."""
+        if self._workers == "gpu":
+            self._ready = [p for p in self._ready if p.poll() is None]
+            while len(self._ready) < WARM_SPARES:
+                self._ready.append(self._spawn_worker(subprocess.DEVNULL, fresh=False))
 
     def _spawn_host(self, fds: list[int], env: dict[str, str]) -> subprocess.Popen:
         """A spare memory timeline's interpreter that forks the fork server (`ForkServer`'s `host`)."""
@@ -468,11 +508,11 @@ class ProcessRunner(Runner):
         # and PEFT, 3.5 s of imports (the CLI's process has neither) that the warm fork server has done.
         if "transformers" in sys.modules and "peft" in sys.modules:
             return False  # imported here already: quicker than a fork
+        # in a fork server's child, or a GPU path's spare: imported there, and no CUDA context made here
         with self._lock:
-            if self._server is None or not self._server.alive():
+            if (self._server is None or not self._server.alive()) and not self._ready:
                 return False
         from core.models.checkpoint import InputError
-        from core.spec import SpecError
 
         errors: list[dict[str, Any]] = []
         task = Task(kind="validate", run_dir="", spec=spec.to_dict())
@@ -535,7 +575,14 @@ class ProcessRunner(Runner):
                 self._track(proc)
                 return proc
             _note(log_path, f"the fork server cannot serve{server.exit_text() if server else ''}")
-        return self._spawn(task, log_path)
+        while self._ready:  # the GPU path: a spare, replaced at once for the tasks after it
+            spare = self._ready.pop(0)
+            if spare.poll() is None:
+                self._top_up()
+                return spare
+        proc = self._spawn(task, log_path)
+        self._top_up()
+        return proc
 
     def _spawn(self, task: Task, log_path: Path) -> subprocess.Popen:
         """A fresh `python -m core.engine.worker` for `task`; its stderr goes to `log_path`."""
@@ -607,8 +654,13 @@ class ProcessRunner(Runner):
         except BrokenPipeError:
             pass
         terminated_at = None
+        deadline = None if task.timeout_s is None else time.monotonic() + task.timeout_s
+        timed_out = False
         while proc.poll() is None:
-            if cancel.is_set():
+            if deadline is not None and time.monotonic() > deadline and not timed_out:
+                timed_out = True  # no stage boundary may come: the process and whatever it started go
+                _kill_session(proc)
+            elif cancel.is_set():
                 if terminated_at is None:
                     proc.send_signal(signal.SIGTERM)  # cooperative: the worker stops at the next stage
                     terminated_at = time.monotonic()
@@ -617,6 +669,8 @@ class ProcessRunner(Runner):
             time.sleep(0.05)
         reader.join(timeout=5)
         code = proc.returncode
+        if timed_out:
+            return Outcome(ok=False, error=f"timed out after {task.timeout_s:g} s", timed_out=True)
         final = last["final"] or {}
         if code == 0 and final.get("type") == "done":
             return Outcome(ok=True)
@@ -628,6 +682,14 @@ class ProcessRunner(Runner):
         if getattr(proc, "server_lost", False):
             how += " (its fork server stopped)"
         return Outcome(ok=False, error=f"worker process {how}", stderr_tail=tail(log_path))
+
+
+def _kill_session(proc: subprocess.Popen | ForkedProcess) -> None:
+    """Kill a task's process and its session's other processes (each task makes its own session)."""
+    proc.kill()
+    if proc.pid is not None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _note(log_path: Path, text: str) -> None:

@@ -36,6 +36,7 @@ import os
 import secrets
 import shutil
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -231,6 +232,31 @@ def reference_fallback_note(fallback: dict[str, str]) -> str:
         f"the reference {fallback.get('instead_of')} did not run ({fallback.get('error')}); compared against "
         f"{fallback.get('reference')}, the next-best target, instead"
     )
+
+
+# In a run's captures folder: the capture tasks killed at their time limit (their rows read `broken`).
+TIMED_OUT = "timed_out.json"
+_TIMED_OUT_LOCK = threading.Lock()  # lanes end at once
+
+
+def write_timed_out(run_dir: Path, target: str, checks: list[str], variant: str | None, finding: str) -> None:
+    """Record that the task capturing `checks` (an own-worker check's `variant`) on `target` was killed
+    at its time limit: `finding` ("timed out after N s in stage S") is what its rows read."""
+    path = run_dir / "captures" / TIMED_OUT
+    entry = {"target": target, "checks": list(checks), "variant": variant, "finding": finding}
+    with _TIMED_OUT_LOCK:
+        before = json.loads(path.read_text()) if path.exists() else []
+        atomic_write_json(path, [*before, entry])
+
+
+def read_timed_out(run_dir: Path) -> dict[tuple[str, str, str | None], str]:
+    """What the run's capture tasks killed at their time limit left unmeasured (`write_timed_out`):
+    (target, check, variant: None for the shared load loop) -> the finding its rows read."""
+    try:
+        doc = json.loads((run_dir / "captures" / TIMED_OUT).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {(e["target"], c, e["variant"]): e["finding"] for e in doc for c in e["checks"]}
 
 
 def metrics_table(rows: list[dict[str, Any]] | list):

@@ -72,6 +72,8 @@ class Task:
     # Its process's niceness (nice(2); raised to it, never lowered), where the engine runs tasks beside
     # each other (`task_lanes`): who gets the CPU first, never what is computed.
     niceness: int = 0
+    # Seconds it may take once its process has it; past them the runner kills the process (None: no limit)
+    timeout_s: float | None = None
 
     @property
     def own_check(self) -> str | None:
@@ -261,10 +263,16 @@ def run_compare(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
     """
     import pandas as pd
 
-    from core.capture import Capture
+    from core.capture import Capture, capture_folder_name
     from core.checks import get_checks
-    from core.checks.base import add_note, refused_rows
-    from core.engine.store import Store, metrics_table, read_reference_fallback, reference_fallback_note
+    from core.checks.base import add_note, refused_rows, timed_out_row
+    from core.engine.store import (
+        Store,
+        metrics_table,
+        read_reference_fallback,
+        read_timed_out,
+        reference_fallback_note,
+    )
     from core.judgement import add_peer_columns
     from core.spec import ProbeSpec, Target
 
@@ -280,16 +288,23 @@ def run_compare(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
     loads_shared = bool(shared) and (
         any(not c.own_worker for c in todo) or (not task.partial and len(spec.targets) > 1)
     )
-    shared_captures = [Capture.load(captures_dir / t.slug) for t in spec.targets] if loads_shared else []
+    lost = read_timed_out(run_dir)  # tasks killed at their time limit: (target, check, variant) -> finding
+    lost_folders = {capture_folder_name(Target.parse(t).slug, c, v) for t, c, v in lost if v is not None}
+    shared_captures = [
+        Capture.load(captures_dir / t.slug)
+        for t in (spec.targets if loads_shared else ())
+        if (captures_dir / t.slug).exists() or not any((str(t), c.name, None) in lost for c in shared)
+    ]
     by_check: dict[str, list[Capture]] = {}
     for check in todo:
         if not check.own_worker:
-            by_check[check.name] = shared_captures
+            by_check[check.name] = [c for c in shared_captures if (c.target, check.name, None) not in lost]
             continue
         by_check[check.name] = [
             Capture.load(folder)
             for t in spec.targets
             for folder in _own_folders(captures_dir, spec, check, t)
+            if folder.name not in lost_folders
         ]
     total = sum(c.compare_steps(by_check[c.name]) for c in todo) + 1
     progress = Progress(emit, should_cancel, total=total, target=None)
@@ -309,6 +324,9 @@ def run_compare(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
         rows = check.compare(spec, by_check[check.name], reference_capture, progress)
         if not check.own_worker:
             rows.extend(refused_rows(check.name, by_check[check.name]))
+        rows.extend(
+            timed_out_row(check.name, t, v, finding) for (t, c, v), finding in lost.items() if c == check.name
+        )
         tables.update(check.tables(spec, by_check[check.name], reference_capture))
         if fallback is not None:
             for row in rows:
@@ -320,12 +338,11 @@ def run_compare(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
                 frame, peers, {check.name}, frozenset({check.name}) if check.loads_exactly else frozenset()
             )
         frames.append(frame)
-    if (
-        not task.partial and len(shared_captures) > 1
-    ):  # every target against every other (core.engine.pairwise)
+    whole = [c for c in shared_captures if not any((c.target, s.name, None) in lost for s in shared)]
+    if not task.partial and len(whole) > 1:  # every target against every other (core.engine.pairwise)
         from core.engine.pairwise import pairwise_table
 
-        tables["pairwise"] = pairwise_table(spec, shared, shared_captures)
+        tables["pairwise"] = pairwise_table(spec, shared, whole)
     progress("write metrics")
     for name, table in tables.items():
         store.write_table(run_dir.name, name, table)
@@ -594,13 +611,8 @@ def fork_server_here(control_fd: int, errors_fd: int, events: TextIO | None = No
     torch, transformers and PEFT (`preimport_fresh`): the server starts with those imports done and
     does the rest of `preimport` itself, instead of importing them all a second time.
 
-    What the server inherits and why that is safe: the imported modules, as a server that imported
-    them itself would hold them; no thread (fork copies only the calling thread; OpenBLAS stops its
-    pool at a fork), and serve_forks refuses to fork with more than one; none of this process's memory
-    samples (cleared); not its stdin, stdout or `events` (the task's pipes: /dev/null and the server's
-    own error file instead), nor its session. This process keeps nothing of the server's but a child's
-    entry (the server outlives it, adopted by init), and then lowers its own CPU priority as a memory
-    timeline's (`MEMORY_TIMELINE_NICENESS`). Its samples are RSS, which a fork does not change."""
+    What it inherits and why that is safe: docs/workers.md, "Forked from a spare memory interpreter". This
+    process then lowers its own CPU priority as a memory timeline's (`MEMORY_TIMELINE_NICENESS`)."""
 
     def server() -> int:
         from core.models import memory

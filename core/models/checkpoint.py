@@ -350,16 +350,21 @@ def _index_shards(folder: Path, prefix: str) -> dict[str, str] | None:
     return weight_map
 
 
+def base_bytes(spec) -> int | None:
+    """The run's base checkpoint's weight bytes; None for a hub id, or weights transformers finds elsewhere
+    (callers take it as large)."""
+    try:
+        return Checkpoint.open(spec.base.path).nbytes
+    except CheckpointError:
+        return None
+
+
 def keeps_tensors(spec) -> bool:
     """Whether this run keeps compared tensors whole: asked for, or a base model up to KEEP_TENSORS_UP_TO."""
     from core.spec import KEEP_TENSORS_UP_TO
 
-    if spec.keep_tensors:
-        return True
-    try:
-        return Checkpoint.open(spec.base.path).nbytes <= KEEP_TENSORS_UP_TO
-    except CheckpointError:  # a hub id, or weights transformers finds elsewhere: assume it is large
-        return False
+    size = base_bytes(spec)
+    return spec.keep_tensors or (size is not None and size <= KEEP_TENSORS_UP_TO)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -70,7 +70,8 @@ if judgement is not None:
     if counts["broken"]:
         st.error(
             f"**{counts['broken']:d} rows broken** (NaN/Inf the reference lacks, all-zero, shape or key "
-            "mismatch, an adapter PEFT would not load or run on a quantized base): the worst are explained below.",
+            "mismatch, an adapter PEFT would not load or run on a quantized base, a task past its time limit): "
+            "the worst are explained below.",
             icon=":material/error:",
         )
 if judgement is None or judgement.unjudged:
