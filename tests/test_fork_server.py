@@ -33,7 +33,7 @@ def test_the_server_waits_a_moment_for_a_passing_thread_before_it_refuses_a_fork
     within the settling time, and the task forks; one that stays is counted at the deadline."""
     code = (
         "import threading, time\n"
-        "from core.engine.worker import threads\n"
+        "from core.engine.fork_server import threads\n"
         "threading.Thread(target=time.sleep, args=(0.3,)).start()\n"
         "print(threads(), threads(5.0))\n"
         "threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"

@@ -13,8 +13,9 @@ import pytest
 
 from core import cli
 from core.demo.build import build_demo
-from core.engine.snapshot import CheckpointHashes, file_hash, folder_hashes, read_snapshot
+from core.engine.snapshot import read_snapshot
 from core.engine.store import Store
+from core.models.checkpoint_hashes import CheckpointHashes, file_hash, folder_hashes
 from core.spec import AdapterRef, ModelRef
 
 ADAPTERS = ("lora", "pissa")

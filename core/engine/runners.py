@@ -292,11 +292,11 @@ class ForkedProcess:
 
 class ForkServer:
     """The fork server: a process that imported torch, transformers, PEFT, the task code and the
-    compiled kernel once (never CUDA) and forks a process per task (`core.engine.worker.serve_forks`),
+    compiled kernel once (never CUDA) and forks a process per task (`core.engine.fork_server.serve_forks`),
     so no task waits for its imports.
 
     Its own `python -m core.engine.worker --fork-server` process, or (`host`) forked from a memory
-    timeline's fresh interpreter once that has imported the libraries (`worker.fork_server_here`):
+    timeline's fresh interpreter once that has imported the libraries (`fork_server.fork_server_here`):
     `host(fds, env)` spawns that interpreter with the server's socket and error file among `fds` and
     `env`. A hosted server is not this process's child: it says its pid on the socket, and is alive
     while the socket is open at its end."""
