@@ -85,12 +85,14 @@ if [ -n "${QUICK:-}" ]; then
     # memory or time), the GPU-marked tests, the memory scenario and the bench's worker ratio.
     QUICK_CHECKS="weights deltas outputs merge activations generate"
     step demo_build 90 $PY -m core demo --json  # PEFT tries to build BOFT's CUDA kernel here (nvcc)
+    # the import unit the demo's wall time is set against (bench/cli_demo.py's BARE_IMPORT)
+    step bare_import 60 bash -c "TIMEFORMAT='bare import wall %R s'; time $PY -c 'import torch, transformers, peft'"
     step demo_all 270 $PY -m core run --demo --check $QUICK_CHECKS --json \
         --target cpu/float32 $CUDA/float32 $CUDA/float32+tf32 $CUDA/bfloat16 &
     step quantized 200 $PY -m core run --scenario qlora-served-elsewhere --check weights outputs merge --json \
         --target cpu/nf4 cpu/nf4+portable $CUDA/nf4 $CUDA/int8 &
     wait
-    step pytest_gpu 200 $PY -m pytest -q -p no:cacheprovider -m gpu -x tests/ -k "not memory" --timeout 180
+    step pytest_gpu 200 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py $GPU_TESTS --timeout 180
     step pytest_gpu_memory 120 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_memory_gpu.py --timeout 100
     step memory 60 $PY -m core run --scenario memory-placement --target $CUDA/float32 --json
     if [ -n "${BENCH_WORKERS:-}" ]; then
