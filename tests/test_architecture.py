@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import pkgutil
+import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -51,8 +52,11 @@ ALLOWED: dict[str, set[str]] = {
 PURE_DASHBOARD = ("dashboard.report", "dashboard.figures", "dashboard.text")
 PURE_USERS: dict[str, tuple[str, ...]] = {"core.cli": ("dashboard.report",), "weightdrift": PURE_DASHBOARD}
 PACKAGES = ("core", "dashboard", "weightdrift")
-MAX_MODULES = 8  # per folder, besides __init__.py
 MAX_LINES = 700
+# A folder holds as many features as there are (DESIGN.md): no module count. What a budget made instead
+# is a module named for its size or its overflow, not for what it is; the two that remain are issue 39's.
+OVERFLOW_NAME = re.compile(r"(_more|_parts|_extra|_misc|_rest|_overflow|\d+)$")
+NAMED_FOR_SIZE = {"core/methods/formulas_more.py", "core/numerics/_kernel_parts.py"}
 
 
 def layer_name(module: str) -> str:
@@ -121,12 +125,10 @@ def check_layers(root: Path) -> dict[str, list[str]]:
         lines = len(path.read_text(encoding="utf-8").splitlines())
         if lines > MAX_LINES:
             problems["size"].append(f"{path.relative_to(root)} has {lines} lines (at most {MAX_LINES})")
-    for folder in sorted({p.parent for p in files}):
-        modules = [p.name for p in folder.glob("*.py") if p.name != "__init__.py"]
-        if len(modules) > MAX_MODULES:
-            problems["size"].append(
-                f"{folder.relative_to(root)}/ has {len(modules)} modules (at most {MAX_MODULES})"
-            )
+    for path in files:
+        name = str(path.relative_to(root))
+        if OVERFLOW_NAME.search(path.stem) and name not in NAMED_FOR_SIZE:
+            problems["size"].append(f"{name} is named for its size, not for what it holds")
     for label, edges in (("package", layers), ("module", graph)):
         for cycle in _cycles(edges):
             problems["cycle"].append(f"{label} import cycle: {' → '.join(cycle)}")
@@ -202,6 +204,7 @@ def test_the_checker_names_a_wrong_way_import_a_cycle_and_an_oversized_file(tmp_
         "from core.numerics import x\n\n\ndef f():\n    from ..numerics import x  # noqa\n",
     )
     write("core/spec.py", "def f():\n    import dashboard.app\n" + "\n" * MAX_LINES)
+    write("core/numerics/metrics_more.py", "")  # named for its size
     # the CLI may import the report (no Streamlit), not the rest of the dashboard
     write("core/cli.py", "def f():\n    from dashboard.report import a\n    from dashboard.state import b\n")
     write("dashboard/app.py", "from core import cli\n")
@@ -223,4 +226,7 @@ def test_the_checker_names_a_wrong_way_import_a_cycle_and_an_oversized_file(tmp_
         "module import cycle: core.models.checkpoint → core.models.validate → core.models.checkpoint"
         in (problems["cycle"])
     )
-    assert problems["size"] == [f"core/spec.py has {MAX_LINES + 2} lines (at most {MAX_LINES})"]
+    assert sorted(problems["size"]) == [
+        "core/numerics/metrics_more.py is named for its size, not for what it holds",
+        f"core/spec.py has {MAX_LINES + 2} lines (at most {MAX_LINES})",
+    ]

@@ -79,7 +79,7 @@ def test_a_small_models_lanes(demo_workspace):
     lane's first after the first pass too);
     on a GPU, one lane; not small: one lane per device."""
     from core.engine.jobs import task_lanes
-    from core.engine.worker import Task
+    from core.engine.tasks import Task
 
     spec = _spec(demo_workspace["models"]["tiny-llama"], ["cpu/float32", "cpu/bfloat16"])
 

@@ -33,7 +33,7 @@ def test_the_server_waits_a_moment_for_a_passing_thread_before_it_refuses_a_fork
     within the settling time, and the task forks; one that stays is counted at the deadline."""
     code = (
         "import threading, time\n"
-        "from core.engine.fork_server import threads\n"
+        "from core.engine.worker import threads\n"
         "threading.Thread(target=time.sleep, args=(0.3,)).start()\n"
         "print(threads(), threads(5.0))\n"
         "threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
@@ -122,7 +122,7 @@ def test_a_spare_memory_interpreter_forks_the_fork_server_after_its_imports(tmp_
     its own: the server is the spare's child, in a session of its own, at the runners' CPU priority (the
     spare then lowers its own), with one thread; the spare's own timeline starts at its process start; the server's tasks give the same rows as a spawned server's;
     `kill_all` kills it although it is not the runner's child."""
-    from core.engine.worker import BACKGROUND_NICENESS, MEMORY_TIMELINE_NICENESS
+    from core.engine.tasks import BACKGROUND_NICENESS, MEMORY_TIMELINE_NICENESS
     from core.models import memory
 
     def spec(*checks):

@@ -229,7 +229,7 @@ def test_node_names_resolve_on_the_cluster(ray_engine, demo_workspace):
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from core.engine.worker import Task
+    from core.engine.tasks import Task
 
     runner = ray_engine.runner
     here = ray.get_runtime_context().get_node_id()

@@ -160,7 +160,7 @@ def test_a_time_limit_that_is_not_above_zero_is_refused_in_one_line(tmp_path, de
 def test_a_spawned_worker_that_hangs_is_killed_at_the_limit_with_every_process_it_started(tmp_path: Path):
     """A worker that hangs before its first stage (a library's import stuck on a device, as on the first
     GPU runs) is killed at the limit, and so is what it started."""
-    from core.engine.worker import Task
+    from core.engine.tasks import Task
 
     python = tmp_path / "python"
     python.write_text(

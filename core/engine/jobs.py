@@ -23,7 +23,7 @@ from typing import Any
 
 from core.engine.runners import Outcome, ProcessRunner, Runner
 from core.engine.store import Store, StoreError, write_reference_fallback, write_timed_out
-from core.engine.worker import BACKGROUND_NICENESS, Task
+from core.engine.tasks import BACKGROUND_NICENESS, Task
 from core.spec import ProbeSpec, SpecError, Target, next_best_reference
 
 

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from core.engine.runners import Outcome, ProcessRunner, Runner
-from core.engine.worker import Cancelled, Task
+from core.engine.tasks import Cancelled, Task
 from core.spec import SpecError, Target
 
 # The archive a task sends back travels in pieces of this size: no single Ray object gets near the
@@ -236,7 +236,7 @@ def remote_task(
     result: dict[str, Any] = {}
 
     def work() -> None:
-        from core.engine.worker import run_task
+        from core.engine.tasks import run_task
         from core.models.checkpoint import LoadError
 
         try:

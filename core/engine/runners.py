@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from core.engine.tasks import Cancelled, Task, run_task, task_json
 from core.engine.worker import (
     EXIT_CANCELLED,
     FORK_SERVER_ARG,
@@ -34,11 +35,8 @@ from core.engine.worker import (
     MEMORY_TIMELINE_NICENESS,
     PREIMPORT_ENV,
     PREIMPORT_FRESH,
-    Cancelled,
-    Task,
+    SPARE_OUTPUT_PREFIX,
     lower_priority,
-    run_task,
-    task_json,
 )
 from core.spec import SpecError
 
@@ -497,7 +495,9 @@ class ProcessRunner(Runner):
         if self._workers == "gpu":
             self._ready = [p for p in self._ready if p.poll() is None]
             while len(self._ready) < WARM_SPARES:
-                self._ready.append(self._spawn_worker(subprocess.DEVNULL, fresh=False))
+                # what it prints before its task: a file of its own, carried into the task's log
+                with tempfile.NamedTemporaryFile(prefix=SPARE_OUTPUT_PREFIX, delete=False) as out:
+                    self._ready.append(self._spawn_worker(out, fresh=False))
 
     def _spawn_host(self, fds: list[int], env: dict[str, str]) -> subprocess.Popen:
         """A spare memory timeline's interpreter that forks the fork server (`ForkServer`'s `host`)."""
