@@ -41,6 +41,7 @@ from core.numerics.accumulate import (
     _ldexp,
     _sqrt_wide,
     _unravel,
+    compare_torch,
 )
 from core.numerics.sketch import Sketch, block_starts, hist_bin_index, make_sketch
 from core.numerics.tolerance import (
@@ -209,8 +210,7 @@ def compare(
         )
 
     if _kernel_applies(target, reference):
-        # A GPU tensor crosses to the host once, one tensor at a time, for the fused kernel.
-        stats, _ = _kernel_measure(target.cpu(), reference.cpu(), tol, fields, sketch=False)
+        stats, _ = _kernel_measure(target, reference, tol, fields, chunk_elems, sketch=False)
         if stats is not None:
             return stats
 
@@ -302,17 +302,24 @@ def compare(
 
 
 def _kernel_applies(target: torch.Tensor, reference: torch.Tensor) -> bool:
-    """Whether the fused CPU kernel (`core.numerics.kernel`) measures this pair: dtypes it reads, the same shape.
-
-    Tensors on another device are measured on a host copy (one tensor at a time): the kernel at
-    1.5–15 GB/s beats the chunked path even after the copy.
-    """
+    """Whether the fused pass (`core.numerics.kernel`, or its torch port) measures this pair: dtypes it
+    reads, the same shape."""
     return (
-        kernel.available()
-        and target.dtype in kernel.SUPPORTED_DTYPES
+        target.dtype in kernel.SUPPORTED_DTYPES
         and reference.dtype in kernel.SUPPORTED_DTYPES
         and target.shape == reference.shape
     )
+
+
+def _fused(
+    target: torch.Tensor, reference: torch.Tensor, tol: Tolerance, chunk_elems: int, sketch: bool
+) -> kernel.KernelStats:
+    """The fused pass where the target is: the numba kernel on the CPU (the reference copied there if it is
+    elsewhere), else its torch port (`accumulate.compare_torch`) on the target's device, the reference moved
+    there whole: a GPU target never crosses to the host. Both give the same numbers, bit for bit."""
+    if target.device.type == "cpu" and kernel.available():
+        return kernel.compare_cpu(target, reference.cpu(), tol.rtol, tol.atol, sketch=sketch)
+    return compare_torch(target, reference, tol.rtol, tol.atol, sketch=sketch, chunk_elems=chunk_elems)
 
 
 def _kernel_measure(
@@ -320,10 +327,11 @@ def _kernel_measure(
     reference: torch.Tensor,
     tol: Tolerance,
     fields: dict[str, Any],
+    chunk_elems: int,
     sketch: bool,
 ) -> tuple[DiffStats | None, Sketch | None]:
-    """`compare` (and the sketch, when asked) in the fused kernel's one pass; (None, None) where it does not measure."""
-    k = kernel.compare_cpu(target, reference, tol.rtol, tol.atol, sketch=sketch)
+    """`compare` (and the sketch, when asked) in the fused pass (`_fused`); (None, None) where it does not measure."""
+    k = _fused(target, reference, tol, chunk_elems, sketch)
     stats = _from_kernel(k, fields, target, reference)
     if stats is None:
         return None, None
@@ -366,14 +374,14 @@ def measure(
 ) -> tuple[DiffStats, Sketch | None]:
     """`compare`, and the `Sketch` of the difference when the tensors differ (same shape).
 
-    Both come from the fused kernel's one pass (a GPU tensor on a host copy); without the kernel
-    the sketch is made row block by row block on the target's device. The sketch's failing counts
-    follow `close_mask`.
+    Both come from the fused pass (`_fused`: the kernel on the CPU, its torch port on the target's
+    device); for other dtypes the sketch is made row block by row block on the target's device. The
+    sketch's failing counts follow `close_mask`.
     """
     target, reference = target.detach(), reference.detach()
     if _kernel_applies(target, reference):
         fields = _fields(target, reference, tolerance)
-        stats, sketch = _kernel_measure(target.cpu(), reference.cpu(), tolerance, fields, True)
+        stats, sketch = _kernel_measure(target, reference, tolerance, fields, chunk_elems, True)
         if stats is not None:
             return stats, sketch
     stats = compare(target, reference, tolerance, chunk_elems)
