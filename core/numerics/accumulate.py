@@ -1,6 +1,7 @@
-"""The chunked torch path of `metrics.compare`: chunk helpers, float64 sums kept with an unbounded
-exponent (no partial sum overflows or underflows), and the accumulator that measures one chunk after
-another (the statistics and the isclose rule, exactly as the module doc of `metrics` defines them).
+"""The torch paths of `metrics.compare`: the fused kernel's pass in torch on any device (`compare_torch`,
+bit for bit the kernel's), and for what the kernel does not read (float8, a float64 difference that
+overflows) the chunked accumulator: chunk helpers, float64 sums kept with an unbounded exponent (no
+partial sum overflows or underflows), the statistics and the isclose rule chunk after chunk.
 """
 
 from __future__ import annotations
@@ -13,7 +14,16 @@ import torch
 
 from core.numerics import kernel
 from core.numerics.sketch import TOP_K
-from core.numerics.tolerance import Tolerance, _float_format, _isclose, _spacing, rule_dtype
+from core.numerics.tolerance import (
+    Tolerance,
+    _fails,
+    _float_format,
+    _isclose,
+    _mode_scalars,
+    _round_to,
+    _spacing,
+    rule_dtype,
+)
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -358,39 +368,6 @@ def _ldexp_exact(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         x = torch.where(hi, x * 2.0**900, torch.where(lo, x * 2.0**-900, x))
         m = torch.where(hi, m - 900, torch.where(lo, m + 900, m))
     return x * _bits_f64((m + 1023) << 52)
-
-
-def _round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """float32 `x` rounded to `dtype` (nearest, ties to even), as float32: the kernel's round_bf16/round_f16."""
-    return x if dtype == torch.float32 else x.to(dtype).to(torch.float32)
-
-
-def _mode_scalars(mode: torch.dtype, rtol: float, atol: float, device: torch.device):
-    """rtol and atol as the kernel's narrow rule sees them: float32, and atol rounded to bf16/f16."""
-    rtol32 = torch.tensor(rtol, dtype=torch.float32, device=device)
-    atol32 = _round_to(torch.tensor(atol, dtype=torch.float32, device=device), mode)
-    return rtol32, atol32
-
-
-def _fails(mode, a, b, rtol, atol, tol_on: bool) -> torch.Tensor:
-    """not isclose(a, b, rtol, atol, equal_nan=True) in the promoted `mode` (`_kernel_parts.mis*`).
-
-    float64: a, b float64 and rtol, atol floats; narrow modes: a, b float32 holding `mode` values and
-    rtol, atol float32 tensors (atol per element or a scalar), each result rounded to `mode`.
-    """
-    eq = (a == b) | (a.isnan() & b.isnan())
-    if mode == torch.float64:
-        actual = (a - b).abs()
-        allowed = atol + (rtol * b).abs()
-    else:
-        actual = _round_to(a - b, mode).abs()
-        allowed = _round_to(atol + _round_to(rtol * b, mode).abs(), mode)
-    close = (actual < math.inf) & (actual <= allowed)
-    if isinstance(tol_on, torch.Tensor):
-        close &= tol_on
-    elif not tol_on:
-        close = torch.zeros_like(close)
-    return ~(eq | close)
 
 
 def _canon(v: torch.Tensor) -> torch.Tensor:

@@ -25,13 +25,15 @@ element once, in fixed blocks processed in parallel, and computes:
 Each block (`DEFAULT_BLOCK` elements) is widened into a thread-local float64 staging buffer,
 so one compiled kernel serves every dtype pair (compiled once, cached on disk: NUMBA_CACHE_DIR,
 else ~/.cache/weightdrift/numba). Tensors under `PARALLEL_MIN` elements run on the calling
-thread. Results do not depend on the thread count: per-block partials are combined in block order.
-Maxima, indices, counts, ULPs and min_atol do not depend on the block size either; sums do
-only through rounding. Float arithmetic is float64 per element, float64 accumulation, and no
-float64 copy of a tensor is made.
+thread. Results do not depend on the thread count: each block's sums add its per-element terms as
+a pairwise tree (`_kernel_parts.fold`), and the blocks' partials are combined by the same tree in
+block order. Maxima, indices, counts, ULPs and min_atol do not depend on the block size either;
+sums do only through rounding. Float arithmetic is float64 per element, float64 accumulation, and
+no float64 copy of a tensor is made. That order is one torch reproduces with whole-tensor ops:
+`core.numerics.accumulate.compare_torch` gives this module's results bit for bit on any device.
 
-CPU tensors only; where numba cannot be imported `available()` is False and callers keep
-their torch path.
+CPU tensors only; where numba cannot be imported `available()` is False and callers use
+`compare_torch`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Numerical drift between a target tensor and a reference tensor.
 
-Pure tensor math: no Streamlit, no global state. Tensors are compared chunk by chunk on the CPU,
-so comparing a multi-gigabyte tensor needs only a few chunks of memory and a tensor on any
-device (or on two different devices) can be compared.
+Pure tensor math: no Streamlit, no global state. A pair is compared in one fused pass where the
+target is: the numba kernel on the CPU, its torch port (`accumulate.compare_torch`, the same
+numbers bit for bit) on a GPU, the reference moved there; other dtypes chunk by chunk on the CPU,
+so a multi-gigabyte tensor needs only a few chunks of memory there.
 
 Two kinds of numbers, each defined exactly:
 
@@ -19,7 +20,8 @@ Two kinds of numbers, each defined exactly:
   overflows or underflows). ULP distances are in units of the *target's* dtype at the
   reference value.
 
-The rule is evaluated on the CPU, as assert_close does for tensors on different devices.
+The rule is evaluated with the rounding of torch's CPU kernels, on every device (as assert_close
+does for tensors on different devices, which it compares on the CPU).
 """
 
 from __future__ import annotations
