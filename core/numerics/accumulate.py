@@ -429,51 +429,6 @@ def _least_atol(mode, a, b, need, margin, rtol, atol_of, rtol_nonzero: bool, bes
         a, b, need, margin = a[32:], b[32:], need[32:], margin[32:]
 
 
-def _widened_bits(x: torch.Tensor, wide: torch.dtype) -> torch.Tensor:
-    """Bits of x widened to `wide` as the kernel's census widens them (a NaN keeps its payload, quiet)."""
-    if x.dtype == wide:
-        if wide == torch.float64:
-            return x.view(torch.int64)
-        return x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    if x.dtype == torch.bfloat16:
-        b32 = (x.view(torch.int16).to(torch.int64) & 0xFFFF) << 16
-    elif x.dtype == torch.float16:
-        u = x.view(torch.int16).to(torch.int64) & 0xFFFF
-        e, m = (u >> 10) & 0x1F, u & 0x3FF
-        normal = ((e + 112) << 23) | (m << 13)
-        sub = (m.to(torch.float32) * 2.0**-24).view(torch.int32).to(torch.int64)  # exact: m < 2^10
-        b32 = torch.where(e == 0, torch.where(m == 0, 0, sub), normal)
-        b32 = torch.where(e == 31, 0x7F800000 | (m << 13) | ((m != 0).to(torch.int64) << 22), b32)
-        b32 = b32 | ((u & 0x8000) << 16)
-    else:
-        b32 = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    if wide == torch.float32:
-        return b32
-    # to float64: finite values convert exactly; a NaN keeps its payload and gets the quiet bit
-    f32 = (b32 & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
-    nan = ((b32 & 0x7FFFFFFF) | (1 << 22)) << 29 | (0x7FF << 52)
-    nan = torch.where((b32 & 0x80000000) != 0, nan | (-(2**63)), nan)
-    return torch.where(f32.isnan(), nan, _f64_bits(f32.to(torch.float64)))
-
-
-def _census_torch(t_flat, r_flat, chunk) -> tuple[bool, int, int]:
-    """`kernel.bitwise_census` in torch: (bitwise equal after widening, target NaN count, Inf count)."""
-    wide = t_flat.dtype if t_flat.dtype == r_flat.dtype else torch.promote_types(t_flat.dtype, r_flat.dtype)
-    n_nan = n_inf = 0
-    for start, stop in _chunks(t_flat.numel(), chunk):
-        t, r = t_flat[start:stop], r_flat[start:stop]
-        if t.dtype == r.dtype:  # raw bits
-            as_int = _INT_OF_SIZE[t.element_size()]
-            differ = not torch.equal(t.view(as_int), r.view(as_int))
-        else:
-            differ = not torch.equal(_widened_bits(t, wide), _widened_bits(r, wide))
-        if differ:
-            return False, 0, 0
-        n_nan += int(t.isnan().sum())
-        n_inf += int(t.isinf().sum())
-    return True, n_nan, n_inf
-
-
 def _pair_add(e1, s1, e2, s2, square: bool):
     """`_kernel_jit._lin_add` (or `_sq_add`) element-wise: 2^e1 s1 + 2^e2 s2 (4^e for squares)."""
     e = torch.maximum(e1, e2)
@@ -535,7 +490,7 @@ def compare_torch(
     fold = kernel.default_fold(tuple(target.shape))
     block = kernel.DEFAULT_BLOCK
     chunk = max(1, -(-chunk_elems // block)) * block
-    eq, n_nan, n_inf = _census_torch(t_flat, r_flat, chunk)
+    eq, n_nan, n_inf = kernel.bitwise_census_torch(t_flat, r_flat, chunk)
     if eq:
         return kernel._identical(numel, n_nan, n_inf, sketch, fold)
 
@@ -574,11 +529,14 @@ def compare_torch(
         else:
             a, b = tc.to(torch.float32), rc.to(torch.float32)
         mis = _fails(mode, a, b, rule_rtol, rule_atol, tol_on)
-        t_nan, r_nan = t.isnan(), r.isnan()
-        t_inf, r_inf = t.isinf(), r.isinf()
-        fin = ~(t_nan | t_inf | r_nan | r_inf)
-        same = (t == r) | (t_nan & r_nan)
-        tf, rf = torch.where(fin, t, 0.0), torch.where(fin, r, 0.0)
+        t_fin, r_fin = t.isfinite(), r.isfinite()
+        fin = t_fin & r_fin
+        all_finite = bool(fin.all())
+        if all_finite:  # the common case: no masking, and the non-finite counts are zero
+            same, tf, rf = t == r, t, r
+        else:
+            same = (t == r) | (t.isnan() & r.isnan())
+            tf, rf = torch.where(fin, t, 0.0), torch.where(fin, r, 0.0)
         d = tf - rf
         ad, ar = d.abs(), rf.abs()
         nv = ad - (rf * rtol).abs()
@@ -587,15 +545,17 @@ def compare_torch(
             torch.where(k >= 1, k << 52, torch.bitwise_left_shift(torch.ones_like(k), (k + 51).clamp(0, 62)))
         )
         u = ad / spacing
-        mv = (t - r).abs()
-        key = torch.where(
-            fin, _f64_bits(ad), torch.where(same, 0, torch.where(mv == mv, _f64_bits(mv), _NAN_BITS))
-        )
-        t_nz, r_nz = t != 0, r != 0
-        counts += torch.stack([
-            same.sum(), mis.sum(), fin.sum(), t_nz.sum(), r_nz.sum(), t_nan.sum(), t_inf.sum(), r_nan.sum(),
-            r_inf.sum(), ((t_nan | t_inf) & ~same).sum(), (fin & t_nz).sum(), (fin & r_nz).sum(),
-        ])  # fmt: skip
+        t_nz, r_nz = (t != 0).sum(), (r != 0).sum()
+        if all_finite:
+            zero = torch.zeros((), **i64)
+            counts += torch.stack([same.sum(), mis.sum(), fin.sum(), t_nz, r_nz] + [zero] * 5 + [t_nz, r_nz])
+        else:
+            t_nan, r_nan = t.isnan(), r.isnan()
+            counts += torch.stack([
+                same.sum(), mis.sum(), fin.sum(), t_nz, r_nz, t_nan.sum(), (~t_fin).sum() - t_nan.sum(),
+                r_nan.sum(), (~r_fin).sum() - r_nan.sum(), (~t_fin & ~same).sum(), (fin & (t != 0)).sum(),
+                (fin & (r != 0)).sum(),
+            ])  # fmt: skip
         max_ulp = torch.maximum(max_ulp, u.max())
         # the first index of the greatest |d| (over elements finite in both), the earlier chunk on ties
         m, i = _first_max(_f64_bits(ad))
@@ -609,7 +569,7 @@ def compare_torch(
         def blocks(x: torch.Tensor, pad: int = pad, nb: int = nb) -> torch.Tensor:
             return (torch.nn.functional.pad(x, (0, pad), value=-0.0) if pad else x).reshape(nb, block)
 
-        terms = torch.stack([blocks(x) for x in (ad, d * d, tf * tf, rf * rf, tf * rf)])
+        terms = [blocks(x) for x in (ad, d * d, tf * tf, rf * rf, tf * rf)]
         exps = torch.zeros(5, nb, **i64)
         m_d, m_t, m_r = (blocks(x).amax(1) for x in (ad, tf.abs(), ar))
         unsafe = torch.zeros(nb, dtype=torch.bool, device=device)
@@ -624,21 +584,23 @@ def compare_torch(
             ds = _ldexp_exact(blocks(ad), -e_d[:, None])
             ts = _ldexp_exact(blocks(tf), -e_t[:, None])
             rs = _ldexp_exact(blocks(rf), -e_r[:, None])
-            scaled = torch.stack([ds, ds * ds, ts * ts, rs * rs, ts * rs]).masked_fill(~fb, -0.0)
-            terms = torch.where(unsafe[:, None], scaled, terms)
+            scaled = (ds, ds * ds, ts * ts, rs * rs, ts * rs)
+            terms = [
+                torch.where(unsafe[:, None], x.masked_fill(~fb, -0.0), y)
+                for x, y in zip(scaled, terms, strict=True)
+            ]
             exps = torch.where(unsafe, torch.stack([e_d, e_d, e_t, e_r, e_t + e_r]), exps)
-        block_sums.append(_fold_torch(terms))
+        block_sums.append(torch.stack([_fold_torch(x) for x in terms]))
         block_exps.append(exps)
 
         if bool(same.all()):
             continue
-        # assert_close's greatest mismatched differences: NaN first, then the first of the greatest
-        oa, orel = _mismatch_bits(mode, a, b, mis)
-        for j, bits in enumerate((oa, orel)):
-            m, i = _first_max(torch.where(mis, bits, -1))
-            bv, bi = mis_best[j]
-            upd = m > bv
-            mis_best[j] = (torch.maximum(bv, m), torch.where(upd, lo + i, bi))
+        if bool(mis.any()):  # assert_close's greatest mismatched differences: NaN first, then the first
+            oa, orel = _mismatch_bits(mode, a, b, mis)
+            for j, bits in enumerate((oa, orel)):
+                m, i = _first_max(torch.where(mis, bits, -1))
+                bv, bi = mis_best[j]
+                mis_best[j] = (torch.maximum(bv, m), torch.where(m > bv, lo + i, bi))
         # min_atol, exact: only pairs whose naive need is within rounding of the greatest can hold it
         max_abs = float(ad.max())
         if max_abs == math.inf:
@@ -659,6 +621,12 @@ def compare_torch(
                 )
                 any_inf = min_atol == math.inf
         if sketch:
+            key = _f64_bits(ad)
+            if not all_finite:
+                mv = (t - r).abs()
+                key = torch.where(
+                    fin, key, torch.where(same, 0, torch.where(mv == mv, _f64_bits(mv), _NAN_BITS))
+                )
             hist += torch.bincount(key[key > 0] >> 50, minlength=_HIST_BINS)
             idx = torch.arange(lo, hi, device=device)
             row = idx // fold[1]

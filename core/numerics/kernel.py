@@ -57,6 +57,7 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "available",
     "bitwise_census",
+    "bitwise_census_torch",
     "compare_cpu",
     "default_fold",
     "hist_bin_edges",
@@ -256,6 +257,53 @@ def bitwise_census(target: torch.Tensor, reference: torch.Tensor) -> tuple[bool,
         raise ValueError(f"sizes differ: {target.numel()} vs {reference.numel()}")
     ta, ra = to_kernel_array(target), to_kernel_array(reference)
     return _census(ta, ra, _KIND[target.dtype], _KIND[reference.dtype], target.numel(), None)
+
+
+def _widened_bits(x: torch.Tensor, wide: torch.dtype) -> torch.Tensor:
+    """Bits of x widened to `wide` as the kernel's census widens them (a NaN keeps its payload, quiet)."""
+    if x.dtype == wide:
+        if wide == torch.float64:
+            return x.view(torch.int64)
+        return x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    if x.dtype == torch.bfloat16:
+        b32 = (x.view(torch.int16).to(torch.int64) & 0xFFFF) << 16
+    elif x.dtype == torch.float16:
+        u = x.view(torch.int16).to(torch.int64) & 0xFFFF
+        e, m = (u >> 10) & 0x1F, u & 0x3FF
+        normal = ((e + 112) << 23) | (m << 13)
+        sub = (m.to(torch.float32) * 2.0**-24).view(torch.int32).to(torch.int64)  # exact: m < 2^10
+        b32 = torch.where(e == 0, torch.where(m == 0, 0, sub), normal)
+        b32 = torch.where(e == 31, 0x7F800000 | (m << 13) | ((m != 0).to(torch.int64) << 22), b32)
+        b32 = b32 | ((u & 0x8000) << 16)
+    else:
+        b32 = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    if wide == torch.float32:
+        return b32
+    # to float64: finite values convert exactly; a NaN keeps its payload and gets the quiet bit
+    f32 = (b32 & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
+    nan = ((b32 & 0x7FFFFFFF) | (1 << 22)) << 29 | (0x7FF << 52)
+    nan = torch.where((b32 & 0x80000000) != 0, nan | (-(2**63)), nan)
+    return torch.where(f32.isnan(), nan, f32.to(torch.float64).view(torch.int64))
+
+
+def bitwise_census_torch(t_flat, r_flat, chunk: int) -> tuple[bool, int, int]:
+    """`bitwise_census` in torch, on the tensors' device, `chunk` elements at a time (for `compare_torch`):
+    (bitwise equal after widening both to the promoted dtype, target NaN count, target Inf count)."""
+    wide = t_flat.dtype if t_flat.dtype == r_flat.dtype else torch.promote_types(t_flat.dtype, r_flat.dtype)
+    n_nan = n_inf = 0
+    for start in range(0, t_flat.numel(), chunk):
+        stop = start + chunk
+        t, r = t_flat[start:stop], r_flat[start:stop]
+        if t.dtype == r.dtype:  # raw bits
+            as_int = {8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()]
+            differ = not torch.equal(t.view(as_int), r.view(as_int))
+        else:
+            differ = not torch.equal(_widened_bits(t, wide), _widened_bits(r, wide))
+        if differ:
+            return False, 0, 0
+        n_nan += int(t.isnan().sum())
+        n_inf += int(t.isinf().sum())
+    return True, n_nan, n_inf
 
 
 def _census(ta, ra, tk, rk, n, parallel) -> tuple[bool, int, int]:
