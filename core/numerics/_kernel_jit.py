@@ -6,10 +6,10 @@ widened (exactly) into a small thread-local float64 staging buffer; the format, 
 dtype and the ULP format are runtime values chosen once per block, never per element.
 
 Exactness rules (the contract is in `core.numerics.kernel`):
-- Helpers that must round exactly (isclose emulation, TwoSum, power-of-two scaling) are
-  separate jitted functions without fast-math flags. Only `_pass1` carries ``reassoc`` so
-  that LLVM may vectorise its float sums; fast-math flags are per LLVM instruction, so
-  helpers inlined into it keep their strict semantics.
+- No fast-math flags anywhere: every float operation rounds as IEEE says. Sums are not left to
+  LLVM's reassociation (an order that depends on the CPU's vector width): `_pass1` stores each
+  element's terms and `fold` adds them as a fixed pairwise tree, which vectorises without
+  reordering and which `core.numerics.accumulate.compare_torch` reproduces on any device.
 - Maxima of non-negative floats are taken on their int64 bit patterns (ordered like the
   values), which vectorises without NaN flags and makes ties exact.
 - Loops index slices from 0: a signed ``range(lo, hi)`` index keeps numba's negative-index
