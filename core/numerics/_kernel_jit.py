@@ -71,6 +71,7 @@ from core.numerics._kernel_parts import (
     _scaled_terms,
     bits_f64,
     f64_bits,
+    first_fold,
     fold,
     fold_width,
     ldexp,
@@ -198,13 +199,12 @@ def bitwise_census_serial(raw_t, raw_r, tk, rk, n, block):
 
 
 @njit(**_JIT)
-def _pass1(t, r, flg, key, nvb, terms, rtol, ulp_floor, p):
-    """Everything that vectorises over one staged block; per-element keys and terms into the scratch.
+def _pass1(t, r, flg, key, nvb, rtol, ulp_floor, p):
+    """Everything that vectorises over one staged block; per-element keys into the scratch.
 
     flg comes in with bit 0 = mismatch and gets bit 1 = finite in both. key: bits of |d| for
     the map/histogram/top-k (|t - r| for non-finite pairs that differ, NaN canonical, 0 where
-    equal); nvb: bits of |d| - |rtol r| (for min_atol); terms[0..4]: |d|, d², t², r², t·r of each
-    element (summed by `fold`, in an order torch reproduces: `core.numerics.accumulate`).
+    equal); nvb: bits of |d| - |rtol r| (for min_atol). The sums are `first_fold`'s and `fold`'s.
     """
     n_same = np.int64(0)
     n_mis = np.int64(0)
@@ -243,11 +243,6 @@ def _pass1(t, r, flg, key, nvb, terms, rtol, ulp_floor, p):
         n_fin += fin
         t_nz += tt != 0.0
         r_nz += rr != 0.0
-        terms[0, i] = ad
-        terms[1, i] = d * d
-        terms[2, i] = tf * tf
-        terms[3, i] = rf * rf
-        terms[4, i] = tf * rf
         m_d = max(m_d, f64_bits(ad))
         m_t = max(m_t, f64_bits(abs(tf)))
         m_r = max(m_r, f64_bits(ar))
@@ -314,7 +309,7 @@ def _block(raw_t, raw_r, tk, rk, mode, lo, hi, tv, rv, terms, key, nvb, aux, flg
     r = rv[:n]
     mismatch_flags(mode, t, r, rtol, atol, rtol32, atol32, atolh, tol_on, flg)
     n_same, n_mis, n_fin, t_nz, r_nz, m_d, m_t, m_r, m_u, m_n = _pass1(
-        t, r, flg, key, nvb, terms, rtol, ulp_floor, p
+        t, r, flg, key, nvb, rtol, ulp_floor, p
     )
     out_i[I_SAME] = n_same
     out_i[I_MIS] = n_mis
@@ -343,11 +338,14 @@ def _block(raw_t, raw_r, tk, rk, mode, lo, hi, tv, rv, terms, key, nvb, aux, flg
         out_f[F_QT_E] = e_t
         out_f[F_QR_E] = e_r
         out_f[F_DOT_E] = e_t + e_r
-    out_f[F_SA] = fold(terms[0], n)
-    out_f[F_QD] = fold(terms[1], n)
-    out_f[F_QT] = fold(terms[2], n)
-    out_f[F_QR] = fold(terms[3], n)
-    out_f[F_DOT] = fold(terms[4], n)
+        width = n
+    else:
+        width = first_fold(t, r, n, terms)
+    out_f[F_SA] = fold(terms[0], width)
+    out_f[F_QD] = fold(terms[1], width)
+    out_f[F_QT] = fold(terms[2], width)
+    out_f[F_QR] = fold(terms[3], width)
+    out_f[F_DOT] = fold(terms[4], width)
     out_f[F_MAXABS] = bits_f64(m_d)
     out_f[F_MAXULP] = bits_f64(m_u)
     if n_same < n:

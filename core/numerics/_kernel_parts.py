@@ -352,6 +352,38 @@ def _scaled_terms(t, r, m_d, m_t, m_r, terms):
 
 
 @njit(**_JIT)
+def _terms_of(tt, rr):
+    """|d|, d², t², r², t·r of one element, zero where it is not finite in both (as `_pass1` reads it)."""
+    fin = (abs(tt) < INF) & (abs(rr) < INF)
+    tf = tt if fin else 0.0
+    rf = rr if fin else 0.0
+    d = tf - rf
+    return abs(d), d * d, tf * tf, rf * rf, tf * rf
+
+
+@njit(**_JIT)
+def first_fold(t, r, n, terms):
+    """`fold`'s first level over the terms of the block's sums, computed from t and r (no per-element
+    store): terms[c, i] = term(i) + term(i + w/2), or term(i) where i + w/2 is past n (adding the
+    padding's -0.0 changes nothing). Returns the width left, a power of two, for `fold`."""
+    h = fold_width(n) >> 1
+    if h == 0:
+        terms[0, 0], terms[1, 0], terms[2, 0], terms[3, 0], terms[4, 0] = _terms_of(t[0], r[0])
+        return 1
+    for i in range(n - h):
+        a0, a1, a2, a3, a4 = _terms_of(t[i], r[i])
+        b0, b1, b2, b3, b4 = _terms_of(t[i + h], r[i + h])
+        terms[0, i] = a0 + b0
+        terms[1, i] = a1 + b1
+        terms[2, i] = a2 + b2
+        terms[3, i] = a3 + b3
+        terms[4, i] = a4 + b4
+    for i in range(n - h, h):
+        terms[0, i], terms[1, i], terms[2, i], terms[3, i], terms[4, i] = _terms_of(t[i], r[i])
+    return h
+
+
+@njit(**_JIT)
 def fold_width(n):
     """The least power of two >= n (1 for n <= 1): the width `fold` pairs elements over."""
     w = 1
