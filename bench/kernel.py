@@ -8,7 +8,15 @@ For each size and case, the median of N timed repeats (after one untimed warm-up
 - ``naive f64``: the same statistics computed the obvious way: both tensors upcast to float64
   whole, then plain torch ops (`naive_stats`);
 - ``allclose``: ``torch.allclose`` in the dtype ``assert_close`` compares in (the promoted
-  dtype of the pair), at the target dtype's default tolerance.
+  dtype of the pair), at the target dtype's default tolerance;
+- ``torch port``: ``core.numerics.accumulate.compare_torch``, the kernel's pass in torch (what a GPU
+  target is measured by), here on the CPU, up to `TORCH_PORT_CPU_MAX_BYTES` (NaN above); the row
+  says whether its numbers are the kernel's bit for bit (``port_bitwise_kernel``).
+
+Where CUDA is visible the row also times, outside the printed table, ``compare on cuda`` (the
+target on ``cuda:0``, the reference on the host: the torch port on the device, as a cuda target is
+measured) and ``host copy + kernel`` (the target copied to the host, then the kernel: the path
+before), and says whether the device's numbers are the host's (``cuda_bitwise_host``).
 
 Throughput is GB/s (10⁹ bytes) over the input bytes, ``t.nbytes + r.nbytes``. Sizes name the
 float32 reference's bytes; a bfloat16 target of the same shape is half that.
@@ -20,6 +28,7 @@ import gc
 import math
 import re
 import statistics
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -43,7 +52,9 @@ CASE_DOC = {
     "f32-diff-all": "float32, every element perturbed by ~1e-6 relative (within tolerance)",
     "bf16-vs-f32": "bfloat16 target = the float32 reference rounded (as a bf16 load of an f32 file)",
 }
-METHODS = ("compare", "torch.equal", "copy", "naive f64", "allclose")
+METHODS = ("compare", "torch.equal", "copy", "naive f64", "allclose", "torch port")
+# The torch port on the CPU runs at a few MB/s on a small shared machine: larger sizes are not timed.
+TORCH_PORT_CPU_MAX_BYTES = 64 << 20
 
 # Done-when targets of issue 13 (ratios of median times).
 TARGET_IDENTICAL_VS_EQUAL = 0.5  # compare throughput / torch.equal throughput, identical tensors
@@ -162,6 +173,18 @@ def _agreement(stats: Any, naive: dict[str, float], rule: torch.dtype) -> dict[s
     return {"agree": all(checks.values()), "fields": checks}
 
 
+def _same_fields(a: Any, b: Any) -> bool:
+    """Whether two results (dataclasses) hold the same values in every field, floats bit for bit."""
+    for name in a.__dataclass_fields__:
+        x, y = getattr(a, name), getattr(b, name)
+        if isinstance(x, float) and isinstance(y, float):
+            if not ((math.isnan(x) and math.isnan(y)) or struct.pack("<d", x) == struct.pack("<d", y)):
+                return False
+        elif name != "sketch" and x != y:
+            return False
+    return True
+
+
 @dataclass
 class Timing:
     """Median and spread of one method's repeats, with its throughput over the input bytes."""
@@ -200,6 +223,8 @@ def estimated_peak_bytes(size_bytes: int) -> int:
 
 def bench_case(case: str, size_bytes: int, repeats: int, seed: int = 0) -> dict[str, Any]:
     """Time every method on one (case, size); the result row of the JSON file."""
+    from core.numerics.accumulate import compare_torch
+    from core.numerics.kernel import compare_cpu
     from core.numerics.metrics import compare
 
     numel = size_bytes // 4
@@ -222,6 +247,25 @@ def bench_case(case: str, size_bytes: int, repeats: int, seed: int = 0) -> dict[
     buffers.clear()  # freed before the naive float64 pass needs the memory
     run("naive f64", lambda: naive_stats(t, r, rtol, atol))
     run("allclose", lambda: torch.allclose(t.to(common), r.to(common), rtol=rtol, atol=atol))
+    port_same = None
+    if size_bytes <= TORCH_PORT_CPU_MAX_BYTES:
+        run("torch port", lambda: compare_torch(t, r, rtol, atol))
+        port_same = _same_fields(results["torch port"], compare_cpu(t, r, rtol, atol))
+    else:
+        timings["torch port"] = Timing("torch port", math.nan, math.nan, math.nan, 0, math.nan)
+    cuda_same = None
+    if torch.cuda.is_available():
+        t_dev = t.to("cuda:0")
+
+        def on_device() -> Any:
+            stats = compare(t_dev, r)
+            torch.cuda.synchronize()
+            return stats
+
+        run("compare on cuda", on_device)
+        run("host copy + kernel", lambda: compare_cpu(t_dev.cpu(), r, rtol, atol))
+        cuda_same = _same_fields(results["compare on cuda"], results["compare"])
+        del t_dev
 
     stats = results["compare"]
     identical = case.startswith("identical")
@@ -265,6 +309,8 @@ def bench_case(case: str, size_bytes: int, repeats: int, seed: int = 0) -> dict[
             "max_abs": getattr(stats, "max_abs", None),
         },
         "allclose": bool(results["allclose"]),
+        "port_bitwise_kernel": port_same,
+        "cuda_bitwise_host": cuda_same,
         "agreement_with_naive": _agreement(
             stats, results["naive f64"], torch.promote_types(t.dtype, r.dtype)
         ),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import struct
 import sys
 from fractions import Fraction
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from core.numerics import kernel
+from core.numerics.accumulate import compare_torch
 from core.numerics.metrics import ulp
 
 pytestmark = pytest.mark.skipif(not kernel.available(), reason="numba is not importable")
@@ -561,3 +563,99 @@ def test_without_numba(monkeypatch):
     assert module.available() is False
     with pytest.raises(RuntimeError, match="numba"):
         module.compare_cpu(torch.ones(2), torch.ones(2), 0.0, 0.0)
+
+
+# ---------------------------------------------------------------- the torch port, on every device
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+    ),
+]
+
+
+def same_bits(x, y) -> bool:
+    """Floats bit for bit (any NaN alike: Python's NaN results carry no payload worth comparing)."""
+    if isinstance(x, float) and isinstance(y, float):
+        return (math.isnan(x) and math.isnan(y)) or struct.pack("<d", x) == struct.pack("<d", y)
+    return type(x) is type(y) and x == y
+
+
+def assert_port_agrees(t, r, rtol, atol, device, chunk_elems=1 << 13) -> kernel.KernelStats:
+    """compare_torch on `device` (the reference moved there by it) gives the kernel's KernelStats exactly."""
+    k = kernel.compare_cpu(t, r, rtol, atol, sketch=True)
+    p = compare_torch(t.to(device), r, rtol, atol, sketch=True, chunk_elems=chunk_elems)
+    ctx = (t.dtype, r.dtype, rtol, atol, device)
+    for f in dataclasses.fields(kernel.KernelStats):
+        x, y = getattr(k, f.name), getattr(p, f.name)
+        if f.name != "sketch":
+            assert same_bits(x, y), (f.name, x, y, ctx)
+        elif x is not None:
+            for g in dataclasses.fields(kernel.Sketch):
+                a, b = np.asarray(getattr(x, g.name)), np.asarray(getattr(y, g.name))
+                assert a.shape == b.shape and a.tobytes() == b.tobytes(), (g.name, ctx)
+    return k
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("pair", PAIRS, ids=pair_id)
+def test_torch_port_agrees_on_adversarial_inputs(pair, device):
+    td, rd = pair
+    for i, (rtol, atol) in enumerate(tolerances(td, seed=3)):
+        for with_specials in (False, True):
+            t, r = adversarial(
+                td, rd, 10000, rtol, atol, seed=100 * i + with_specials, with_specials=with_specials
+            )
+            assert_port_agrees(t, r, rtol, atol, device)
+    # bitwise equal in the promoted dtype, with NaN, Inf and -0.0
+    x = torch.tensor(specials(td) * 300, dtype=td)
+    assert assert_port_agrees(x, x.to(rd), *DEFAULT_TOL[td], device).bitwise_equal or td != rd
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_port_agrees_on_extremes(device):
+    tiny = 2.0**-1074
+    g = torch.Generator().manual_seed(4)
+    wide = (
+        torch.randn(9000, generator=g, dtype=F64)
+        * 10.0 ** torch.randint(-250, 250, (9000,), generator=g).double()
+    )
+    near = torch.full((5000,), 1.0, dtype=F64) + torch.randn(5000, generator=g, dtype=F64) * 2**-40
+    cases = [
+        (wide * (1 + 1e-9 * torch.randn(9000, generator=g, dtype=F64)), wide, 1e-7, 1e-7),  # scaled blocks
+        (torch.tensor([3 * tiny, 1e-310, 5e-320, 0.0]), torch.tensor([tiny, 1e-310 + 7 * tiny, 5e-320, tiny]), 0, 0),
+        (torch.tensor([1.7e308, 1.0]), torch.tensor([-1.7e308, 1.0]), 1e-7, 1e-7),  # d overflows float64
+        (torch.tensor([1.5, 0.3]), torch.tensor([1 - 5 * 2**-53, 0.3]), 0.5, 0.0),  # cancellation in min_atol
+        (near * 1.05 + 1e-3, near, 0.05, 0.0),  # every element a min_atol candidate
+        (torch.tensor([1.0, math.nan, 3.0, math.inf, math.inf, math.nan, -math.inf, 8.5]),
+         torch.tensor([1.0, 2.0, 3.0, 4.0, math.inf, math.nan, math.inf, 8.0]), 1.3e-6, 1e-5),
+        (torch.tensor([math.nan, math.inf, -math.inf, -0.0, 1.0 + 2**-20]),
+         torch.tensor([math.nan, math.inf, -math.inf, 0.0, 1.0]), 1.3e-6, 1e-5),
+        (torch.tensor([-0.0, 0.0]), torch.zeros(2), 1e-5, 1e-5),
+        (torch.zeros(3, 3), torch.ones(3, 3), 1e-5, 1e-5),
+        (torch.empty(0, 3), torch.empty(0, 3), 1e-5, 1e-5),
+    ]  # fmt: skip
+    for t, r, rtol, atol in cases:
+        for td in (F64, F32):
+            if td == F32 and bool(((t.double().abs() > 1e38) & t.isfinite()).any()):
+                continue
+            assert_port_agrees(t.to(td), r.double(), rtol, atol, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("pair", [(BF16, F32), (F32, F64), (F16, F16)], ids=pair_id)
+def test_torch_port_agrees_across_chunks(pair, device):
+    # Several chunks of whole blocks, a last block cut short, a 2-D fold with ties across chunks.
+    td, rd = pair
+    g = torch.Generator().manual_seed(13)
+    base = torch.randn(523, 517, generator=g, dtype=F64)
+    r, t = (
+        base.to(rd),
+        (base + 3 * DEFAULT_TOL[td][0] * torch.randn(523, 517, generator=g, dtype=F64)).to(td),
+    )
+    t[0, 5], r[300, 3], t[500, 500] = math.nan, math.inf, 1e4  # fits float16
+    t[1, 2], r[1, 2], t[522, 9], r[522, 9] = 9.0, 1.0, 9.0, 1.0
+    for chunk in (1 << 15, 1 << 22):
+        assert_port_agrees(t, r, *DEFAULT_TOL[td], device, chunk_elems=chunk)

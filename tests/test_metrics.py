@@ -7,6 +7,7 @@ import ast
 import dataclasses
 import math
 import re
+import struct
 
 import numpy as np
 import pytest
@@ -896,3 +897,75 @@ def test_kernel_min_atol_in_a_narrow_rule_is_the_chunked_paths(pair, monkeypatch
         if kernel_atol > 0:
             below = math.nextafter(kernel_atol, 0.0)
             assert not torch.isclose(a, b, rtol=tol.rtol, atol=below, equal_nan=True).all(), seed
+
+
+def _same_measurement(a: tuple, b: tuple) -> None:
+    """Two `measure` results hold the same row (floats bit for bit) and the same sketch."""
+    (sa, ka), (sb, kb) = a, b
+    for f in dataclasses.fields(sa):
+        x, y = getattr(sa, f.name), getattr(sb, f.name)
+        if isinstance(x, float) and isinstance(y, float):
+            assert (math.isnan(x) and math.isnan(y)) or struct.pack("<d", x) == struct.pack("<d", y), f.name
+        else:
+            assert x == y, (f.name, x, y)
+    assert (ka is None) == (kb is None)
+    if ka is not None:
+        for f in dataclasses.fields(ka):
+            x, y = getattr(ka, f.name), getattr(kb, f.name)
+            assert np.asarray(x).tobytes() == np.asarray(y).tobytes(), f.name
+
+
+def _measure_cases():
+    g = torch.Generator().manual_seed(21)
+    for td, rd in [
+        (F64, F64),
+        (torch.float32, F64),
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float16),
+    ]:
+        r = (
+            torch.randn(97, 131, generator=g, dtype=F64)
+            * 10.0 ** torch.randint(-3, 3, (97, 131), generator=g)
+        ).to(rd)
+        t = (
+            r.double() * (1 + 4 * default_tolerance(td).rtol * torch.randn(97, 131, generator=g, dtype=F64))
+        ).to(td)
+        t[3, 4], r[5, 6], t[7, 8], r[7, 8], t[9, 10], r[9, 10] = (
+            math.nan,
+            math.inf,
+            -math.inf,
+            -math.inf,
+            -0.0,
+            0.0,
+        )
+        yield t, r, default_tolerance(td)
+        yield r.to(td), r, default_tolerance(td)  # a rounding (bitwise equal where td is rd)
+
+
+def test_without_numba_the_torch_pass_gives_the_kernels_numbers(monkeypatch):
+    from core.numerics import kernel
+
+    if not kernel.available():
+        pytest.skip("numba is not importable")
+    for t, r, tol in _measure_cases():
+        with_kernel = metrics.measure(t, r, tol)
+        monkeypatch.setattr(kernel, "available", lambda: False)
+        _same_measurement(metrics.measure(t, r, tol, chunk_elems=1 << 13), with_kernel)
+        _same_measurement((compare(t, r, tol), None), (with_kernel[0], None))
+        monkeypatch.undo()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_target_is_measured_on_its_device(monkeypatch):
+    # The same row and sketch as the host's, and the host kernel never sees the tensor.
+    from core.numerics import kernel
+
+    for t, r, tol in _measure_cases():
+        on_host = metrics.measure(t, r, tol)
+        monkeypatch.setattr(
+            kernel, "compare_cpu", lambda *a, **k: pytest.fail("a cuda target reached the host kernel")
+        )
+        _same_measurement(metrics.measure(t.to("cuda"), r, tol), on_host)
+        _same_measurement(metrics.measure(t.to("cuda"), r.to("cuda"), tol), on_host)
+        monkeypatch.undo()

@@ -239,12 +239,14 @@ class Check(ABC):
         if ref is None:
             return Measured(label, note, dtype, missing_reference_row(tensor), None, content_hash(tensor))
         tol = tolerance(spec, self.role_of(spec, key), getattr(torch, target.float_dtype))
-        stats, sketch = metrics.measure(tensor, ref, tol)
+        # compared where the tensor is (a GPU's tensor never crosses to the host): its reference moved there
+        ref_there = ref.to(tensor.device)
+        stats, sketch = metrics.measure(tensor, ref_there, tol)
         row = metrics.stats_to_row(stats)
         # the same bits hash alike: hash the reference where it is already on the host
         same = stats.bitwise_equal and ref.dtype == tensor.dtype
         digest = content_hash(ref if same else tensor)
-        rounding = sketch is not None and self.redraws_rounding and is_rounding_of(tensor, ref)
+        rounding = sketch is not None and self.redraws_rounding and is_rounding_of(tensor, ref_there)
         return Measured(label, note, dtype, row, None if rounding else sketch, digest, rounding)
 
     def role_of(self, spec: ProbeSpec, key: TensorKey) -> str:

@@ -6,10 +6,10 @@ widened (exactly) into a small thread-local float64 staging buffer; the format, 
 dtype and the ULP format are runtime values chosen once per block, never per element.
 
 Exactness rules (the contract is in `core.numerics.kernel`):
-- Helpers that must round exactly (isclose emulation, TwoSum, power-of-two scaling) are
-  separate jitted functions without fast-math flags. Only `_pass1` carries ``reassoc`` so
-  that LLVM may vectorise its float sums; fast-math flags are per LLVM instruction, so
-  helpers inlined into it keep their strict semantics.
+- No fast-math flags anywhere: every float operation rounds as IEEE says. Sums are not left to
+  LLVM's reassociation (an order that depends on the CPU's vector width): `_pass1` stores each
+  element's terms and `fold` adds them as a fixed pairwise tree, which vectorises without
+  reordering and which `core.numerics.accumulate.compare_torch` reproduces on any device.
 - Maxima of non-negative floats are taken on their int64 bit patterns (ordered like the
   values), which vectorises without NaN flags and makes ties exact.
 - Loops index slices from 0: a signed ``range(lo, hi)`` index keeps numba's negative-index
@@ -68,9 +68,12 @@ from core.numerics._kernel_parts import (
     _least_atol_block_narrow,
     _mismatch_bits,
     _nonfinite_counts,
-    _scaled_sums,
+    _scaled_terms,
     bits_f64,
     f64_bits,
+    first_fold,
+    fold,
+    fold_width,
     ldexp,
     least_atol,
     mismatch_flags,
@@ -195,24 +198,19 @@ def bitwise_census_serial(raw_t, raw_r, tk, rk, n, block):
 # ---------------------------------------------------------------- the fused pass
 
 
-@njit(fastmath={"reassoc"}, **_JIT)
+@njit(**_JIT)
 def _pass1(t, r, flg, key, nvb, rtol, ulp_floor, p):
     """Everything that vectorises over one staged block; per-element keys into the scratch.
 
     flg comes in with bit 0 = mismatch and gets bit 1 = finite in both. key: bits of |d| for
     the map/histogram/top-k (|t - r| for non-finite pairs that differ, NaN canonical, 0 where
-    equal); nvb: bits of |d| - |rtol r| (for min_atol).
+    equal); nvb: bits of |d| - |rtol r| (for min_atol). The sums are `first_fold`'s and `fold`'s.
     """
     n_same = np.int64(0)
     n_mis = np.int64(0)
     n_fin = np.int64(0)
     t_nz = np.int64(0)
     r_nz = np.int64(0)
-    s_ad = 0.0
-    q_d = 0.0
-    q_t = 0.0
-    q_r = 0.0
-    dot = 0.0
     m_d = np.int64(0)
     m_t = np.int64(0)
     m_r = np.int64(0)
@@ -245,17 +243,12 @@ def _pass1(t, r, flg, key, nvb, rtol, ulp_floor, p):
         n_fin += fin
         t_nz += tt != 0.0
         r_nz += rr != 0.0
-        s_ad += ad
-        q_d += d * d
-        q_t += tf * tf
-        q_r += rf * rf
-        dot += tf * rf
         m_d = max(m_d, f64_bits(ad))
         m_t = max(m_t, f64_bits(abs(tf)))
         m_r = max(m_r, f64_bits(ar))
         m_u = max(m_u, f64_bits(u))
         m_n = max(m_n, nb)
-    return n_same, n_mis, n_fin, t_nz, r_nz, s_ad, q_d, q_t, q_r, dot, m_d, m_t, m_r, m_u, m_n
+    return n_same, n_mis, n_fin, t_nz, r_nz, m_d, m_t, m_r, m_u, m_n
 
 
 @njit(**_JIT)
@@ -306,8 +299,8 @@ def _pass2(mode, t, r, lo, key, nvb, aux, flg, m_d, m_n, n_mis, rtol, rtol32, ou
 
 
 @njit(**_JIT)
-def _block(raw_t, raw_r, tk, rk, mode, lo, hi, tv, rv, key, nvb, aux, flg, rtol, atol, rtol32, atol32, atolh, tol_on,
-           ulp_floor, p, out_i, out_f):  # fmt: skip
+def _block(raw_t, raw_r, tk, rk, mode, lo, hi, tv, rv, terms, key, nvb, aux, flg, rtol, atol, rtol32, atol32, atolh,
+           tol_on, ulp_floor, p, out_i, out_f):  # fmt: skip
     """All per-block work of `fused` for elements lo..hi-1."""
     n = hi - lo
     stage64(raw_t, tk, lo, hi, tv)
@@ -315,7 +308,7 @@ def _block(raw_t, raw_r, tk, rk, mode, lo, hi, tv, rv, key, nvb, aux, flg, rtol,
     t = tv[:n]
     r = rv[:n]
     mismatch_flags(mode, t, r, rtol, atol, rtol32, atol32, atolh, tol_on, flg)
-    n_same, n_mis, n_fin, t_nz, r_nz, s_ad, q_d, q_t, q_r, dot, m_d, m_t, m_r, m_u, m_n = _pass1(
+    n_same, n_mis, n_fin, t_nz, r_nz, m_d, m_t, m_r, m_u, m_n = _pass1(
         t, r, flg, key, nvb, rtol, ulp_floor, p
     )
     out_i[I_SAME] = n_same
@@ -339,17 +332,20 @@ def _block(raw_t, raw_r, tk, rk, mode, lo, hi, tv, rv, key, nvb, aux, flg, rtol,
     for m in (m_d, m_t, m_r):
         unsafe |= (m > 0) & ((m < SAFE_LO_BITS) | (m > SAFE_HI_BITS))
     if unsafe:
-        e_a, s_ad, e_d, q_d, e_t, q_t, e_r, q_r, e_p, dot = _scaled_sums(t, r, m_d, m_t, m_r)
-        out_f[F_SA_E] = e_a
+        e_d, e_t, e_r = _scaled_terms(t, r, m_d, m_t, m_r, terms)
+        out_f[F_SA_E] = e_d
         out_f[F_QD_E] = e_d
         out_f[F_QT_E] = e_t
         out_f[F_QR_E] = e_r
-        out_f[F_DOT_E] = e_p
-    out_f[F_SA] = s_ad
-    out_f[F_QD] = q_d
-    out_f[F_QT] = q_t
-    out_f[F_QR] = q_r
-    out_f[F_DOT] = dot
+        out_f[F_DOT_E] = e_t + e_r
+        width = n
+    else:
+        width = first_fold(t, r, n, terms)
+    out_f[F_SA] = fold(terms[0], width)
+    out_f[F_QD] = fold(terms[1], width)
+    out_f[F_QT] = fold(terms[2], width)
+    out_f[F_QR] = fold(terms[3], width)
+    out_f[F_DOT] = fold(terms[4], width)
     out_f[F_MAXABS] = bits_f64(m_d)
     out_f[F_MAXULP] = bits_f64(m_u)
     if n_same < n:
@@ -433,6 +429,7 @@ def _fused_alloc(nseg, nthreads, block, sketch, cells, k):
         out_i[s, I_MISABS_IDX] = -1
         out_i[s, I_MISREL_IDX] = -1
     fscr = np.empty((nthreads, 2, block), np.float64)  # staged target and reference
+    tscr = np.empty((nthreads, 5, fold_width(block)), np.float64)  # per-element terms of the sums
     iscr = np.empty((nthreads, 3, block), np.int64)  # key, nvb, aux
     flg = np.empty((nthreads, block), np.uint8)
     ns = nthreads if sketch else 1
@@ -441,7 +438,7 @@ def _fused_alloc(nseg, nthreads, block, sketch, cells, k):
     pcnt = np.zeros((ns, cells if sketch else 1), np.int64)
     tk_key = np.full((ns, k if sketch else 1), -1, np.int64)
     tk_idx = np.full((ns, k if sketch else 1), -1, np.int64)
-    return out_i, out_f, fscr, iscr, flg, hist, pmap, pcnt, tk_key, tk_idx
+    return out_i, out_f, fscr, iscr, flg, hist, pmap, pcnt, tk_key, tk_idx, tscr
 
 
 @njit(**_JIT)
@@ -450,10 +447,10 @@ def _fused_one(s, tid, raw_t, raw_r, kinds, n, block, par, sk, bufs):
     tk, rk, mode = kinds
     rtol, atol, rtol32, atol32, atolh, tol_on, ulp_floor, p = par
     sketch, cols, rb, cb, gc = sk
-    out_i, out_f, fscr, iscr, flg, hist, pmap, pcnt, tk_key, tk_idx = bufs
+    out_i, out_f, fscr, iscr, flg, hist, pmap, pcnt, tk_key, tk_idx, tscr = bufs
     lo = s * block
     hi = min(n, lo + block)
-    _block(raw_t, raw_r, tk, rk, mode, lo, hi, fscr[tid, 0], fscr[tid, 1], iscr[tid, 0], iscr[tid, 1],
+    _block(raw_t, raw_r, tk, rk, mode, lo, hi, fscr[tid, 0], fscr[tid, 1], tscr[tid], iscr[tid, 0], iscr[tid, 1],
            iscr[tid, 2], flg[tid], rtol, atol, rtol32, atol32, atolh, tol_on, ulp_floor, p, out_i[s],
            out_f[s])  # fmt: skip
     if sketch and out_i[s, I_SAME] < hi - lo:
@@ -542,29 +539,44 @@ def _nan_first_max(cur, cur_i, cur_nan, v, i):
 
 @njit(**_JIT)
 def combine(out_i, out_f):
-    """Fold the per-block partials in block order, so the result does not depend on threads.
+    """Fold the per-block partials, so the result does not depend on threads.
 
-    Returns (ints, floats) laid out like one block's partials.
+    Counts add up, maxima and first indices are taken in block order, and the blocks' sums are
+    added as a pairwise tree (`fold`'s order over the blocks, padded with zeros), as torch adds
+    them too. Returns (ints, floats) laid out like one block's partials.
     """
     ints = np.zeros(N_I, np.int64)
     fl = np.zeros(N_F, np.float64)
     ints[I_WORST] = -1
-    ea = ed = et = er = ep = 0
-    sa = qd = qt = qr = p = 0.0
+    nseg = out_i.shape[0]
+    w = fold_width(nseg)
+    cols = (F_SA, F_QD, F_QT, F_QR, F_DOT)
+    sums = np.zeros((5, w), np.float64)  # zero padding: the right operand's zero leaves the left
+    exps = np.zeros((5, w), np.int64)
+    for s in range(nseg):
+        for c in range(5):
+            sums[c, s] = out_f[s, cols[c]]
+            exps[c, s] = np.int64(out_f[s, cols[c] - 1])  # each sum's exponent column precedes it
+    h = w >> 1
+    while h >= 1:
+        for i in range(h):
+            for c in range(5):
+                if c == 0 or c == 4:
+                    exps[c, i], sums[c, i] = _lin_add(exps[c, i], sums[c, i], exps[c, i + h], sums[c, i + h])
+                else:
+                    exps[c, i], sums[c, i] = _sq_add(exps[c, i], sums[c, i], exps[c, i + h], sums[c, i + h])
+        h >>= 1
+    ea, ed, et, er, ep = exps[0, 0], exps[1, 0], exps[2, 0], exps[3, 0], exps[4, 0]
+    sa, qd, qt, qr, p = sums[0, 0], sums[1, 0], sums[2, 0], sums[3, 0], sums[4, 0]
     max_abs = max_ulp = min_atol = 0.0
     ma = mr = 0.0
     ma_i = mr_i = -1
     ma_nan = mr_nan = False
-    for s in range(out_i.shape[0]):
+    for s in range(nseg):
         oi = out_i[s]
         of = out_f[s]
         for c in range(I_WORST):
             ints[c] += oi[c]
-        ea, sa = _lin_add(ea, sa, np.int64(of[F_SA_E]), of[F_SA])
-        ed, qd = _sq_add(ed, qd, np.int64(of[F_QD_E]), of[F_QD])
-        et, qt = _sq_add(et, qt, np.int64(of[F_QT_E]), of[F_QT])
-        er, qr = _sq_add(er, qr, np.int64(of[F_QR_E]), of[F_QR])
-        ep, p = _lin_add(ep, p, np.int64(of[F_DOT_E]), of[F_DOT])
         if oi[I_WORST] >= 0 and of[F_MAXABS] > max_abs:  # strict: the earlier block wins ties
             max_abs = of[F_MAXABS]
             ints[I_WORST] = oi[I_WORST]

@@ -320,11 +320,12 @@ def _frexp_exp(x):
 
 
 @njit(**_JIT)
-def _scaled_sums(t, r, m_d, m_t, m_r):
-    """The sums of `_pass1` with power-of-two scales, for blocks whose squares would overflow or
-    lose precision to underflow: (E_a, s_a, E_d, q_d, E_t, q_t, E_r, q_r, F, p) with
-    sum|d| = 2^E_a s_a, ||d||^2 = 4^E_d q_d, ||t||^2 = 4^E_t q_t, ||r||^2 = 4^E_r q_r, t.r = 2^F p.
-    A d that overflowed float64 stays inf.
+def _scaled_terms(t, r, m_d, m_t, m_r, terms):
+    """The terms of `_pass1`'s sums with power-of-two scales, for blocks whose squares would overflow
+    or lose precision to underflow: |d|·2^-E_d, (|d|·2^-E_d)², (t·2^-E_t)², (r·2^-E_r)² and their
+    product, -0.0 (the identity of `fold`) where an element is not finite in both. Returns
+    (E_d, E_t, E_r): sum|d| = 2^E_d Σ, ||d||^2 = 4^E_d Σ, ..., t.r = 2^(E_t + E_r) Σ. A d that
+    overflowed float64 stays inf.
     """
     md = bits_f64(m_d)
     mt = bits_f64(m_t)
@@ -332,25 +333,80 @@ def _scaled_sums(t, r, m_d, m_t, m_r):
     e_d = _frexp_exp(md) if (md > 0.0) & (md < INF) else 0
     e_t = _frexp_exp(mt) if mt > 0.0 else 0
     e_r = _frexp_exp(mr) if mr > 0.0 else 0
-    s_a = 0.0
-    q_d = 0.0
-    q_t = 0.0
-    q_r = 0.0
-    p = 0.0
     for i in range(t.size):
         tt = t[i]
         rr = r[i]
         if not ((abs(tt) < INF) & (abs(rr) < INF)):
+            for c in range(5):
+                terms[c, i] = -0.0
             continue
         ds = ldexp(abs(tt - rr), -e_d)
         ts = ldexp(tt, -e_t)
         rs = ldexp(rr, -e_r)
-        s_a += ds
-        q_d += ds * ds
-        q_t += ts * ts
-        q_r += rs * rs
-        p += ts * rs
-    return e_d, s_a, e_d, q_d, e_t, q_t, e_r, q_r, e_t + e_r, p
+        terms[0, i] = ds
+        terms[1, i] = ds * ds
+        terms[2, i] = ts * ts
+        terms[3, i] = rs * rs
+        terms[4, i] = ts * rs
+    return e_d, e_t, e_r
+
+
+@njit(**_JIT)
+def _terms_of(tt, rr):
+    """|d|, d², t², r², t·r of one element, zero where it is not finite in both (as `_pass1` reads it)."""
+    fin = (abs(tt) < INF) & (abs(rr) < INF)
+    tf = tt if fin else 0.0
+    rf = rr if fin else 0.0
+    d = tf - rf
+    return abs(d), d * d, tf * tf, rf * rf, tf * rf
+
+
+@njit(**_JIT)
+def first_fold(t, r, n, terms):
+    """`fold`'s first level over the terms of the block's sums, computed from t and r (no per-element
+    store): terms[c, i] = term(i) + term(i + w/2), or term(i) where i + w/2 is past n (adding the
+    padding's -0.0 changes nothing). Returns the width left, a power of two, for `fold`."""
+    h = fold_width(n) >> 1
+    if h == 0:
+        terms[0, 0], terms[1, 0], terms[2, 0], terms[3, 0], terms[4, 0] = _terms_of(t[0], r[0])
+        return 1
+    for i in range(n - h):
+        a0, a1, a2, a3, a4 = _terms_of(t[i], r[i])
+        b0, b1, b2, b3, b4 = _terms_of(t[i + h], r[i + h])
+        terms[0, i] = a0 + b0
+        terms[1, i] = a1 + b1
+        terms[2, i] = a2 + b2
+        terms[3, i] = a3 + b3
+        terms[4, i] = a4 + b4
+    for i in range(n - h, h):
+        terms[0, i], terms[1, i], terms[2, i], terms[3, i], terms[4, i] = _terms_of(t[i], r[i])
+    return h
+
+
+@njit(**_JIT)
+def fold_width(n):
+    """The least power of two >= n (1 for n <= 1): the width `fold` pairs elements over."""
+    w = 1
+    while w < n:
+        w <<= 1
+    return w
+
+
+@njit(**_JIT)
+def fold(a, n):
+    """Σ a[:n] as a pairwise tree that torch reproduces with whole-tensor adds: padded with -0.0 (which
+    adds nothing, so the width does not matter) to a power of two w, then a[i] += a[i + w/2] for every
+    i < w/2, halving w until one element is left. `a` is scratch of at least `fold_width(n)` elements.
+    """
+    w = fold_width(n)
+    for i in range(n, w):
+        a[i] = -0.0
+    h = w >> 1
+    while h >= 1:
+        for i in range(h):
+            a[i] = a[i] + a[i + h]
+        h >>= 1
+    return a[0] if n > 0 else 0.0
 
 
 @njit(**_JIT)

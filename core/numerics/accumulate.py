@@ -1,6 +1,7 @@
-"""The chunked torch path of `metrics.compare`: chunk helpers, float64 sums kept with an unbounded
-exponent (no partial sum overflows or underflows), and the accumulator that measures one chunk after
-another (the statistics and the isclose rule, exactly as the module doc of `metrics` defines them).
+"""The torch paths of `metrics.compare`: the fused kernel's pass in torch on any device (`compare_torch`,
+bit for bit the kernel's), and for what the kernel does not read (float8, a float64 difference that
+overflows) the chunked accumulator: chunk helpers, float64 sums kept with an unbounded exponent (no
+partial sum overflows or underflows), the statistics and the isclose rule chunk after chunk.
 """
 
 from __future__ import annotations
@@ -11,7 +12,18 @@ from collections.abc import Iterable
 
 import torch
 
-from core.numerics.tolerance import Tolerance, _float_format, _isclose, _spacing, rule_dtype
+from core.numerics import kernel
+from core.numerics.sketch import TOP_K
+from core.numerics.tolerance import (
+    Tolerance,
+    _fails,
+    _float_format,
+    _isclose,
+    _mode_scalars,
+    _round_to,
+    _spacing,
+    rule_dtype,
+)
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -321,3 +333,335 @@ class _Accumulator:
         self.ref_nan += int(r_nan.sum())
         self.n_inf += int((~t_finite).sum()) - int(t_nan.sum())
         self.ref_inf += int((~r_finite).sum()) - int(r_nan.sum())
+
+
+# ---------------------------------------------------------------- the kernel's pass in torch, on any device
+#
+# `compare_torch` computes what `kernel.compare_cpu` computes, bit for bit, with whole-tensor torch
+# ops on the tensors' device (a GPU's tensors never cross to the host): the same per-element values
+# (the kernel's exact float64 and narrow-dtype arithmetic, each rounding spelled out), the same
+# blocks of `kernel.DEFAULT_BLOCK` elements summed by the same pairwise tree (`_kernel_parts.fold`),
+# the blocks combined by the same tree (`_kernel_jit.combine`), and the same exact min_atol.
+
+_NAN_BITS = 0x7FF8000000000000  # canonical NaN, above inf as int64 (as `_kernel_parts.NAN_BITS`)
+_SAFE_LO, _SAFE_HI = 2.0**-450, 2.0**450  # squares of magnitudes in between are normal floats
+_HIST_BINS = 8192
+_NARROW = {torch.float32: (2.0**-23, 2.0**-149, 3.0e38), torch.bfloat16: (2.0**-7, 2.0**-133, 3.0e38),
+           torch.float16: (2.0**-10, 2.0**-24, 6.0e4)}  # fmt: skip  # eps, least subnormal, no overflow below
+
+
+def _f64_bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int64)
+
+
+def _bits_f64(b: torch.Tensor) -> torch.Tensor:
+    return b.view(torch.float64)
+
+
+def _ldexp_exact(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``x · 2**m`` (int64 m, broadcast) in the kernel's exact power-of-two steps (`_kernel_parts.ldexp`)."""
+    m = m.expand_as(x) if m.dim() else m.expand(x.shape)
+    while True:
+        hi, lo = m > 900, m < -900
+        if not bool((hi | lo).any()):
+            break
+        x = torch.where(hi, x * 2.0**900, torch.where(lo, x * 2.0**-900, x))
+        m = torch.where(hi, m - 900, torch.where(lo, m + 900, m))
+    return x * _bits_f64((m + 1023) << 52)
+
+
+def _canon(v: torch.Tensor) -> torch.Tensor:
+    v = v.to(torch.float64)
+    return torch.where(v == v, _f64_bits(v), _NAN_BITS)
+
+
+def _mismatch_bits(mode, a, b, mis):
+    """assert_close's abs and rel differences in `mode` as canonical bits, 0 where the element matches."""
+    if mode == torch.float64:
+        ad = (a - b).abs()
+        rel = ad / b.abs()
+    else:
+        ad = _round_to(a - b, mode).abs()
+        rel = _round_to(ad / b.abs(), mode)
+    return torch.where(mis, _canon(ad), 0), torch.where(mis, _canon(rel), 0)
+
+
+def _first_max(bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max, first index of it) of an int64 tensor, as 0-dim tensors (no host sync)."""
+    idx = bits.argmax()  # the first maximal index, on every device
+    return bits[idx], idx
+
+
+def _least_atol(mode, a, b, need, margin, rtol, atol_of, rtol_nonzero: bool, best: float) -> float:
+    """max(best, the least float64 atol passing every pair (a, b)); inf where none passes one.
+
+    The rule is monotonic in atol, so each pair is bisected on float64 bit patterns with the rule
+    itself (`_kernel_parts.least_atol_narrow`; for float64 pairs `least_atol`'s predicate), from
+    its naive `need` ± `margin` where those bracket it, the pairs of greatest need first: most
+    others then pass at the atol found, unbisected.
+    """
+
+    def passes(x: float | torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            x = torch.full(a.shape, x, dtype=torch.float64, device=a.device)
+        return ~_fails(mode, a, b, rtol, atol_of(x), (x != 0) | rtol_nonzero)
+
+    order = torch.argsort(need, descending=True)
+    a, b, need, margin = a[order], b[order], need[order], margin[order]
+    while True:
+        more = ~passes(best, a, b)
+        if not bool(more.any()):
+            return best
+        a, b, need, margin = a[more], b[more], need[more], margin[more]
+        ba, bb = a[:32], b[:32]
+        if not bool(passes(math.inf, ba, bb).all()):
+            return math.inf  # a difference overflows the dtype: no atol passes it
+        # lo fails, hi passes: from best and inf, or nearer where the naive need's bracket holds
+        x_lo = (need[:32] - margin[:32]).clamp(min=best)
+        x_hi = (need[:32] + margin[:32]).clamp(min=best)
+        lo = torch.where(passes(x_lo, ba, bb), _bits(best), _f64_bits(x_lo))
+        hi = torch.where(passes(x_hi, ba, bb), _f64_bits(x_hi), _bits(math.inf))
+        while bool((hi - lo > 1).any()):
+            mid = lo + (hi - lo) // 2
+            ok = passes(_bits_f64(mid), ba, bb)
+            hi, lo = torch.where(ok, mid, hi), torch.where(ok, lo, mid)
+        best = max(best, float(_bits_f64(hi).max()))
+        a, b, need, margin = a[32:], b[32:], need[32:], margin[32:]
+
+
+def _pair_add(e1, s1, e2, s2, square: bool):
+    """`_kernel_jit._lin_add` (or `_sq_add`) element-wise: 2^e1 s1 + 2^e2 s2 (4^e for squares)."""
+    e = torch.maximum(e1, e2)
+    k = 2 if square else 1
+    s = _ldexp_exact(s1, k * (e1 - e)) + _ldexp_exact(s2, k * (e2 - e))
+    step = 300 if square else 600
+    big = (s.abs() > 2.0**600) & (s.abs() < math.inf)
+    small = (s != 0) & (s.abs() < 2.0**-600)
+    s = torch.where(big, s * 2.0**-600, torch.where(small, s * 2.0**600, s))
+    e = torch.where(big, e + step, torch.where(small, e - step, e))
+    right0, left0 = s2 == 0, s1 == 0
+    e = torch.where(right0, e1, torch.where(left0, e2, e))
+    s = torch.where(right0, s1, torch.where(left0, s2, s))
+    return e, s
+
+
+def _fold_torch(x: torch.Tensor) -> torch.Tensor:
+    """`_kernel_parts.fold` over the last dim (a power of two wide, padded with -0.0)."""
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = x[..., :h] + x[..., h:]
+    return x[..., 0]
+
+
+def _combine_sums(exps: torch.Tensor, sums: torch.Tensor) -> list[tuple[int, float]]:
+    """The blocks' (exponent, sum) pairs (5 rows) added as `_kernel_jit.combine` adds them: a pairwise tree."""
+    n = sums.shape[1]
+    w = 1 << max(0, (n - 1).bit_length())
+    exps = torch.nn.functional.pad(exps, (0, w - n))
+    sums = torch.nn.functional.pad(sums, (0, w - n))
+    square = torch.tensor([False, True, True, True, False], device=sums.device)[:, None]
+    while exps.shape[1] > 1:
+        h = exps.shape[1] // 2
+        el, sl, er, sr = exps[:, :h], sums[:, :h], exps[:, h:], sums[:, h:]
+        e_lin, s_lin = _pair_add(el, sl, er, sr, square=False)
+        e_sq, s_sq = _pair_add(el, sl, er, sr, square=True)
+        exps, sums = torch.where(square, e_sq, e_lin), torch.where(square, s_sq, s_lin)
+    return [(int(e), float(s)) for e, s in zip(exps[:, 0].tolist(), sums[:, 0].tolist(), strict=True)]
+
+
+def compare_torch(
+    target: torch.Tensor,
+    reference: torch.Tensor,
+    rtol: float,
+    atol: float,
+    *,
+    sketch: bool = False,
+    chunk_elems: int = 1 << 22,
+):
+    """`kernel.compare_cpu(target, reference, rtol, atol, sketch=sketch)`, bit for bit, in torch on
+    target's device (the reference is moved there whole). Whole blocks of `kernel.DEFAULT_BLOCK` are
+    read at a time, at least `chunk_elems` elements; only scalars and the sketch's small arrays
+    reach the host. For the dtypes of `kernel.SUPPORTED_DTYPES`, tensors of one shape.
+    """
+    device = target.device
+    t_flat = target.detach().reshape(-1)
+    r_flat = reference.detach().to(device).reshape(-1)
+    numel = t_flat.numel()
+    fold = kernel.default_fold(tuple(target.shape))
+    block = kernel.DEFAULT_BLOCK
+    chunk = max(1, -(-chunk_elems // block)) * block
+    eq, n_nan, n_inf = kernel.bitwise_census_torch(t_flat, r_flat, chunk)
+    if eq:
+        return kernel._identical(numel, n_nan, n_inf, sketch, fold)
+
+    mode = torch.promote_types(target.dtype, reference.dtype)
+    p, e_min = kernel._FORMAT[target.dtype]
+    ulp_floor = 2.0 ** (e_min - 1)
+    tol_on = not (rtol == 0 and atol == 0)
+    if mode == torch.float64:
+        rule_rtol, rule_atol = rtol, atol
+
+        def atol_of(x: torch.Tensor) -> torch.Tensor:
+            return x
+    else:
+        rule_rtol, rule_atol = _mode_scalars(mode, rtol, atol, device)
+
+        def atol_of(x: torch.Tensor) -> torch.Tensor:
+            return _round_to(x.to(torch.float32), mode)  # via float32, then the dtype (`_scalar_in`)
+
+    rb, cb, gr, gc = kernel._grid(*fold)
+    i64 = dict(dtype=torch.int64, device=device)
+    counts = torch.zeros(12, **i64)  # n_same n_mis n_fin t_nz r_nz t_nan t_inf r_nan r_inf new t_nzf r_nzf
+    max_ulp = torch.zeros((), dtype=torch.float64, device=device)
+    worst_val, worst_idx = torch.zeros((), **i64), torch.full((), -1, **i64)
+    mis_best = [(torch.full((), -1, **i64), torch.full((), -1, **i64)) for _ in range(2)]
+    min_atol, any_inf = 0.0, False
+    block_exps, block_sums = [], []
+    if sketch:
+        hist = torch.zeros(_HIST_BINS, **i64)
+        pmap, pcnt = torch.zeros(gr * gc, **i64), torch.zeros(gr * gc, **i64)
+        top_key, top_idx = torch.empty(0, **i64), torch.empty(0, **i64)
+    for lo, hi in _chunks(numel, chunk):
+        tc, rc = t_flat[lo:hi], r_flat[lo:hi]
+        t, r = tc.to(torch.float64), rc.to(torch.float64)
+        if mode == torch.float64:
+            a, b = t, r
+        else:
+            a, b = tc.to(torch.float32), rc.to(torch.float32)
+        mis = _fails(mode, a, b, rule_rtol, rule_atol, tol_on)
+        t_fin, r_fin = t.isfinite(), r.isfinite()
+        fin = t_fin & r_fin
+        all_finite = bool(fin.all())
+        if all_finite:  # the common case: no masking, and the non-finite counts are zero
+            same, tf, rf = t == r, t, r
+        else:
+            same = (t == r) | (t.isnan() & r.isnan())
+            tf, rf = torch.where(fin, t, 0.0), torch.where(fin, r, 0.0)
+        d = tf - rf
+        ad, ar = d.abs(), rf.abs()
+        nv = ad - (rf * rtol).abs()
+        k = (_f64_bits(ar.clamp(min=ulp_floor)) >> 52) + (1 - p)
+        spacing = _bits_f64(
+            torch.where(k >= 1, k << 52, torch.bitwise_left_shift(torch.ones_like(k), (k + 51).clamp(0, 62)))
+        )
+        u = ad / spacing
+        t_nz, r_nz = (t != 0).sum(), (r != 0).sum()
+        if all_finite:
+            zero = torch.zeros((), **i64)
+            counts += torch.stack([same.sum(), mis.sum(), fin.sum(), t_nz, r_nz] + [zero] * 5 + [t_nz, r_nz])
+        else:
+            t_nan, r_nan = t.isnan(), r.isnan()
+            counts += torch.stack([
+                same.sum(), mis.sum(), fin.sum(), t_nz, r_nz, t_nan.sum(), (~t_fin).sum() - t_nan.sum(),
+                r_nan.sum(), (~r_fin).sum() - r_nan.sum(), (~t_fin & ~same).sum(), (fin & (t != 0)).sum(),
+                (fin & (r != 0)).sum(),
+            ])  # fmt: skip
+        max_ulp = torch.maximum(max_ulp, u.max())
+        # the first index of the greatest |d| (over elements finite in both), the earlier chunk on ties
+        m, i = _first_max(_f64_bits(ad))
+        upd = m > worst_val
+        worst_idx, worst_val = torch.where(upd, lo + i, worst_idx), torch.maximum(worst_val, m)
+
+        # the sums: per-element terms, -0.0 past the end, each block folded pairwise
+        nb = -(-(hi - lo) // block)
+        pad = nb * block - (hi - lo)
+
+        def blocks(x: torch.Tensor, pad: int = pad, nb: int = nb) -> torch.Tensor:
+            return (torch.nn.functional.pad(x, (0, pad), value=-0.0) if pad else x).reshape(nb, block)
+
+        terms = [blocks(x) for x in (ad, d * d, tf * tf, rf * rf, tf * rf)]
+        exps = torch.zeros(5, nb, **i64)
+        m_d, m_t, m_r = (blocks(x).amax(1) for x in (ad, tf.abs(), ar))
+        unsafe = torch.zeros(nb, dtype=torch.bool, device=device)
+        for mx in (m_d, m_t, m_r):
+            unsafe |= (mx > 0) & ((mx < _SAFE_LO) | (mx > _SAFE_HI))
+        if bool(unsafe.any()):
+            e_d, e_t, e_r = (
+                torch.where((mx > 0) & (mx < math.inf), torch.frexp(mx)[1].to(torch.int64), 0)
+                for mx in (m_d, m_t, m_r)
+            )
+            fb = blocks(fin.to(torch.float64)) > 0
+            ds = _ldexp_exact(blocks(ad), -e_d[:, None])
+            ts = _ldexp_exact(blocks(tf), -e_t[:, None])
+            rs = _ldexp_exact(blocks(rf), -e_r[:, None])
+            scaled = (ds, ds * ds, ts * ts, rs * rs, ts * rs)
+            terms = [
+                torch.where(unsafe[:, None], x.masked_fill(~fb, -0.0), y)
+                for x, y in zip(scaled, terms, strict=True)
+            ]
+            exps = torch.where(unsafe, torch.stack([e_d, e_d, e_t, e_r, e_t + e_r]), exps)
+        block_sums.append(torch.stack([_fold_torch(x) for x in terms]))
+        block_exps.append(exps)
+
+        if bool(same.all()):
+            continue
+        if bool(mis.any()):  # assert_close's greatest mismatched differences: NaN first, then the first
+            oa, orel = _mismatch_bits(mode, a, b, mis)
+            for j, bits in enumerate((oa, orel)):
+                m, i = _first_max(torch.where(mis, bits, -1))
+                bv, bi = mis_best[j]
+                mis_best[j] = (torch.maximum(bv, m), torch.where(m > bv, lo + i, bi))
+        # min_atol, exact: only pairs whose naive need is within rounding of the greatest can hold it
+        max_abs = float(ad.max())
+        if max_abs == math.inf:
+            any_inf = True
+        elif not any_inf:
+            top = max(0.0, float(torch.where(fin, nv, -math.inf).max()))
+            # (the kernel's margins, per block there: a chunk's greatest need only narrows the choice)
+            if mode == torch.float64:
+                eps, tiny = 2.0**-52, 2.0**-1074
+                cand = fin & (nv > 0) & (nv >= top - 16.0 * (eps * max_abs + tiny))
+            else:
+                eps, tiny, ovf = _NARROW[mode]
+                cand = fin & (a != b) & ((nv >= top - 16.0 * (eps * max_abs + tiny)) | (ad >= ovf))
+            if bool(cand.any()):
+                margin = 16.0 * (eps * ad[cand] + tiny)
+                min_atol = _least_atol(
+                    mode, a[cand], b[cand], nv[cand], margin, rule_rtol, atol_of, rtol != 0, min_atol
+                )
+                any_inf = min_atol == math.inf
+        if sketch:
+            key = _f64_bits(ad)
+            if not all_finite:
+                mv = (t - r).abs()
+                key = torch.where(
+                    fin, key, torch.where(same, 0, torch.where(mv == mv, _f64_bits(mv), _NAN_BITS))
+                )
+            hist += torch.bincount(key[key > 0] >> 50, minlength=_HIST_BINS)
+            idx = torch.arange(lo, hi, device=device)
+            row = idx // fold[1]
+            cell = (row // rb) * gc + (idx - row * fold[1]) // cb
+            pmap.scatter_reduce_(0, cell, key, "amax")
+            pcnt.index_add_(0, cell, mis.to(torch.int64))
+            # the TOP_K greatest keys, ties by index: those at or above the TOP_K-th, in index order
+            kth = torch.topk(key, min(TOP_K, key.numel())).values[-1].clamp(min=1)
+            order = torch.nonzero(key >= kth).reshape(-1)
+            top_key, top_idx = torch.cat([top_key, key[order]]), torch.cat([top_idx, order + lo])
+            order = torch.sort(top_key, descending=True, stable=True)[1][:TOP_K]
+            top_key, top_idx = top_key[order], top_idx[order]
+
+    c = counts.tolist()
+    sums = _combine_sums(torch.cat(block_exps, 1), torch.cat(block_sums, 1))
+    parts = dict(zip(("n_same", "n_mis", "n_fin", "t_nz", "r_nz", "t_nan", "t_inf", "r_nan", "r_inf", "new",
+                      "t_nzf", "r_nzf"), c, strict=True))  # fmt: skip
+    parts.update(zip(("sum_abs", "sum_d2", "sum_t2", "sum_r2", "dot"), sums, strict=True))
+    wv = int(worst_val)
+    parts.update(
+        worst=int(worst_idx) if wv > 0 else -1,
+        max_abs=_from_bits(wv),
+        max_ulp=float(max_ulp),
+        min_atol=math.inf if any_inf else min_atol,
+    )
+    for j, name in enumerate(("abs", "rel")):
+        bv, bi = (int(x) for x in mis_best[j])
+        parts[f"mis_{name}_idx"] = bi
+        parts[f"mis_{name}"] = _from_bits(bv) if bi >= 0 else 0.0
+    sk = None
+    if sketch:
+        k = TOP_K
+        tk_key = torch.full((1, k), -1, dtype=torch.int64)
+        tk_idx = torch.full((1, k), -1, dtype=torch.int64)
+        tk_key[0, : top_key.numel()], tk_idx[0, : top_idx.numel()] = top_key.cpu(), top_idx.cpu()
+        sk = (hist.cpu().numpy()[None], pmap.cpu().numpy()[None], pcnt.cpu().numpy()[None], tk_key.numpy(),
+              tk_idx.numpy())  # fmt: skip
+    return kernel.assemble(target, r_flat.reshape(target.shape), parts, sk, fold, (rb, cb, gr, gc))

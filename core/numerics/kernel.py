@@ -25,13 +25,15 @@ element once, in fixed blocks processed in parallel, and computes:
 Each block (`DEFAULT_BLOCK` elements) is widened into a thread-local float64 staging buffer,
 so one compiled kernel serves every dtype pair (compiled once, cached on disk: NUMBA_CACHE_DIR,
 else ~/.cache/weightdrift/numba). Tensors under `PARALLEL_MIN` elements run on the calling
-thread. Results do not depend on the thread count: per-block partials are combined in block order.
-Maxima, indices, counts, ULPs and min_atol do not depend on the block size either; sums do
-only through rounding. Float arithmetic is float64 per element, float64 accumulation, and no
-float64 copy of a tensor is made.
+thread. Results do not depend on the thread count: each block's sums add its per-element terms as
+a pairwise tree (`_kernel_parts.fold`), and the blocks' partials are combined by the same tree in
+block order. Maxima, indices, counts, ULPs and min_atol do not depend on the block size either;
+sums do only through rounding. Float arithmetic is float64 per element, float64 accumulation, and
+no float64 copy of a tensor is made. That order is one torch reproduces with whole-tensor ops:
+`core.numerics.accumulate.compare_torch` gives this module's results bit for bit on any device.
 
-CPU tensors only; where numba cannot be imported `available()` is False and callers keep
-their torch path.
+CPU tensors only; where numba cannot be imported `available()` is False and callers use
+`compare_torch`.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "available",
     "bitwise_census",
+    "bitwise_census_torch",
     "compare_cpu",
     "default_fold",
     "hist_bin_edges",
@@ -256,6 +259,53 @@ def bitwise_census(target: torch.Tensor, reference: torch.Tensor) -> tuple[bool,
     return _census(ta, ra, _KIND[target.dtype], _KIND[reference.dtype], target.numel(), None)
 
 
+def _widened_bits(x: torch.Tensor, wide: torch.dtype) -> torch.Tensor:
+    """Bits of x widened to `wide` as the kernel's census widens them (a NaN keeps its payload, quiet)."""
+    if x.dtype == wide:
+        if wide == torch.float64:
+            return x.view(torch.int64)
+        return x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    if x.dtype == torch.bfloat16:
+        b32 = (x.view(torch.int16).to(torch.int64) & 0xFFFF) << 16
+    elif x.dtype == torch.float16:
+        u = x.view(torch.int16).to(torch.int64) & 0xFFFF
+        e, m = (u >> 10) & 0x1F, u & 0x3FF
+        normal = ((e + 112) << 23) | (m << 13)
+        sub = (m.to(torch.float32) * 2.0**-24).view(torch.int32).to(torch.int64)  # exact: m < 2^10
+        b32 = torch.where(e == 0, torch.where(m == 0, 0, sub), normal)
+        b32 = torch.where(e == 31, 0x7F800000 | (m << 13) | ((m != 0).to(torch.int64) << 22), b32)
+        b32 = b32 | ((u & 0x8000) << 16)
+    else:
+        b32 = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    if wide == torch.float32:
+        return b32
+    # to float64: finite values convert exactly; a NaN keeps its payload and gets the quiet bit
+    f32 = (b32 & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
+    nan = ((b32 & 0x7FFFFFFF) | (1 << 22)) << 29 | (0x7FF << 52)
+    nan = torch.where((b32 & 0x80000000) != 0, nan | (-(2**63)), nan)
+    return torch.where(f32.isnan(), nan, f32.to(torch.float64).view(torch.int64))
+
+
+def bitwise_census_torch(t_flat, r_flat, chunk: int) -> tuple[bool, int, int]:
+    """`bitwise_census` in torch, on the tensors' device, `chunk` elements at a time (for `compare_torch`):
+    (bitwise equal after widening both to the promoted dtype, target NaN count, target Inf count)."""
+    wide = t_flat.dtype if t_flat.dtype == r_flat.dtype else torch.promote_types(t_flat.dtype, r_flat.dtype)
+    n_nan = n_inf = 0
+    for start in range(0, t_flat.numel(), chunk):
+        stop = start + chunk
+        t, r = t_flat[start:stop], r_flat[start:stop]
+        if t.dtype == r.dtype:  # raw bits
+            as_int = {8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()]
+            differ = not torch.equal(t.view(as_int), r.view(as_int))
+        else:
+            differ = not torch.equal(_widened_bits(t, wide), _widened_bits(r, wide))
+        if differ:
+            return False, 0, 0
+        n_nan += int(t.isnan().sum())
+        n_inf += int(t.isinf().sum())
+    return True, n_nan, n_inf
+
+
 def _census(ta, ra, tk, rk, n, parallel) -> tuple[bool, int, int]:
     with _LOCK:
         if parallel or (parallel is None and n >= PARALLEL_MIN):
@@ -354,14 +404,34 @@ def compare_cpu(
 
 def _assemble(target, reference, numel, ints, fl, sk, fold, grid) -> KernelStats:
     j = _jit
-    n_same, n_mis, n_fin = int(ints[j.I_SAME]), int(ints[j.I_MIS]), int(ints[j.I_FIN])
-    t_nzf, r_nzf = int(ints[j.I_TNZF]), int(ints[j.I_RNZF])
-    e_a, s_a = int(fl[j.F_SA_E]), float(fl[j.F_SA])
-    e_d, q_d = int(fl[j.F_QD_E]), float(fl[j.F_QD])
-    e_t, q_t = int(fl[j.F_QT_E]), float(fl[j.F_QT])
-    e_r, q_r = int(fl[j.F_QR_E]), float(fl[j.F_QR])
-    e_p, p = int(fl[j.F_DOT_E]), float(fl[j.F_DOT])
-    max_abs = float(fl[j.F_MAXABS])
+    parts = {name: int(ints[col]) for name, col in (
+        ("n_same", j.I_SAME), ("n_mis", j.I_MIS), ("n_fin", j.I_FIN), ("t_nz", j.I_TNZ), ("r_nz", j.I_RNZ),
+        ("t_nan", j.I_TNAN), ("t_inf", j.I_TINF), ("r_nan", j.I_RNAN), ("r_inf", j.I_RINF), ("new", j.I_NEW),
+        ("t_nzf", j.I_TNZF), ("r_nzf", j.I_RNZF), ("worst", j.I_WORST), ("mis_abs_idx", j.I_MISABS_IDX),
+        ("mis_rel_idx", j.I_MISREL_IDX),
+    )}  # fmt: skip
+    for name, col in (("sum_abs", j.F_SA), ("sum_d2", j.F_QD), ("sum_t2", j.F_QT), ("sum_r2", j.F_QR),
+                      ("dot", j.F_DOT)):  # fmt: skip
+        parts[name] = (int(fl[col - 1]), float(fl[col]))  # each sum's exponent column precedes it
+    for name, col in (("max_abs", j.F_MAXABS), ("max_ulp", j.F_MAXULP), ("min_atol", j.F_MINATOL),
+                      ("mis_abs", j.F_MISABS), ("mis_rel", j.F_MISREL)):  # fmt: skip
+        parts[name] = float(fl[col])
+    return assemble(target, reference, parts, sk, fold, grid)
+
+
+def assemble(target, reference, parts: dict, sk, fold, grid) -> KernelStats:
+    """KernelStats from a pass's combined partials: counts and indices (-1: none) by name, the sums as
+    (exponent, sum) pairs (|d| and t·r scaled by 2^e, the squares by 4^e), the maxima; `sk` the
+    per-thread sketch arrays or None. Shared by the kernel and its torch port (`accumulate`).
+    """
+    n_same, n_fin = parts["n_same"], parts["n_fin"]
+    t_nzf, r_nzf = parts["t_nzf"], parts["r_nzf"]
+    e_a, s_a = parts["sum_abs"]
+    e_d, q_d = parts["sum_d2"]
+    e_t, q_t = parts["sum_t2"]
+    e_r, q_r = parts["sum_r2"]
+    e_p, p = parts["dot"]
+    max_abs = parts["max_abs"]
 
     mean_abs = _ldexp(s_a / n_fin, e_a) if n_fin else 0.0
     rmse = _ldexp(math.sqrt(q_d / n_fin), e_d) if n_fin else 0.0
@@ -378,21 +448,21 @@ def _assemble(target, reference, numel, ints, fl, sk, fold, grid) -> KernelStats
         cos_sim = max(-1.0, min(1.0, c))
 
     t_flat, r_flat = target.detach().reshape(-1), reference.detach().reshape(-1)
-    worst = int(ints[j.I_WORST])
-    mia, mir = int(ints[j.I_MISABS_IDX]), int(ints[j.I_MISREL_IDX])
+    worst = parts["worst"]
+    mia, mir = parts["mis_abs_idx"], parts["mis_rel_idx"]
     sketch = None if sk is None else _assemble_sketch(t_flat, r_flat, n_same, sk, fold, grid)
     return KernelStats(
-        numel=numel,
+        numel=target.numel(),
         bitwise_equal=False,
-        n_diff=numel - n_same,
-        n_mismatch=n_mis,
+        n_diff=target.numel() - n_same,
+        n_mismatch=parts["n_mis"],
         n_finite=n_fin,
-        n_nan=int(ints[j.I_TNAN]),
-        n_inf=int(ints[j.I_TINF]),
-        ref_nan=int(ints[j.I_RNAN]),
-        ref_inf=int(ints[j.I_RINF]),
-        n_nonfinite_new=int(ints[j.I_NEW]),
-        all_zero=numel > 0 and int(ints[j.I_TNZ]) == 0 and int(ints[j.I_RNZ]) > 0,
+        n_nan=parts["t_nan"],
+        n_inf=parts["t_inf"],
+        ref_nan=parts["r_nan"],
+        ref_inf=parts["r_inf"],
+        n_nonfinite_new=parts["new"],
+        all_zero=target.numel() > 0 and parts["t_nz"] == 0 and parts["r_nz"] > 0,
         max_abs=max_abs,
         worst_index=worst if worst >= 0 else None,
         worst_target=float(t_flat[worst]) if worst >= 0 else None,
@@ -405,11 +475,11 @@ def _assemble(target, reference, numel, ints, fl, sk, fold, grid) -> KernelStats
         norm_diff=_ldexp(math.sqrt(q_d), e_d),
         norm_target=_ldexp(math.sqrt(q_t), e_t),
         norm_reference=_ldexp(math.sqrt(q_r), e_r),
-        max_ulp=float(fl[j.F_MAXULP]),
-        min_atol=float(fl[j.F_MINATOL]),
-        mismatch_max_abs=float(fl[j.F_MISABS]),
+        max_ulp=parts["max_ulp"],
+        min_atol=parts["min_atol"],
+        mismatch_max_abs=parts["mis_abs"],
         mismatch_max_abs_index=mia if mia >= 0 else None,
-        mismatch_max_rel=float(fl[j.F_MISREL]),
+        mismatch_max_rel=parts["mis_rel"],
         mismatch_max_rel_index=mir if mir >= 0 else None,
         sketch=sketch,
     )
@@ -440,6 +510,6 @@ def _assemble_sketch(t_flat, r_flat, n_same, sk, fold, grid) -> Sketch:
         n_nonfinite=int(h[HIST_FINITE_BINS:].sum()),
         topk_index=idx,
         topk_abs=keys.view(np.float64).copy(),
-        topk_target=t_flat[sel].to(torch.float64).numpy(),
-        topk_reference=r_flat[sel].to(torch.float64).numpy(),
+        topk_target=t_flat[sel.to(t_flat.device)].to(torch.float64).cpu().numpy(),
+        topk_reference=r_flat[sel.to(r_flat.device)].to(torch.float64).cpu().numpy(),
     )

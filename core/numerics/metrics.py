@@ -1,8 +1,9 @@
 """Numerical drift between a target tensor and a reference tensor.
 
-Pure tensor math: no Streamlit, no global state. Tensors are compared chunk by chunk on the CPU,
-so comparing a multi-gigabyte tensor needs only a few chunks of memory and a tensor on any
-device (or on two different devices) can be compared.
+Pure tensor math: no Streamlit, no global state. A pair is compared in one fused pass where the
+target is: the numba kernel on the CPU, its torch port (`accumulate.compare_torch`, the same
+numbers bit for bit) on a GPU, the reference moved there; other dtypes chunk by chunk on the CPU,
+so a multi-gigabyte tensor needs only a few chunks of memory there.
 
 Two kinds of numbers, each defined exactly:
 
@@ -19,7 +20,8 @@ Two kinds of numbers, each defined exactly:
   overflows or underflows). ULP distances are in units of the *target's* dtype at the
   reference value.
 
-The rule is evaluated on the CPU, as assert_close does for tensors on different devices.
+The rule is evaluated with the rounding of torch's CPU kernels, on every device (as assert_close
+does for tensors on different devices, which it compares on the CPU).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from core.numerics.accumulate import (
     _ldexp,
     _sqrt_wide,
     _unravel,
+    compare_torch,
 )
 from core.numerics.sketch import Sketch, block_starts, hist_bin_index, make_sketch
 from core.numerics.tolerance import (
@@ -209,8 +212,7 @@ def compare(
         )
 
     if _kernel_applies(target, reference):
-        # A GPU tensor crosses to the host once, one tensor at a time, for the fused kernel.
-        stats, _ = _kernel_measure(target.cpu(), reference.cpu(), tol, fields, sketch=False)
+        stats, _ = _kernel_measure(target, reference, tol, fields, chunk_elems, sketch=False)
         if stats is not None:
             return stats
 
@@ -302,17 +304,24 @@ def compare(
 
 
 def _kernel_applies(target: torch.Tensor, reference: torch.Tensor) -> bool:
-    """Whether the fused CPU kernel (`core.numerics.kernel`) measures this pair: dtypes it reads, the same shape.
-
-    Tensors on another device are measured on a host copy (one tensor at a time): the kernel at
-    1.5–15 GB/s beats the chunked path even after the copy.
-    """
+    """Whether the fused pass (`core.numerics.kernel`, or its torch port) measures this pair: dtypes it
+    reads, the same shape."""
     return (
-        kernel.available()
-        and target.dtype in kernel.SUPPORTED_DTYPES
+        target.dtype in kernel.SUPPORTED_DTYPES
         and reference.dtype in kernel.SUPPORTED_DTYPES
         and target.shape == reference.shape
     )
+
+
+def _fused(
+    target: torch.Tensor, reference: torch.Tensor, tol: Tolerance, chunk_elems: int, sketch: bool
+) -> kernel.KernelStats:
+    """The fused pass where the target is: the numba kernel on the CPU (the reference copied there if it is
+    elsewhere), else its torch port (`accumulate.compare_torch`) on the target's device, the reference moved
+    there whole: a GPU target never crosses to the host. Both give the same numbers, bit for bit."""
+    if target.device.type == "cpu" and kernel.available():
+        return kernel.compare_cpu(target, reference.cpu(), tol.rtol, tol.atol, sketch=sketch)
+    return compare_torch(target, reference, tol.rtol, tol.atol, sketch=sketch, chunk_elems=chunk_elems)
 
 
 def _kernel_measure(
@@ -320,10 +329,11 @@ def _kernel_measure(
     reference: torch.Tensor,
     tol: Tolerance,
     fields: dict[str, Any],
+    chunk_elems: int,
     sketch: bool,
 ) -> tuple[DiffStats | None, Sketch | None]:
-    """`compare` (and the sketch, when asked) in the fused kernel's one pass; (None, None) where it does not measure."""
-    k = kernel.compare_cpu(target, reference, tol.rtol, tol.atol, sketch=sketch)
+    """`compare` (and the sketch, when asked) in the fused pass (`_fused`); (None, None) where it does not measure."""
+    k = _fused(target, reference, tol, chunk_elems, sketch)
     stats = _from_kernel(k, fields, target, reference)
     if stats is None:
         return None, None
@@ -366,14 +376,14 @@ def measure(
 ) -> tuple[DiffStats, Sketch | None]:
     """`compare`, and the `Sketch` of the difference when the tensors differ (same shape).
 
-    Both come from the fused kernel's one pass (a GPU tensor on a host copy); without the kernel
-    the sketch is made row block by row block on the target's device. The sketch's failing counts
-    follow `close_mask`.
+    Both come from the fused pass (`_fused`: the kernel on the CPU, its torch port on the target's
+    device); for other dtypes the sketch is made row block by row block on the target's device. The
+    sketch's failing counts follow `close_mask`.
     """
     target, reference = target.detach(), reference.detach()
     if _kernel_applies(target, reference):
         fields = _fields(target, reference, tolerance)
-        stats, sketch = _kernel_measure(target.cpu(), reference.cpu(), tolerance, fields, True)
+        stats, sketch = _kernel_measure(target, reference, tolerance, fields, chunk_elems, True)
         if stats is not None:
             return stats, sketch
     stats = compare(target, reference, tolerance, chunk_elems)

@@ -65,6 +65,40 @@ def _isclose(t: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> torc
     return torch.isclose(t, r, rtol=rtol, atol=atol, equal_nan=True)
 
 
+def _round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 `x` rounded to `dtype` (nearest, ties to even), as float32: the kernel's round_bf16/round_f16."""
+    return x if dtype == torch.float32 else x.to(dtype).to(torch.float32)
+
+
+def _mode_scalars(mode: torch.dtype, rtol: float, atol: float, device: torch.device):
+    """rtol and atol as the kernel's narrow rule sees them: float32, and atol rounded to bf16/f16."""
+    rtol32 = torch.tensor(rtol, dtype=torch.float32, device=device)
+    atol32 = _round_to(torch.tensor(atol, dtype=torch.float32, device=device), mode)
+    return rtol32, atol32
+
+
+def _fails(mode, a, b, rtol, atol, tol_on: bool | torch.Tensor) -> torch.Tensor:
+    """not isclose(a, b, rtol, atol, equal_nan=True) in the promoted `mode`, rounding as torch's CPU
+    kernels do, on any device (`_kernel_parts.mis*`, the numba kernel's emulation of them).
+
+    float64: a, b float64 and rtol, atol floats; narrow modes: a, b float32 holding `mode` values and
+    rtol, atol float32 tensors (atol per element or a scalar), each result rounded to `mode`.
+    """
+    eq = (a == b) | (a.isnan() & b.isnan())
+    if mode == torch.float64:
+        actual = (a - b).abs()
+        allowed = atol + (rtol * b).abs()
+    else:
+        actual = _round_to(a - b, mode).abs()
+        allowed = _round_to(atol + _round_to(rtol * b, mode).abs(), mode)
+    close = (actual < math.inf) & (actual <= allowed)
+    if isinstance(tol_on, torch.Tensor):
+        close &= tol_on
+    elif not tol_on:
+        close = torch.zeros_like(close)
+    return ~(eq | close)
+
+
 def close_mask(target: torch.Tensor, reference: torch.Tensor, tolerance: Tolerance) -> torch.Tensor:
     """Where `target` passes the tolerance rule against `reference`, element-wise, on the CPU.
 
