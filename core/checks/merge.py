@@ -47,7 +47,7 @@ from core.checks.behaviour.merge_tables import SUBSET_SEP, UNTIE, findings_table
 from core.checks.outputs import forward_output, nonfinite_output
 from core.methods import adapter_keys, formulas, peft_path, projections
 from core.models import merging
-from core.models.checkpoint import keeps_tensors, read_adapter_config, read_checkpoint
+from core.models.checkpoint import Checkpoint, keeps_tensors, read_adapter_config, read_checkpoint
 from core.models.conversion import layer_of
 from core.models.loading import Loaded
 from core.models.merging import ROUNDING_ULPS, scale_ulp
@@ -186,6 +186,7 @@ class MergeCheck(Check):
             for module, params in state.items():
                 self._add(ctx, out, adapter, "before", "", module, params["weight"])
         before = {module: params["weight"] for module, params in state.items()}
+        biases = _trained_biases(loaded.adapter)  # loaded over the base's: the merged model keeps them
 
         def restore() -> None:
             # The next stage must start from the loaded W, not from what a merge round trip left.
@@ -200,7 +201,9 @@ class MergeCheck(Check):
             meta["merge_adapter_error"] = merging.error_text(e)
         else:
             meta["nonfinite_merged"] = merging.nonfinite_written(layers, state)
-            self._merged_stage(ctx, out, adapter, model, layers, tied, "merge_adapter", output, before)
+            self._merged_stage(
+                ctx, out, adapter, model, layers, tied, "merge_adapter", output, before, biases
+            )
             model.unmerge_adapter()
             for module, layer in layers.items():
                 roundtrip = merging.base_weight(layer)
@@ -212,7 +215,7 @@ class MergeCheck(Check):
 
         # safe_merge, module by module so that every refused module is named.
         meta["safe_merge_errors"] = merging.merge_modules(model, [adapter], safe=True)
-        self._merged_stage(ctx, out, adapter, model, layers, tied, "safe_merge", output, before)
+        self._merged_stage(ctx, out, adapter, model, layers, tied, "safe_merge", output, before, biases)
         restore()
 
         try:
@@ -244,11 +247,24 @@ class MergeCheck(Check):
             )
 
     def _merged_stage(
-        self, ctx, out: Capture, adapter: str, model, layers: dict, tied: list, stage: str, output, before
+        self,
+        ctx,
+        out: Capture,
+        adapter: str,
+        model,
+        layers: dict,
+        tied: list,
+        stage: str,
+        output,
+        before,
+        biases: list[str],
     ) -> None:
-        """The merged weights, the tied partners' weights and the outputs of a model just merged by `stage`."""
+        """The merged weights, the biases the adapter trained (`biases`, ``<module>.bias``), the tied partners'
+        weights and the outputs of a model just merged by `stage`."""
         for module, layer in layers.items():
             self._add(ctx, out, adapter, "merged", stage, module, merging.base_weight(layer), before[module])
+        for name, bias in adapter_keys.loaded_parameters(model, biases).items():
+            self._add(ctx, out, adapter, "merged", stage, name, bias)
         params = {merging._strip(n): p for n, p in model.named_parameters(remove_duplicate=False)}
         for finding in tied:
             for partner in merging.tied_partner_modules(finding):
@@ -339,7 +355,7 @@ class MergeCheck(Check):
                 notes[key.encode()] = note
         if weight_keys and not only_keys:
             # the adapted modules' base weights and the embedding a tied head shares, never the whole base
-            base = merging.reference_base(spec, {f"{p[3]}.weight" for p in weight_keys})
+            base = merging.reference_base(spec, adapter_keys.base_tensor_names(p[3] for p in weight_keys))
             by_name = {a.name: a for a in spec.adapters}
             cache: dict[str, tuple[dict, dict]] = {}
 
@@ -633,3 +649,9 @@ def _no_reference(tensor: torch.Tensor, label: str, note: str) -> dict[str, Any]
 def _exact_stage(stage: str) -> str:
     """The stage of the cpu/float64 capture an output is compared with: the exact model's unmerged one."""
     return "subset unmerged" if stage.startswith("subset") else "unmerged"
+
+
+def _trained_biases(adapter: AdapterRef) -> list[str]:
+    """The biases the adapter trained and saves (``<module>.bias``), by its file's index: no tensor read."""
+    names = Checkpoint.open(adapter.path, prefix="adapter_model").names()
+    return adapter_keys.trained_biases(names, adapter_keys.saved_module_names(read_adapter_config(adapter)))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,7 +105,15 @@ _PARAM_NAMES = (
     "delora_lambda",
     # DeLoRA's per-input-column norms of W, taken when the adapter was created and saved with it
     "delora_w_norm",
+    # a trained bias (LoraConfig(bias="all"/"lora_only"), the same option on other tuners): PEFT loads it over
+    # the base's; an adapted module's is its base layer's, another module's its own
+    "base_layer.bias",
+    "bias",
 )
+BIAS_PARAMS = ("base_layer.bias", "bias")
+"""The parameter names of a trained bias in an adapter checkpoint (bias="all" or "lora_only")."""
+BIAS_SUFFIX = ".bias"
+"""What a bias change's name adds to its module's path (``model.layers.0.self_attn.q_proj.bias``): Δb."""
 
 # VeRA's random projections and RandLoRA's random bases, one pair shared by every adapted module, saved once
 # at the top level (with save_projection=True, PEFT's default): checkpoint key -> parameter name in each
@@ -185,6 +193,17 @@ class AdapterModule:
     keys: dict[str, str]
     """Parameter name (``lora_A.weight``, ``boft_R``, ...) -> key in the checkpoint."""
 
+    @property
+    def bias_key(self) -> str | None:
+        """The checkpoint key of the bias the adapter trained for this module, if it saves one."""
+        return next((self.keys[p] for p in BIAS_PARAMS if p in self.keys), None)
+
+    @property
+    def changes_weight(self) -> bool:
+        """Whether the module has tensors of its own besides a trained bias (a module of bias="all" that
+        is not adapted has only its bias; the shared projections every module lists are not its own)."""
+        return any(p not in BIAS_PARAMS and p not in _SHARED_KEYS.values() for p in self.keys)
+
 
 def split_adapter_key(key: str) -> tuple[str, str] | None:
     """``base_model.model.X.lora_A.weight`` → (``X``, ``lora_A.weight``); None if no adapter parameter (a
@@ -196,6 +215,18 @@ def split_adapter_key(key: str) -> tuple[str, str] | None:
     if param is None:
         return None
     return path[: -len(param) - 1], param
+
+
+def bias_module(name: str) -> str | None:
+    """The module path of a bias change's name (:data:`BIAS_SUFFIX`), else None (a ΔW's module path)."""
+    return name.removesuffix(BIAS_SUFFIX) if name.endswith(BIAS_SUFFIX) else None
+
+
+def base_tensor_names(names: Iterable[str]) -> set[str]:
+    """The base tensors the float64 references of ``names`` (modules' ΔW, biases' Δb) read: each module's
+    weight and its bias (an adapter that trains biases changes it; a base without one has none to read)."""
+    modules = {bias_module(n) or n for n in names}
+    return {f"{m}.{p}" for m in modules for p in ("weight", "bias")}
 
 
 def saved_module_names(adapter_config: Mapping[str, Any]) -> tuple[str, ...]:
@@ -353,4 +384,27 @@ def adapted_modules(peft_model: nn.Module) -> dict[str, tuple[nn.Module, list[st
             continue
         path = name[len(_PEFT_PREFIX) :] if name.startswith(_PEFT_PREFIX) else name
         out[path] = (module, names)
+    return out
+
+
+def trained_biases(keys: Iterable[str], saved_modules: tuple[str, ...] = ()) -> list[str]:
+    """The biases an adapter file with checkpoint keys ``keys`` trained (``bias="all"``/``"lora_only"``), as
+    ``<module>.bias``; ``saved_modules``' copies are not among them (they replace their module whole)."""
+    out = []
+    for key in keys:
+        split = None if split_saved_module_key(key, saved_modules) else split_adapter_key(key)
+        if split is not None and split[1] in BIAS_PARAMS:
+            out.append(split[0] + BIAS_SUFFIX)
+    return sorted(out)
+
+
+def loaded_parameters(model: nn.Module, names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """The parameters ``names`` (base state-dict names, ``<module>.bias``) of a loaded PEFT model or a merged
+    one, where it has them: PEFT's ``base_model.model.`` prefix and its layers' ``base_layer.`` looked through."""
+    wanted = set(names)
+    out = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        path = name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")
+        if path in wanted:
+            out[path] = param
     return out

@@ -9,9 +9,10 @@
     merge would, without touching the layer.
 
 Comparing the two measures how far a device/dtype drifts from the exact math. Semantics follow the
-installed PEFT 0.21.2 (``peft/tuners/<method>/layer.py``). Only weight
-deltas are covered: bias changes (``lora_bias``, IA3 scaling the bias of non-feedforward layers) are
-outside ``ΔW``.
+installed PEFT 0.21.2 (``peft/tuners/<method>/layer.py``). Besides weight
+deltas, a bias the adapter trained (``bias="all"``/``"lora_only"``) is a change ``Δb`` under the name
+``<module>.bias``; ``lora_bias`` (LoRA's own bias on B) and IA3 scaling the bias of non-feedforward layers are
+outside them.
 
 Module names are base-model module paths as they appear in the base state dict without the
 ``.weight`` suffix, e.g. ``model.layers.0.self_attn.q_proj``; how checkpoint keys map to them, and the
@@ -29,6 +30,7 @@ import torch
 from core.methods import formulas_more
 from core.methods.adapter_keys import (
     ADAPTER_TYPES,
+    BIAS_SUFFIX,
     AdapterModule,
     _base_weight,
     _check_shape,
@@ -41,6 +43,7 @@ from core.methods.adapter_keys import (
     _t,
     adapter_module_keys,
     adapter_type,
+    bias_module,
     saved_module_names,
 )
 
@@ -451,7 +454,8 @@ def reference_deltas(
 
     ``adapter_config`` is the ``adapter_config.json`` dict, ``adapter_tensors`` the adapter file as
     ``safetensors.torch.load_file`` returns it, ``base_weights`` the base model's state dict. Keys of
-    the result are module paths (``model.layers.0.self_attn.q_proj``). Rules:
+    the result are module paths (``model.layers.0.self_attn.q_proj``), and ``<module>.bias`` for a bias the
+    adapter trained (:func:`bias_delta`: Δb, read against the base's ``<module>.bias``). Rules:
 
     * LoRA / PiSSA: ``s·B@A``, ``s = alpha/r`` (``alpha/sqrt(r)`` with rsLoRA), rank_pattern and
       alpha_pattern honoured, transposed with fan_in_fan_out; on embeddings ``s·(B@A)ᵀ`` from
@@ -482,6 +486,10 @@ def reference_deltas(
     out = {}
     with torch.no_grad():
         for name, mod in modules.items():
+            if mod.bias_key is not None:
+                out[name + BIAS_SUFFIX] = bias_delta(mod, adapter_tensors, base_weights)
+            if not mod.changes_weight:
+                continue
             weight = _module_base_weight(mod, adapter_tensors, base_weights)
             # a convolution's ΔW is written out for plain LoRA; the other rules are for Linear layers
             if weight.ndim != 2 and (kind != "lora" or base_rewriting_init(adapter_config)):
@@ -491,6 +499,24 @@ def reference_deltas(
                 )
             out[name] = formula(adapter_config, mod, adapter_tensors, weight)
     return out
+
+
+def bias_delta(
+    mod: AdapterModule, adapter_tensors: Mapping[str, torch.Tensor], base_weights: Mapping[str, torch.Tensor]
+) -> torch.Tensor:
+    """``Δb = b_adapter − b_base`` in float64: the bias an adapter trained (``bias="all"``/``"lora_only"``),
+    which PEFT loads over the base's, less the base checkpoint's. Exact: the difference of two float32 (or
+    bfloat16, float16) numbers is a float64 number unless their exponents lie more than 29 binades apart."""
+    key = mod.module + BIAS_SUFFIX
+    if key not in base_weights:
+        raise ValueError(
+            f"module {mod.module}: the adapter saves a trained bias but the base has no '{key}'; "
+            "was this adapter made for a different base model?"
+        )
+    trained = adapter_tensors[mod.bias_key].detach().to(device="cpu", dtype=torch.float64)
+    base = base_weights[key].detach().to(device="cpu", dtype=torch.float64)
+    _check_shape(mod, "bias", trained.shape, tuple(base.shape))
+    return trained - base
 
 
 def _module_base_weight(
@@ -587,6 +613,10 @@ def merged_weights(
     modules = adapter_module_keys(adapter_tensors, saved_module_names(adapter_config))
     out: dict[str, torch.Tensor] = {}
     for name, delta in deltas.items():
+        module = bias_module(name)
+        if module is not None:  # the merged bias is the trained one, which PEFT loaded over the base's
+            out[name] = adapter_tensors[modules[module].bias_key].detach().to("cpu", torch.float64)
+            continue
         weight = _module_base_weight(modules[name], adapter_tensors, base_weights)
         if kind == "pissa":
             r, _ = _lora_rank_and_scaling(adapter_config, name)
@@ -620,6 +650,11 @@ def sequential_merged_weights(
             )
         merged = merged_weights(config, tensors, current)
         for name, weight in merged.items():
-            current[name + ".weight"] = weight
+            current[_base_name(name)] = weight
             touched.add(name)
-    return {name: current[name + ".weight"] for name in sorted(touched)}
+    return {name: current[_base_name(name)] for name in sorted(touched)}
+
+
+def _base_name(name: str) -> str:
+    """The base tensor a merged name stands for: a bias change's name is the bias, a module's its weight."""
+    return name if bias_module(name) is not None else name + ".weight"

@@ -525,7 +525,7 @@ def module_reference(
     ``merged`` only), ``tied`` a partner's own base weight. (None, "") where the module is not adapted;
     (None, why) where the formula fails. What the merge check computes for the whole adapter at once, for
     this module: a worker measures one tensor at a time, the drill-down one module."""
-    base = reference_base(spec, {f"{name}.weight"})
+    base = reference_base(spec, adapter_keys.base_tensor_names([name]))
     if role == "tied":
         w = base.get(f"{name}.weight")
         return (
@@ -533,7 +533,8 @@ def module_reference(
         )
     by_name = {a.name: a for a in spec.adapters}
     try:
-        files = [_module_files(by_name[a], name, spec.base.path) for a in adapters]
+        module = adapter_keys.bias_module(name) or name  # a bias change is read with its module's tensors
+        files = [_module_files(by_name[a], module, spec.base.path) for a in adapters]
         files = [f for f in files if f[1]]  # an adapter of a subset that leaves this module alone
         if not files:
             return None, ""
@@ -576,7 +577,9 @@ def adapter_files(
     kind = adapter_keys.adapter_type(config)
     shared: dict[str, torch.Tensor] = {}
     if projections.unsaved(kind, config, index):
-        adapted = adapter_keys.adapter_module_keys(index, adapter_keys.saved_module_names(config))
+        by_module = adapter_keys.adapter_module_keys(index, adapter_keys.saved_module_names(config))
+        # the modules PEFT sizes them by: those it adapts, not those whose bias alone it trains
+        adapted = [m for m, mod in by_module.items() if mod.changes_weight]
         shapes = loaded_shapes(base, {f"{m}.weight" for m in adapted})
         missing = sorted(m for m in adapted if f"{m}.weight" not in shapes)
         if missing:  # a size from a subset of the modules would draw other numbers, not fewer
@@ -587,7 +590,8 @@ def adapter_files(
         names = set(index)
     else:
         by_module = adapter_keys.adapter_module_keys(index, adapter_keys.saved_module_names(config))
-        names = {t for m in modules if m in by_module for t in by_module[m].keys.values()}
+        wanted = {adapter_keys.bias_module(m) or m for m in modules}  # a bias change: its module's tensors
+        names = {t for m in wanted if m in by_module for t in by_module[m].keys.values()}
     names -= set(shared)
     tensors = read_checkpoint(adapter.path, prefix="adapter_model", names=names) if names else {}
     if tensors:

@@ -117,6 +117,21 @@ def validate_adapter(adapter: AdapterRef, base_shapes: dict[str, tuple[int, ...]
             )
 
 
+def validate_trained_biases(adapters: Sequence[AdapterRef]) -> None:
+    """At most one adapter of a run trains biases: PEFT refuses to hold two on one model ("supports only 1
+    adapter with bias"), and the run loads its adapters together for the outputs, merge and other checks."""
+    biased = [
+        f"{a.name} (bias={c['bias']!r})"
+        for a in adapters
+        if (c := check_adapter_config(a)).get("bias") not in (None, "none")
+    ]
+    if len(biased) > 1:
+        raise InputError(
+            f"adapters {', '.join(biased)} each train biases, and PEFT holds only one adapter with bias on a "
+            "model (the run loads its adapters together): run them in separate runs"
+        )
+
+
 def validate_merge_subset(subset: Sequence[str], adapters: Sequence[str], checks: Sequence[str]) -> None:
     """The adapters the merge check merges together: two or more of the run's adapters, each once.
 
@@ -170,6 +185,7 @@ def validate_inputs(spec: ProbeSpec) -> None:
     validate_merge_subset(spec.merge_subset, names, spec.checks)
     for adapter in spec.adapters:
         validate_adapter(adapter, base_shapes, spec.base.path)
+    validate_trained_biases(spec.adapters)
     if base_shapes is not None:  # a local folder (a hub id's config is fetched by the worker)
         validate_family(spec)
 

@@ -1,0 +1,187 @@
+"""PEFT options and model kinds beyond the families × methods table (tests/test_families.py): adapters that
+train biases, LoRA on parameters (`target_parameters`), layers replicated before loading (`layer_replication`),
+LoRA on `nn.MultiheadAttention`, methods merged by PEFT's own ΔW, checkpoints whose class the task's Auto
+mapping lacks. Each kind is built here on tiny models of families and sizes of its own, run through the
+engine (in process) with every check on `cpu/float32 cpu/bfloat16`, and its float64 ΔW checked against
+PEFT's own merge in float64.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tiny_models import ARCHITECTURES, quiet
+
+from core.checks import CHECKS
+from core.engine.jobs import Engine
+from core.engine.runners import InProcessRunner
+from core.engine.store import RunRecord
+from core.methods import formulas
+from core.spec import AdapterRef, ModelRef, ProbeInputs, ProbeSpec, Target
+
+TARGETS = ("cpu/float32", "cpu/bfloat16")
+
+
+def save_adapter(model: torch.nn.Module, config, folder: Path, seed: int) -> Path:
+    """PEFT's adapter of `config` on `model` (a copy is not made: PEFT injects into it), every trained
+    tensor random (seeded, small, as a trained adapter's), saved to `folder`."""
+    from peft import get_peft_model
+
+    quiet()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft_model = get_peft_model(model, config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in peft_model.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    peft_model.save_pretrained(folder)
+    return folder
+
+
+def build(name: str, folder: Path, seed: int, **sizes) -> Path:
+    """Architecture `name` with `sizes` over its row's, seeded, saved to `folder`."""
+    quiet()
+    torch.manual_seed(seed)
+    ARCHITECTURES[name].build(**sizes).save_pretrained(folder)
+    return folder
+
+
+def run_all_checks(home: Path, model: Path, adapters: dict[str, Path]) -> RunRecord:
+    """Every check on both targets, each adapter loaded alone on a fresh base (the default)."""
+    engine = Engine(home, runner=InProcessRunner())
+    spec = ProbeSpec(
+        base=ModelRef(path=str(model)),
+        adapters=tuple(AdapterRef(path=str(f), name=n) for n, f in adapters.items()),
+        targets=tuple(Target.parse(t) for t in TARGETS),
+        checks=tuple(CHECKS),
+        probe=ProbeInputs(batch=2, seq_len=5),
+    )
+    job = engine.submit(spec)
+    assert job.wait(300) and job.state == "succeeded", job.error
+    return engine.store.open(job.run_id)
+
+
+def nothing_broken(table) -> None:
+    """No row broken; on cpu/float32 every row identical or within tolerance but the adapters check's
+    `base mutated` rows, which say what the adapter changes in the base by design."""
+    assert "broken" not in set(table.verdict), table[table.verdict == "broken"][["check", "tensor"]].values
+    float32 = table[(table.target == "cpu/float32") & (table.reason.fillna("") != "base mutated")]
+    bad = float32[~float32.verdict.isin(["identical", "within tolerance"])]
+    assert bad.empty, bad[["check", "tensor", "verdict"]].values
+
+
+def peft_merged_float64(model_folder: Path, model_class: str, adapter: Path) -> dict[str, torch.Tensor]:
+    """PEFT's own merge_and_unload in float64: the merged model's state dict."""
+    import transformers
+    from peft import PeftModel
+
+    quiet()
+    base = getattr(transformers, model_class).from_pretrained(model_folder, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        merged = PeftModel.from_pretrained(base, adapter).merge_and_unload()
+    return merged.state_dict()
+
+
+def base_state(model_folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(model_folder / "model.safetensors")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 1. Adapters that train biases
+# ----------------------------------------------------------------------------------------------------------
+
+# Qwen2 (biases on q, k and v) at hidden 24, two layers: LoRA on q and v, biases trained everywhere or only
+# on the LoRA modules.
+BIAS_SIZES = {"hidden_size": 24, "num_hidden_layers": 2, "num_attention_heads": 3}
+
+
+@pytest.fixture(scope="module")
+def bias_case(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
+
+    root = tmp_path_factory.mktemp("bias")
+    model = build("qwen2", root / "qwen2", 11, **BIAS_SIZES)
+    arch = ARCHITECTURES["qwen2"]
+    adapters = {}
+    for seed, bias in enumerate(("all", "lora_only")):
+        base = arch.build(**BIAS_SIZES).__class__.from_pretrained(model)
+        config = arch.lora(target_modules=["q_proj", "v_proj"], bias=bias)
+        adapters[bias] = save_adapter(base, config, root / f"lora-{bias}", seed)
+    return model, adapters
+
+
+def test_trained_biases_float64_equal_peft_merge(bias_case) -> None:
+    """ΔW and Δb of both bias options against PEFT's merge_and_unload in float64: the biases bit for bit
+    (the merged bias is the trained one), ΔW within 4 ulp of float64 at W's scale (PEFT adds s·B@A with its
+    own association)."""
+    model, adapters = bias_case
+    base = base_state(model)
+    with_bias = {"all": 6, "lora_only": 4}  # k too with "all"; q and v in both layers
+    for bias, folder in adapters.items():
+        import json
+
+        config = json.loads((folder / "adapter_config.json").read_text())
+        tensors = load_file(folder / "adapter_model.safetensors")
+        merged = formulas.merged_weights(config, tensors, base)
+        peft = peft_merged_float64(model, "Qwen2ForCausalLM", folder)
+        biases = [n for n in merged if n.endswith(".bias")]
+        assert len(biases) == with_bias[bias]
+        for name, tensor in merged.items():
+            want = peft[name if name.endswith(".bias") else name + ".weight"]
+            if name.endswith(".bias"):
+                assert torch.equal(tensor, want), name
+                assert not torch.equal(want, base[name].double())  # trained: it differs from the base's
+            else:
+                bound = 4 * torch.finfo(torch.float64).eps * want.abs().max()
+                assert (tensor - want).abs().max() <= bound, name
+
+
+def test_trained_biases_run_every_check(bias_case, tmp_path: Path) -> None:
+    """Both bias options: the biases are compared with the file (weights), a Δb row per trained bias beside
+    ΔW (deltas), the merged biases against the trained ones (merge), and the adapters check names the base
+    mutation the bias load is. Two such adapters in one run are refused: PEFT holds one on a model."""
+    model, adapters = bias_case
+    for bias, count in (("all", 6), ("lora_only", 4)):  # PEFT holds one adapter with bias on a model
+        table = run_all_checks(tmp_path / bias, model, {bias: adapters[bias]}).metrics()
+        nothing_broken(table)
+        rows = table[table.adapter == bias]
+        for target in TARGETS:
+            at = rows[rows.target == target]
+            weights = at[(at.check == "weights") & at.tensor.str.endswith(".bias")]
+            assert len(weights) == count
+            db = at[(at.check == "deltas") & (at.role == "bias delta")]
+            assert len(db) == count and set(db.tensor) == {
+                t.removeprefix("base_model.model.").replace(".base_layer.", ".") for t in weights.tensor
+            }
+            merged = at[(at.check == "merge") & (at.role == "merged") & at.tensor.str.endswith(".bias")]
+            assert len(merged) == 2 * count  # merge_adapter and safe_merge
+            mutated = at[
+                (at.check == "adapters") & (at.reason == "base mutated") & (at.role == "base weight")
+            ]
+            assert len(mutated) == count and all("it trained biases" in n for n in mutated.note)
+        float32 = rows[rows.target == "cpu/float32"]
+        assert set(float32[float32.role == "bias delta"].verdict) == {"identical"}
+
+
+def test_two_adapters_that_train_biases_are_refused_before_loading(bias_case, tmp_path: Path) -> None:
+    from core.models.validate import InputError
+
+    model, adapters = bias_case
+    engine = Engine(tmp_path / "home", runner=InProcessRunner())
+    spec = ProbeSpec(
+        base=ModelRef(path=str(model)),
+        adapters=tuple(AdapterRef(path=str(f), name=n) for n, f in adapters.items()),
+        targets=(Target.parse("cpu/float32"),),
+    )
+    with pytest.raises(InputError) as e:
+        engine.submit(spec)
+    assert str(e.value) == (
+        "adapters all (bias='all'), lora_only (bias='lora_only') each train biases, and PEFT holds only one "
+        "adapter with bias on a model (the run loads its adapters together): run them in separate runs"
+    )
