@@ -185,3 +185,83 @@ def test_two_adapters_that_train_biases_are_refused_before_loading(bias_case, tm
         "adapters all (bias='all'), lora_only (bias='lora_only') each train biases, and PEFT holds only one "
         "adapter with bias on a model (the run loads its adapters together): run them in separate runs"
     )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 2. LoRA on parameters (target_parameters): a stack of experts, and a plain 2-d weight
+# ----------------------------------------------------------------------------------------------------------
+
+# Qwen3-MoE at hidden 24 with 3 experts: LoRA on both expert stacks (two parameters of one module: PEFT nests
+# their wrappers) and on q_proj as a module; Mixtral at hidden 20: its experts' down projection and o_proj's
+# weight named as a parameter.
+PARAMETER_CASES = {
+    "qwen3_moe": (
+        {"hidden_size": 24, "num_attention_heads": 3, "num_experts": 3, "moe_intermediate_size": 8},
+        {
+            "target_modules": ["q_proj"],
+            "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        },
+        "Qwen3MoeForCausalLM",
+    ),
+    "mixtral": (
+        {"hidden_size": 20, "intermediate_size": 28, "num_hidden_layers": 1, "num_local_experts": 3},
+        {"target_modules": [], "target_parameters": ["experts.down_proj", "self_attn.o_proj.weight"]},
+        "MixtralForCausalLM",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def parameter_cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    import transformers
+
+    root = tmp_path_factory.mktemp("parameters")
+    out = {}
+    for seed, (name, (sizes, targets, cls)) in enumerate(PARAMETER_CASES.items()):
+        model = build(name, root / name, 20 + seed, **sizes)
+        base = getattr(transformers, cls).from_pretrained(model)
+        config = ARCHITECTURES[name].lora(r=2, lora_alpha=6, **targets)
+        out[name] = (model, save_adapter(base, config, root / f"{name}-lora", seed))
+    return out
+
+
+def test_targeted_parameters_float64_equal_peft_merge(parameter_cases) -> None:
+    """Each targeted parameter's W + ΔW (float64, from the files, PEFT's nesting of wrappers worked out on a
+    meta-device model) against PEFT's merge_and_unload in float64: within 4 ulp of float64 at the weight's
+    scale (the per-expert sums are PEFT's einsum's, perhaps in another order)."""
+    import transformers
+
+    from core.models import merging
+
+    for name, (model, adapter) in parameter_cases.items():
+        config, tensors = merging.adapter_files(AdapterRef(path=str(adapter), name="p"), str(model))
+        # the base as transformers loads it (its experts stacked as the file has them, or as it stacks them)
+        base = getattr(transformers, PARAMETER_CASES[name][2]).from_pretrained(model).state_dict()
+        merged = formulas.merged_weights(config, tensors, base)
+        peft = peft_merged_float64(model, PARAMETER_CASES[name][2], adapter)
+        targeted = PARAMETER_CASES[name][1]["target_parameters"]
+        assert {n for n in merged if n.endswith(tuple(t.removesuffix(".weight") for t in targeted))}, name
+        for module, tensor in merged.items():
+            want = peft[module if module in peft else module + ".weight"]
+            bound = 4 * torch.finfo(torch.float64).eps * want.abs().max()
+            assert tensor.shape == want.shape and (tensor - want).abs().max() <= bound, (name, module)
+
+
+def test_targeted_parameters_run_every_check(parameter_cases, tmp_path: Path) -> None:
+    """Qwen3-MoE's expert stacks: a ΔW row and merged rows per targeted parameter (named by its path) beside
+    q_proj's, and the adapter's tensors compared with the file."""
+    model, adapter = parameter_cases["qwen3_moe"]
+    table = run_all_checks(tmp_path / "home", model, {"experts": adapter}).metrics()
+    nothing_broken(table)
+    expected = {"model.layers.0.self_attn.q_proj"} | {
+        f"model.layers.0.mlp.experts.{p}" for p in ("gate_up_proj", "down_proj")
+    }
+    for target in TARGETS:
+        at = table[(table.adapter == "experts") & (table.target == target)]
+        deltas = at[(at.check == "deltas") & (at.role == "delta")]
+        assert set(deltas.tensor) == expected and len(deltas) == 3
+        merged = at[(at.check == "merge") & (at.role == "merged")]
+        assert set(merged.tensor) == {
+            f"merged:{s}:{m}" for m in expected for s in ("merge_adapter", "safe_merge")
+        }
+        assert len(at[(at.check == "weights") & at.role.isin(["lora_A", "lora_B"])]) == 6

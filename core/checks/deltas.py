@@ -171,7 +171,7 @@ class DeltasCheck(Check):
             if kind not in adapter_keys.ADAPTER_TYPES:
                 continue
             # Only the wanted modules' tensors are read (and the shared ones, regenerated where unsaved).
-            _, adapter_tensors = merging.adapter_files(adapter, spec.base.path, {k.name for k in wanted})
+            config, adapter_tensors = merging.adapter_files(adapter, spec.base.path, {k.name for k in wanted})
             if not adapter_tensors:
                 continue
             deltas = formulas.reference_deltas(config, adapter_tensors, base)

@@ -223,10 +223,31 @@ def bias_module(name: str) -> str | None:
 
 
 def base_tensor_names(names: Iterable[str]) -> set[str]:
-    """The base tensors the float64 references of ``names`` (modules' ΔW, biases' Δb) read: each module's
-    weight and its bias (an adapter that trains biases changes it; a base without one has none to read)."""
+    """The base tensors the float64 references of ``names`` (modules' ΔW, biases' Δb, targeted parameters' ΔW)
+    read: each module's weight and its bias (an adapter that trains biases changes it; a base without one has
+    none to read), a targeted parameter itself (a module path names no tensor: the base has none by it)."""
     modules = {bias_module(n) or n for n in names}
-    return {f"{m}.{p}" for m in modules for p in ("weight", "bias")}
+    return {f"{m}.{p}" for m in modules for p in ("weight", "bias")} | modules
+
+
+PARAMETER_LAYOUT = "weightdrift:target_parameters"
+"""The key under which `core.models.merging.adapter_files` adds to a ``target_parameters`` LoRA's config
+dict the parameters it adapts: parameter path → whether PEFT reads a 3-d one as (experts, out, in), the
+layout of `core.models.conversion.targeted_parameters` (its file's keys renamed to those paths)."""
+
+
+def rename_modules(keys: Iterable[str], paths: Mapping[str, str]) -> dict[str, str]:
+    """Checkpoint keys with the module path of each renamed by ``paths`` (old module path → new) → the key as
+    the file has it; keys of other modules unchanged."""
+    out = {}
+    for key in keys:
+        split = split_adapter_key(key)
+        if split is not None and split[0] in paths:
+            prefix = _PEFT_PREFIX if key.startswith(_PEFT_PREFIX) else ""
+            out[f"{prefix}{paths[split[0]]}.{split[1]}"] = key
+        else:
+            out[key] = key
+    return out
 
 
 def saved_module_names(adapter_config: Mapping[str, Any]) -> tuple[str, ...]:
@@ -325,6 +346,8 @@ def _need_projections(mod: AdapterModule, method: str) -> None:
 def _base_weight(mod: AdapterModule, base_weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The float64 base weight of ``mod``, or a ValueError saying the adapter does not fit this base."""
     key = mod.module + ".weight"
+    if key not in base_weights and mod.module in base_weights:  # a parameter LoRA targets (target_parameters)
+        key = mod.module
     if key not in base_weights:
         example = next(iter(base_weights), "<empty>")
         raise ValueError(
@@ -368,7 +391,8 @@ def _adapter_names(layer: nn.Module) -> list[str]:
 
 
 def adapted_modules(peft_model: nn.Module) -> dict[str, tuple[nn.Module, list[str]]]:
-    """Map base-module path (as in :func:`core.methods.formulas.reference_deltas`) to ``(PEFT tuner layer, adapter names)``.
+    """Map base-module path (as in :func:`core.methods.formulas.reference_deltas`) to ``(PEFT tuner layer, adapter names)``;
+    a LoRA on a parameter (``target_parameters``: PEFT's ``ParamWrapper``) by the parameter's path.
 
     Works on a ``PeftModel`` (the ``base_model.model.`` prefix is stripped) and on a model with
     adapters injected directly.
@@ -383,6 +407,8 @@ def adapted_modules(peft_model: nn.Module) -> dict[str, tuple[nn.Module, list[st
         if not names:
             continue
         path = name[len(_PEFT_PREFIX) :] if name.startswith(_PEFT_PREFIX) else name
+        if type(module).__name__ == "ParamWrapper":  # LoRA on a parameter: named by the parameter's path
+            path = f"{path.replace('.base_layer', '')}.{module.parameter_name}"
         out[path] = (module, names)
     return out
 

@@ -31,6 +31,7 @@ from core.methods import formulas_more
 from core.methods.adapter_keys import (
     ADAPTER_TYPES,
     BIAS_SUFFIX,
+    PARAMETER_LAYOUT,
     AdapterModule,
     _base_weight,
     _check_shape,
@@ -86,6 +87,9 @@ def _lora_delta(
     a = _need(mod, "lora_A.weight", tensors)
     b = _need(mod, "lora_B.weight", tensors)
     r, scaling = _lora_rank_and_scaling(config, mod.module)
+    layout = config.get(PARAMETER_LAYOUT) or {}
+    if mod.module in layout and weight.ndim == 3:
+        return _lora_experts_delta(mod, a, b, r, scaling, weight, layout[mod.module])
     if weight.ndim > 2:
         return _lora_conv_delta(mod, a, b, r, scaling, weight)
     fifo = bool(config.get("fan_in_fan_out"))
@@ -93,6 +97,28 @@ def _lora_delta(
     _check_shape(mod, "lora_A.weight", a.shape, (r, in_f))
     _check_shape(mod, "lora_B.weight", b.shape, (out_f, r))
     return _t(scaling * (b @ a), fifo)
+
+
+def _lora_experts_delta(
+    mod: AdapterModule,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    r: int,
+    scaling: float,
+    weight: torch.Tensor,
+    out_in: bool,
+) -> torch.Tensor:
+    """LoRA on a 3-d parameter (``target_parameters``: a stack of E experts' weights): one rank-r pair per
+    expert, A (E·r, in) read expert-major (row e·r + k) and B (out, r·E) rank-major (column k·E + e), as
+    PEFT's ``ParamWrapper`` reshapes them: ``ΔW[e] = s·Σ_k B[:, k·E + e] ⊗ A[e·r + k]``, laid out (E, out, in)
+    where PEFT reads the parameter so (``out_in``), else (E, in, out)."""
+    experts = weight.shape[0]
+    in_f, out_f = (weight.shape[2], weight.shape[1]) if out_in else (weight.shape[1], weight.shape[2])
+    _check_shape(mod, "lora_A.weight", a.shape, (r * experts, in_f))
+    _check_shape(mod, "lora_B.weight", b.shape, (out_f, r * experts))
+    per_a = a.reshape(experts, r, in_f)  # [e, k, i]
+    per_b = b.reshape(out_f, r, experts)  # [o, k, e]
+    return scaling * torch.einsum("oke,eki->eoi" if out_in else "oke,eki->eio", per_b, per_a)
 
 
 def _lora_conv_delta(
@@ -459,7 +485,8 @@ def reference_deltas(
 
     * LoRA / PiSSA: ``s·B@A``, ``s = alpha/r`` (``alpha/sqrt(r)`` with rsLoRA), rank_pattern and
       alpha_pattern honoured, transposed with fan_in_fan_out; on embeddings ``s·(B@A)ᵀ`` from
-      ``lora_embedding_A``/``lora_embedding_B``; on convolutions ``s·Σ_r B[:, r]·A[r]`` over the kernel.
+      ``lora_embedding_A``/``lora_embedding_B``; on convolutions ``s·Σ_r B[:, r]·A[r]`` over the kernel; on
+      a parameter (``target_parameters``, keyed by its path) ``s·B@A``, per expert for a stack of experts.
       For PiSSA this is the change relative to
       the *residual* base PEFT computes in memory when it loads the adapter (``W − top-r SVD``), which
       is what PEFT's ``get_delta_weight`` and merge add; see :func:`merged_weights`.
@@ -491,7 +518,8 @@ def reference_deltas(
             if not mod.changes_weight:
                 continue
             weight = _module_base_weight(mod, adapter_tensors, base_weights)
-            # a convolution's ΔW is written out for plain LoRA; the other rules are for Linear layers
+            # a convolution's (and a stack of experts') ΔW is written out for plain LoRA; the other rules are for
+            # Linear layers
             if weight.ndim != 2 and (kind != "lora" or base_rewriting_init(adapter_config)):
                 raise ValueError(
                     f"module {mod.module}: only 2-d (Linear) weights are supported for {kind}, "

@@ -112,10 +112,10 @@ def peft_delta(layer: nn.Module, adapter_name: str) -> torch.Tensor:
     if layer.merged_adapters:
         raise ValueError(f"layer has merged adapters {layer.merged_adapters}; unmerge before peft_delta")
     with torch.no_grad():
-        weight = _base_weight(layer.get_base_layer()).detach()
         if kind in ADDITIVE:
             delta = layer.get_delta_weight(adapter_name)
             return delta.to_dense() if delta.is_sparse else delta  # SHiRA's is a sparse tensor
+        weight = _base_weight(layer.get_base_layer()).detach()
         if kind == "dora":
             delta = layer.get_delta_weight(adapter_name)
             w = weight.to(delta.dtype)

@@ -27,7 +27,7 @@ from torch import nn
 from core.methods import adapter_keys, formulas, projections
 from core.models import targets
 from core.models.checkpoint import Checkpoint, adapters_task_type, read_adapter_config, read_checkpoint
-from core.models.conversion import loaded_shapes
+from core.models.conversion import loaded_shapes, targeted_parameters
 from core.models.validate import TIED_EMBEDDING_NAMES
 from core.numerics.tolerance import ulp
 from core.spec import AdapterRef, ProbeSpec, Target
@@ -160,8 +160,7 @@ def tied_adapted_modules(peft_model: nn.Module, adapter: str) -> list[TiedFindin
     for module, (layer, names) in adapter_keys.adapted_modules(peft_model).items():
         if adapter not in names:
             continue
-        weight = layer.get_base_layer().weight
-        key = _storage_key(weight)
+        key = _storage_key(base_weight(layer))
         for group in groups:
             members = {_strip(n) for n in group}
             if f"{module}.weight" not in members:
@@ -213,7 +212,10 @@ def unmerge_modules(peft_model: nn.Module) -> None:
 
 
 def base_weight(layer: nn.Module) -> torch.Tensor:
-    """The base weight a tuner layer merges into (a bitsandbytes weight dequantized, as PEFT merges it)."""
+    """The base weight a tuner layer merges into (a bitsandbytes weight dequantized, as PEFT merges it; the
+    parameter a LoRA on parameters targets)."""
+    if type(layer).__name__ == "ParamWrapper":
+        return layer.get_param()
     base = layer.get_base_layer()
     return targets.dequantize(base) if targets.is_quantized_layer(base) else base.weight
 
@@ -227,6 +229,9 @@ def base_state(layers: dict[str, nn.Module]) -> dict[str, dict[str, Any]]:
     """
     state: dict[str, dict[str, Any]] = {}
     for module, layer in layers.items():
+        if type(layer).__name__ == "ParamWrapper":  # its one parameter (`base_weight`), as "weight"
+            state[module] = {"weight": layer.get_param().detach().clone()}
+            continue
         base = layer.get_base_layer()
         state[module] = {n: p.detach().clone() for n, p in base.named_parameters()}
         if targets.is_quantized_layer(base):
@@ -573,7 +578,12 @@ def adapter_files(
     where the file lacks it (``save_projection=False``), sized by the shapes of the base weights (folder
     `base`, headers only) of every module the adapter adapts, as PEFT sizes it."""
     config = read_adapter_config(adapter)
-    index = dict.fromkeys(Checkpoint.open(adapter.path, prefix="adapter_model").names())
+    # a LoRA on parameters: its file's keys by the parameters' paths (file key kept as the value)
+    layout = targeted_parameters(base, config)
+    paths = {module: path for module, (path, _) in layout.items()}
+    index = adapter_keys.rename_modules(Checkpoint.open(adapter.path, prefix="adapter_model").names(), paths)
+    if layout:
+        config = {**config, adapter_keys.PARAMETER_LAYOUT: dict(layout.values())}
     kind = adapter_keys.adapter_type(config)
     shared: dict[str, torch.Tensor] = {}
     if projections.unsaved(kind, config, index):
@@ -585,7 +595,7 @@ def adapter_files(
         if missing:  # a size from a subset of the modules would draw other numbers, not fewer
             raise ValueError(f"{kind}: the base has no weight for {', '.join(missing[:3])}")
         shared = projections.regenerate(kind, config, shapes.values())
-        index.update(dict.fromkeys(shared))
+        index.update({k: k for k in shared})
     if modules is None:
         names = set(index)
     else:
@@ -593,7 +603,9 @@ def adapter_files(
         wanted = {adapter_keys.bias_module(m) or m for m in modules}  # a bias change: its module's tensors
         names = {t for m in wanted if m in by_module for t in by_module[m].keys.values()}
     names -= set(shared)
-    tensors = read_checkpoint(adapter.path, prefix="adapter_model", names=names) if names else {}
+    file_names = {index[n]: n for n in names}
+    read = read_checkpoint(adapter.path, prefix="adapter_model", names=set(file_names)) if names else {}
+    tensors = {file_names[k]: t for k, t in read.items()}
     if tensors:
         tensors.update(shared)
     return config, tensors

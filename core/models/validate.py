@@ -89,7 +89,15 @@ def validate_adapter(adapter: AdapterRef, base_shapes: dict[str, tuple[int, ...]
             continue  # modules_to_save copies and the like: nothing to match against the base
         module, param = split
         modules.setdefault(module, {})[param.split(".")[0]] = shape
-    missing = [m for m in modules if f"{m}.weight" not in base_shapes]
+    # LoRA on parameters (target_parameters) keeps a module's tensors under `<module>(.base_layer)*`, one
+    # nesting per parameter it targets there: the module must hold one of the parameters the config names
+    targeted = [str(t).rpartition(".")[2] for t in config.get("target_parameters") or ()]
+    missing = [
+        m
+        for m in modules
+        if f"{m}.weight" not in base_shapes
+        and not any(f"{m.replace('.base_layer', '')}.{p}" in base_shapes for p in targeted)
+    ]
     if missing and len(missing) == len(modules):
         raise InputError(
             f"adapter {adapter.name} was made for a different base model: none of its modules "
@@ -100,8 +108,8 @@ def validate_adapter(adapter: AdapterRef, base_shapes: dict[str, tuple[int, ...]
             f"adapter {adapter.name} does not fit {base}: modules {', '.join(missing[:3])} do not exist"
         )
     for module, roles in modules.items():
-        w = base_shapes[f"{module}.weight"]
-        if len(w) != 2:
+        w = base_shapes.get(f"{module}.weight")
+        if w is None or len(w) != 2:  # a parameter LoRA targets: the formulas check its shapes
             continue
         out_f, in_f = (w[1], w[0]) if fan_in_fan_out else (w[0], w[1])
         a, b = roles.get("lora_A"), roles.get("lora_B")
