@@ -265,3 +265,81 @@ def test_targeted_parameters_run_every_check(parameter_cases, tmp_path: Path) ->
             f"merged:{s}:{m}" for m in expected for s in ("merge_adapter", "safe_merge")
         }
         assert len(at[(at.check == "weights") & at.role.isin(["lora_A", "lora_B"])]) == 6
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 3. layer_replication: PEFT expands the base's layers before it loads the adapter
+# ----------------------------------------------------------------------------------------------------------
+
+# Gemma at hidden 24 with 2 layers, expanded to 0, 1, 1, 0 (four layers): LoRA on every copy's q and o.
+REPLICATION = [[0, 2], [1, 2], [0, 1]]
+
+
+@pytest.fixture(scope="module")
+def replication_case(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    import transformers
+
+    root = tmp_path_factory.mktemp("replication")
+    model = build("gemma", root / "gemma", 31, hidden_size=24, num_hidden_layers=2, num_attention_heads=3)
+    base = transformers.GemmaForCausalLM.from_pretrained(model)
+    config = ARCHITECTURES["gemma"].lora(target_modules=["q_proj", "o_proj"], layer_replication=REPLICATION)
+    return model, save_adapter(base, config, root / "gemma-lora", 3)
+
+
+def test_replicated_layers_float64_equal_peft_delta(replication_case) -> None:
+    """Each copy's ΔW (float64, from the files) against PEFT's get_delta_weight on the model PEFT expanded in
+    float64: bit for bit (both s·B@A in float64); the copies' base weights are the layers they copy."""
+    import json
+
+    import transformers
+    from peft import PeftModel
+
+    from core.methods.adapter_keys import adapted_modules
+
+    model, adapter = replication_case
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    deltas = formulas.reference_deltas(config, tensors, base_state(model))
+    assert len(deltas) == 2 * 4  # q and o of four layers
+    base = transformers.GemmaForCausalLM.from_pretrained(model, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft = PeftModel.from_pretrained(base, adapter)
+    layers = adapted_modules(peft)
+    assert set(layers) == set(deltas)
+    for name, (layer, _) in layers.items():
+        assert torch.equal(deltas[name], layer.get_delta_weight("default")), name
+    merged = formulas.merged_weights(config, tensors, base_state(model), deltas=deltas)
+    original = base_state(model)["model.layers.0.self_attn.q_proj.weight"].double()
+    copy = "model.layers.3.self_attn.q_proj"  # the fourth layer copies the first
+    assert torch.equal(merged[copy], original + deltas[copy])
+
+
+def test_replicated_layers_run_every_check(replication_case, tmp_path: Path) -> None:
+    """The run says the base was expanded; every copy has its ΔW row; merging is PEFT's refusal, said in one
+    finding; the adapters check names the expansion as what disabling the adapter does not undo."""
+    model, adapter = replication_case
+    run = run_all_checks(tmp_path / "home", model, {"rep": adapter})
+    table = run.metrics()
+    nothing_broken(table)
+    note = (
+        "rep: PEFT expanded the base's layers to 4 before loading the adapter (layer_replication "
+        "[[0, 2], [1, 2], [0, 1]]: layers 0, 1, 1, 0; each copy shares the weights of the layer it copies)"
+    )
+    assert note in run.notes()
+    findings = run.table("merge_findings")
+    for target in TARGETS:
+        at = table[(table.adapter == "rep") & (table.target == target)]
+        deltas = at[(at.check == "deltas") & (at.role == "delta")]
+        assert set(deltas.tensor) == {
+            f"model.layers.{i}.self_attn.{m}" for i in range(4) for m in ("q_proj", "o_proj")
+        }
+        assert at[at.check == "merge"].empty
+        found = findings[(findings.adapter == "rep") & (findings.target == target)]
+        assert (
+            list(found.finding) == ["does not apply"] and "PEFT refuses to merge it" in found.detail.iloc[0]
+        )
+        disabled = at[(at.check == "adapters") & (at.role == "disabled")]
+        assert set(disabled.reason) == {"base mutated"} and all(
+            "layer_replication" in n for n in disabled.note
+        )

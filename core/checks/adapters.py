@@ -460,6 +460,8 @@ def _mutation_cause(config: dict) -> str | None:
         return "PiSSA replaces W by its residual"
     if config.get("bias") not in (None, "none"):
         return f"it trained biases (bias={config['bias']!r}), which PEFT loads over the base's"
+    if config.get("layer_replication"):
+        return "PEFT expanded the base's layers for it (layer_replication), which disabling it does not undo"
     return None
 
 

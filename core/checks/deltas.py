@@ -149,9 +149,10 @@ class DeltasCheck(Check):
         keys = [k for k in keys if not k.name.startswith(SAVED_PREFIX)]
         base = {
             k: v.to(torch.float64)
-            # by the names the loaded model has (transformers may rename checkpoint keys on load)
-            for k, v in read_loaded(
-                spec.base.path, adapter_keys.base_tensor_names(k.name for k in keys)
+            # by the names the loaded model has (transformers may rename checkpoint keys on load; the layers an
+            # adapter's layer_replication copies are read for its copies)
+            for k, v in merging.reference_base(
+                spec, adapter_keys.base_tensor_names(k.name for k in keys)
             ).items()
         }
         tensors: dict[str, torch.Tensor] = {}

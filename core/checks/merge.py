@@ -101,6 +101,13 @@ class MergeCheck(Check):
             if mismatch:  # said in a note and a finding row (`findings_table`)
                 meta["not_covered"] = mismatch
                 out.notes.append(f"merge: {meta['not_covered']}")
+            elif config.get("layer_replication"):  # said in a note and a finding row (`findings_table`)
+                meta["does_not_apply"] = (
+                    f"{adapter} replicates the base's layers (layer_replication {config['layer_replication']}), "
+                    "whose copies share the originals' weights: PEFT refuses to merge it (\"Cannot merge LORA "
+                    'layers when base model layers are replicated"); its ΔW is compared (deltas check)'
+                )
+                out.notes.append(f"merge: {meta['does_not_apply']}")
             elif kind in adapter_keys.ADAPTER_TYPES:
                 self._capture_adapter(ctx, loaded, out, meta)
             elif kind in adapter_keys.PROMPT_LEARNING:  # said in a note and a finding row (`findings_table`)

@@ -434,3 +434,42 @@ def loaded_parameters(model: nn.Module, names: Iterable[str]) -> dict[str, torch
         if path in wanted:
             out[path] = param
     return out
+
+
+# A layer of the stacks PEFT's `replicate_layers` expands: `model.layers.N.`, BERT's `encoder.layer.N.`, `h.N.`
+_LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h)\.(\d+)(?=\.|$)")
+
+
+def replicated_layers(adapter_config: Mapping[str, Any]) -> list[int]:
+    """The base layer each layer of the expanded stack is a copy of, for a LoRA with ``layer_replication``
+    (PEFT's `replicate_layers`: ``[[0, 2], [1, 3]]`` makes layers 0, 1, 1, 2); [] without it."""
+    return [i for start, end in adapter_config.get("layer_replication") or () for i in range(start, end)]
+
+
+def unreplicated(name: str, order: list[int]) -> str:
+    """The base's name of ``name`` (a module or tensor path of the expanded model) where PEFT replicated the
+    layers in ``order`` (:func:`replicated_layers`): its layer index mapped to the layer it copies."""
+    match = _LAYER.search(name)
+    if not order or match is None or int(match.group(1)) >= len(order):
+        return name
+    return f"{name[: match.start(1)]}{order[int(match.group(1))]}{name[match.end(1) :]}"
+
+
+class UnreplicatedBase(Mapping):
+    """Base weights read by the expanded model's names (a LoRA with ``layer_replication``): each name looked
+    up as the layer it copies (PEFT's copies share the originals' weights)."""
+
+    def __init__(self, base: Mapping[str, torch.Tensor], order: list[int]) -> None:
+        self._base, self._order = base, order
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._base[unreplicated(name, self._order)]
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and unreplicated(name, self._order) in self._base
+
+    def __iter__(self):
+        return iter(self._base)
+
+    def __len__(self) -> int:
+        return len(self._base)

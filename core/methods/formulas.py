@@ -33,6 +33,7 @@ from core.methods.adapter_keys import (
     BIAS_SUFFIX,
     PARAMETER_LAYOUT,
     AdapterModule,
+    UnreplicatedBase,
     _base_weight,
     _check_shape,
     _ia3_is_feedforward,
@@ -45,6 +46,7 @@ from core.methods.adapter_keys import (
     adapter_module_keys,
     adapter_type,
     bias_module,
+    replicated_layers,
     saved_module_names,
 )
 
@@ -510,6 +512,7 @@ def reference_deltas(
     modules = adapter_module_keys(adapter_tensors, saved_module_names(adapter_config))
     if not modules:
         raise ValueError("adapter checkpoint holds no adapter tensors")
+    base_weights = _as_loaded(adapter_config, base_weights)
     out = {}
     with torch.no_grad():
         for name, mod in modules.items():
@@ -545,6 +548,15 @@ def bias_delta(
     base = base_weights[key].detach().to(device="cpu", dtype=torch.float64)
     _check_shape(mod, "bias", trained.shape, tuple(base.shape))
     return trained - base
+
+
+def _as_loaded(
+    adapter_config: Mapping[str, Any], base_weights: Mapping[str, torch.Tensor]
+) -> Mapping[str, torch.Tensor]:
+    """The base weights by the names the adapter's model has: a LoRA with ``layer_replication`` sees the
+    base's layers expanded (each copy reads the layer it copies), any other the base's own names."""
+    order = replicated_layers(adapter_config)
+    return UnreplicatedBase(base_weights, order) if order else base_weights
 
 
 def _module_base_weight(
@@ -639,6 +651,7 @@ def merged_weights(
     kind = adapter_type(adapter_config)
     fifo = bool(adapter_config.get("fan_in_fan_out"))
     modules = adapter_module_keys(adapter_tensors, saved_module_names(adapter_config))
+    base_weights = _as_loaded(adapter_config, base_weights)
     out: dict[str, torch.Tensor] = {}
     for name, delta in deltas.items():
         module = bias_module(name)

@@ -518,6 +518,9 @@ def reference_base(spec: ProbeSpec, names: set[str]) -> dict[str, torch.Tensor]:
         names = names | {
             n for n in Checkpoint.open(spec.base.path).names() if n.endswith(TIED_EMBEDDING_NAMES)
         }
+    # an adapter that replicates layers names the copies: the layers they copy are read
+    orders = [adapter_keys.replicated_layers(read_adapter_config(a)) for a in spec.adapters]
+    names = names | {adapter_keys.unreplicated(n, order) for order in orders if order for n in names}
     base = read_loaded(spec.base.path, names)  # by the loaded model's names
     return with_tied_aliases(spec, base)
 
@@ -634,7 +637,8 @@ def not_for_subset(adapter: AdapterRef) -> str:
 
     A plain LoRA only: the others have no `cat` combination. A LoRA that saves modules whole
     (modules_to_save, a classifier head) neither: all adapters of the subset are active at once, and
-    PEFT keeps one saved copy of a module active at a time (it refuses to activate several).
+    PEFT keeps one saved copy of a module active at a time (it refuses to activate several); nor one that
+    trains biases (PEFT holds one such adapter on a model) or replicates layers (PEFT merges none).
     """
     config = read_adapter_config(adapter)
     kind = adapter_keys.adapter_type(config)
@@ -647,6 +651,10 @@ def not_for_subset(adapter: AdapterRef) -> str:
         return (
             f"saves {', '.join(saved)} whole (modules_to_save), and PEFT activates one saved copy at a time"
         )
+    if config.get("bias") not in (None, "none"):
+        return f"trains biases (bias={config['bias']!r}), and PEFT holds one adapter with bias on a model"
+    if config.get("layer_replication"):
+        return "replicates the base's layers (layer_replication), which PEFT refuses to merge"
     return ""
 
 

@@ -75,19 +75,20 @@ def validate_model(model: ModelRef) -> dict[str, tuple[int, ...]] | None:
 
 def validate_adapter(adapter: AdapterRef, base_shapes: dict[str, tuple[int, ...]] | None, base: str) -> None:
     """The adapter folder is intact and its modules exist in the base with fitting shapes."""
-    from core.methods.adapter_keys import split_adapter_key
+    from core.methods.adapter_keys import replicated_layers, split_adapter_key, unreplicated
 
     config = check_adapter_config(adapter)
     shapes = weight_shapes(Path(adapter.path).expanduser(), prefix="adapter_model")
     if shapes is None or base_shapes is None:
         return
     fan_in_fan_out = bool(config.get("fan_in_fan_out"))
+    order = replicated_layers(config)  # layer_replication: PEFT expands the base's layers before loading
     modules = {}
     for key, shape in shapes.items():
         split = split_adapter_key(key)
         if split is None:
             continue  # modules_to_save copies and the like: nothing to match against the base
-        module, param = split
+        module, param = unreplicated(split[0], order), split[1]
         modules.setdefault(module, {})[param.split(".")[0]] = shape
     # LoRA on parameters (target_parameters) keeps a module's tensors under `<module>(.base_layer)*`, one
     # nesting per parameter it targets there: the module must hold one of the parameters the config names
