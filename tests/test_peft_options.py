@@ -343,3 +343,85 @@ def test_replicated_layers_run_every_check(replication_case, tmp_path: Path) -> 
         assert set(disabled.reason) == {"base mutated"} and all(
             "layer_replication" in n for n in disabled.note
         )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 4. Methods PEFT merges with no float64 formula here: PEFT's own get_delta_weight in float64
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _own_configs():
+    """VBLoRA, C3A, GraLoRA and WaveFT on Qwen3's q_proj and v_proj (in 16; out 16 and 8)."""
+    import peft
+
+    common = {"target_modules": ["q_proj", "v_proj"], "task_type": "CAUSAL_LM"}
+    return {
+        "vblora": peft.VBLoRAConfig(r=2, num_vectors=8, vector_length=4, **common),
+        "c3a": peft.C3AConfig(block_size=4, **common),
+        "gralora": peft.GraloraConfig(r=4, gralora_k=2, alpha=8, **common),
+        "waveft": peft.WaveFTConfig(n_frequency=16, **common),
+    }
+
+
+@pytest.fixture(scope="module")
+def own_case(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
+    import transformers
+
+    root = tmp_path_factory.mktemp("own")
+    model = build("qwen3", root / "qwen3", 41)
+    adapters = {}
+    for seed, (name, config) in enumerate(_own_configs().items()):
+        base = transformers.Qwen3ForCausalLM.from_pretrained(model)
+        adapters[name] = save_adapter(base, config, root / name, seed)
+    return model, adapters
+
+
+def test_peft_merges_these_methods_by_adding_get_delta_weight(own_case) -> None:
+    """What `peft_path.PEFT_ADDITIVE` claims, on PEFT itself in float64: merge_and_unload gives W + the
+    float64 twin's get_delta_weight (`float64_peft_delta`), bit for bit."""
+    import transformers
+    from peft import PeftModel
+
+    from core.methods import peft_path
+    from core.methods.adapter_keys import adapted_modules
+
+    model, adapters = own_case
+    assert set(adapters) == set(peft_path.PEFT_ADDITIVE)
+    base = base_state(model)
+    for name, folder in adapters.items():
+        loaded = transformers.Qwen3ForCausalLM.from_pretrained(model, dtype=torch.float64)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            peft = PeftModel.from_pretrained(loaded, folder)
+        layers = {m: layer for m, (layer, _) in adapted_modules(peft).items()}
+        refs = peft_path.own_references(layers, "default", name, base)
+        assert len(refs) == 2, name
+        merged = peft.merge_and_unload().state_dict()
+        for module, (delta, weight, note) in refs.items():
+            assert delta.abs().max() > 0 and note.startswith(f"{name}: PEFT's own get_delta_weight")
+            assert torch.equal(merged[f"{module}.weight"], weight), (name, module)
+
+
+def test_methods_merged_by_peft_own_delta_run_every_check(own_case, tmp_path: Path) -> None:
+    """VBLoRA and C3A: a ΔW row and merged rows per module against PEFT's own get_delta_weight in float64,
+    named so; no `not covered` finding."""
+    model, adapters = own_case
+    run = run_all_checks(tmp_path / "home", model, {n: adapters[n] for n in ("vblora", "c3a")})
+    table = run.metrics()
+    nothing_broken(table)
+    modules = {f"model.layers.0.self_attn.{m}" for m in ("q_proj", "v_proj")}
+    for name in ("vblora", "c3a"):
+        for target in TARGETS:
+            at = table[(table.adapter == name) & (table.target == target)]
+            deltas = at[(at.check == "deltas") & (at.role == "delta")]
+            assert set(deltas.tensor) == modules and set(deltas.reference) == {
+                "PEFT's own get_delta_weight in float64"
+            }
+            merged = at[(at.check == "merge") & (at.role == "merged")]
+            assert set(merged.tensor) == {
+                f"merged:{s}:{m}" for m in modules for s in ("merge_adapter", "safe_merge")
+            }
+            assert set(merged.reference) == {"W + PEFT's own get_delta_weight in float64"}
+    for check in ("deltas", "merge"):
+        findings = run.table(f"{check}_findings")
+        assert findings[findings.adapter.isin(["vblora", "c3a"])].empty

@@ -63,6 +63,10 @@ class DeltasCheck(Check):
         config = read_adapter_config(loaded.adapter)
         kind = adapter_keys.adapter_type(config)
         meta = out.meta.setdefault(self.name, {})
+        if kind in peft_path.PEFT_ADDITIVE:
+            self._capture_saved_modules(loaded, config, out)
+            self._capture_peft_own(ctx, loaded, out, kind)
+            return
         if kind not in adapter_keys.ADAPTER_TYPES:
             if kind in adapter_keys.PROMPT_LEARNING:
                 finding = "does not apply"
@@ -112,6 +116,33 @@ class DeltasCheck(Check):
             "applies_to_w": applies_to_w(kind, config),
             "sources": sources,
             "resized": resized,
+        }
+
+    def _capture_peft_own(self, ctx: CaptureContext, loaded: Loaded, out: Capture, kind: str) -> None:
+        """ΔW of a method with no float64 formula here but a merge that adds PEFT's get_delta_weight: each
+        module's on the target against the same function on a float64 copy of the layer, measured here."""
+        adapter = loaded.adapter.name
+        sources = {}
+        with torch.no_grad():
+            for module, (layer, names) in adapter_keys.adapted_modules(loaded.model).items():
+                if adapter not in names:
+                    continue
+                key = TensorKey(self.name, adapter, module)
+                delta = layer.get_delta_weight(adapter)
+                ref = peft_path.float64_peft_delta(layer, adapter)
+                note = f"{kind} ΔW: {peft_path.PEFT_OWN} (no float64 formula of the method here)"
+                measured = self.measure_against(
+                    ctx.spec, ctx.target, key, delta, ref, peft_path.PEFT_OWN, note
+                )
+                out.results[key.encode()] = measured.as_dict()
+                if measured.sketch is not None:
+                    out.sketches[key.encode()] = measured.sketch
+                sources[module] = f"{kind}.get_delta_weight"
+        out.meta[self.name][adapter] = {
+            "kind": kind,
+            "applies_to_w": False,
+            "sources": sources,
+            "resized": [],
         }
 
     def _capture_saved_modules(self, loaded: Loaded, config: dict, out: Capture) -> None:

@@ -108,7 +108,7 @@ class MergeCheck(Check):
                     'layers when base model layers are replicated"); its ΔW is compared (deltas check)'
                 )
                 out.notes.append(f"merge: {meta['does_not_apply']}")
-            elif kind in adapter_keys.ADAPTER_TYPES:
+            elif kind in adapter_keys.ADAPTER_TYPES or kind in peft_path.PEFT_ADDITIVE:
                 self._capture_adapter(ctx, loaded, out, meta)
             elif kind in adapter_keys.PROMPT_LEARNING:  # said in a note and a finding row (`findings_table`)
                 meta["does_not_apply"] = (
@@ -135,15 +135,23 @@ class MergeCheck(Check):
         name: str,
         t,
         before=None,
+        own: tuple[torch.Tensor, str] | None = None,
     ) -> None:
         """Keep an output (compared across targets later); a weight (every other role) too where the run
         keeps tensors (`keeps_tensors`: the compare task measures it), else measure it here and now, as
-        the compare task would (`before`: W before the merge), and keep its row, sketch and hash."""
+        the compare task would (`before`: W before the merge), and keep its row, sketch and hash. `own`: a
+        reference made here from the loaded layer (PEFT's own ΔW in float64, and its note), measured here
+        always (the compare task has no model to make it from)."""
         key = TensorKey(self.name, adapter, key_name(role, stage, name))
-        if role == "output" or keeps_tensors(ctx.spec):
+        if role == "output" or (keeps_tensors(ctx.spec) and own is None):
             out.add(key, t)
             return
-        if role == "roundtrip":
+        if own is not None:
+            if keeps_tensors(ctx.spec):
+                out.keep(key, t)
+            ref, note = own
+            label = "W + " + peft_path.PEFT_OWN if role == "merged" else peft_path.PEFT_OWN
+        elif role == "roundtrip":
             ref, label, note = before, "W before merge (same target)", ""
         else:
             reference = self.reference_for(ctx.spec, key, None)
@@ -177,7 +185,27 @@ class MergeCheck(Check):
 
         output("unmerged", model)
         sources = {}
+        own = {}
+        if (
+            meta["kind"] in peft_path.PEFT_ADDITIVE
+        ):  # no formula here: PEFT's own ΔW in float64, W from the file
+            base = merging.reference_base(ctx.spec, {f"{m}.weight" for m in layers})
+            own = peft_path.own_references(layers, adapter, meta["kind"], base)
         for module, layer in layers.items():
+            if module in own:  # no formula here: PEFT's own get_delta_weight, the reference its float64 twin
+                delta, merged_ref, note = own[module]
+                self._add(
+                    ctx,
+                    out,
+                    adapter,
+                    "delta",
+                    "peft",
+                    module,
+                    layer.get_delta_weight(adapter),
+                    own=(delta, note),
+                )
+                sources[module] = f"{meta['kind']}.get_delta_weight"
+                continue
             try:
                 self._add(ctx, out, adapter, "delta", "peft", module, peft_path.peft_delta(layer, adapter))
                 sources[module] = peft_path.peft_delta_source(layer, adapter)
@@ -209,7 +237,7 @@ class MergeCheck(Check):
         else:
             meta["nonfinite_merged"] = merging.nonfinite_written(layers, state)
             self._merged_stage(
-                ctx, out, adapter, model, layers, tied, "merge_adapter", output, before, biases
+                ctx, out, adapter, model, layers, tied, "merge_adapter", output, before, biases, own
             )
             model.unmerge_adapter()
             for module, layer in layers.items():
@@ -222,7 +250,7 @@ class MergeCheck(Check):
 
         # safe_merge, module by module so that every refused module is named.
         meta["safe_merge_errors"] = merging.merge_modules(model, [adapter], safe=True)
-        self._merged_stage(ctx, out, adapter, model, layers, tied, "safe_merge", output, before, biases)
+        self._merged_stage(ctx, out, adapter, model, layers, tied, "safe_merge", output, before, biases, own)
         restore()
 
         try:
@@ -265,11 +293,14 @@ class MergeCheck(Check):
         output,
         before,
         biases: list[str],
+        own: dict,
     ) -> None:
         """The merged weights, the biases the adapter trained (`biases`, ``<module>.bias``), the tied partners'
         weights and the outputs of a model just merged by `stage`."""
         for module, layer in layers.items():
-            self._add(ctx, out, adapter, "merged", stage, module, merging.base_weight(layer), before[module])
+            ref = (own[module][1], own[module][2]) if module in own else None
+            weight = merging.base_weight(layer)
+            self._add(ctx, out, adapter, "merged", stage, module, weight, before[module], own=ref)
         for name, bias in adapter_keys.loaded_parameters(model, biases).items():
             self._add(ctx, out, adapter, "merged", stage, name, bias)
         params = {merging._strip(n): p for n, p in model.named_parameters(remove_duplicate=False)}
