@@ -425,3 +425,95 @@ def test_methods_merged_by_peft_own_delta_run_every_check(own_case, tmp_path: Pa
     for check in ("deltas", "merge"):
         findings = run.table(f"{check}_findings")
         assert findings[findings.adapter.isin(["vblora", "c3a"])].empty
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 5. LoRA on nn.MultiheadAttention: SigLIP's attention-pooling head
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def attention_case(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A SigLIP vision tower (hidden 24, one layer, 8×8 images of 4×4 patches) whose pooling head is an
+    nn.MultiheadAttention: LoRA on it (PEFT wraps it and its out_proj) and on the encoder's v_proj."""
+    import transformers
+    from peft import LoraConfig
+
+    root = tmp_path_factory.mktemp("attention")
+    quiet()
+    torch.manual_seed(51)
+    config = transformers.SiglipVisionConfig(
+        hidden_size=24,
+        intermediate_size=40,
+        num_hidden_layers=1,
+        num_attention_heads=3,
+        image_size=8,
+        patch_size=4,
+    )
+    transformers.SiglipVisionModel(config).eval().save_pretrained(root / "siglip")
+    base = transformers.SiglipVisionModel.from_pretrained(root / "siglip")
+    lora = LoraConfig(r=2, lora_alpha=6, init_lora_weights=False, target_modules=["head.attention", "v_proj"])
+    return root / "siglip", save_adapter(base, lora, root / "siglip-lora", 5)
+
+
+def test_attention_float64_equal_peft_merge(attention_case) -> None:
+    """in_proj's and out_proj's merged weights (float64, from the files) against PEFT's merge_and_unload in
+    float64: within 4 ulp of float64 at the weight's scale. PEFT 0.21.2 adds out_proj's ΔW twice (in its
+    forward too: checked here against a model merged by hand), which the reference follows."""
+    import copy
+
+    import transformers
+    from peft import PeftModel
+
+    from core.methods.adapter_keys import OUT_PROJ_TWICE
+    from core.models import merging
+
+    model, adapter = attention_case
+    config, tensors = merging.adapter_files(AdapterRef(path=str(adapter), name="a"), str(model))
+    base = base_state(model)
+    deltas = formulas.reference_deltas(config, tensors, base)
+    assert set(deltas) == {
+        "head.attention.in_proj_weight",
+        "head.attention.out_proj",
+        "encoder.layers.0.self_attn.v_proj",
+    }
+    merged = formulas.merged_weights(config, tensors, base, deltas=deltas)
+    loaded = transformers.SiglipVisionModel.from_pretrained(model, dtype=torch.float64).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft = PeftModel.from_pretrained(copy.deepcopy(loaded), adapter).eval()
+    pixels = torch.randn(2, 3, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        unmerged = peft(pixel_values=pixels).pooler_output
+        by_hand = copy.deepcopy(loaded)
+        for name, weight in merged.items():
+            target = name if name.endswith("in_proj_weight") else name + ".weight"
+            by_hand.get_parameter(target).copy_(weight)
+        assert (by_hand(pixel_values=pixels).pooler_output - unmerged).abs().max() < 1e-12
+    state = peft.merge_and_unload().state_dict()
+    for name, weight in merged.items():
+        want = state[name if name.endswith("in_proj_weight") else name + ".weight"]
+        assert (weight - want).abs().max() <= 4 * torch.finfo(torch.float64).eps * want.abs().max(), name
+    assert "adds out_proj's ΔW twice" in OUT_PROJ_TWICE
+
+
+def test_attention_runs_every_check(attention_case, tmp_path: Path) -> None:
+    """ΔW rows of in_proj and out_proj; merged rows against W + ΔW (out_proj W + 2ΔW, said in a note)."""
+    model, adapter = attention_case
+    run = run_all_checks(tmp_path / "home", model, {"mha": adapter})
+    table = run.metrics()
+    nothing_broken(table)
+    modules = {
+        "head.attention.in_proj_weight",
+        "head.attention.out_proj",
+        "encoder.layers.0.self_attn.v_proj",
+    }
+    for target in TARGETS:
+        at = table[(table.adapter == "mha") & (table.target == target)]
+        deltas = at[(at.check == "deltas") & (at.role == "delta")]
+        assert set(deltas.tensor) == modules
+        merged = at[(at.check == "merge") & (at.role == "merged")]
+        assert set(merged.tensor) == {
+            f"merged:{s}:{m}" for m in modules for s in ("merge_adapter", "safe_merge")
+        }
+    assert any("adds out_proj's ΔW twice" in n for n in run.notes())

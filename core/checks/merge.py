@@ -184,6 +184,8 @@ class MergeCheck(Check):
             return t
 
         output("unmerged", model)
+        if any(isinstance(layer.get_base_layer(), torch.nn.MultiheadAttention) for layer in layers.values()):
+            out.notes.append(f"merge: {adapter}: {adapter_keys.OUT_PROJ_TWICE}")
         sources = {}
         own = {}
         if (

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -236,6 +236,32 @@ dict the parameters it adapts: parameter path → whether PEFT reads a 3-d one a
 layout of `core.models.conversion.targeted_parameters` (its file's keys renamed to those paths)."""
 
 
+def attention_renames(modules: Iterable[str], base_names: Container[str]) -> dict[str, str]:
+    """LoRA on ``nn.MultiheadAttention``: PEFT wraps the module (its LoRA on ``in_proj_weight`` saved under the
+    module's path) and its ``out_proj`` inside it (saved under ``<module>.base_layer.out_proj``). Module path →
+    the base tensor or module it adapts (``<module>.in_proj_weight``, ``<module>.out_proj``), for the modules
+    of ``modules`` that are such, by the base's tensor names ``base_names``."""
+    out = {}
+    for module in modules:
+        path = re.sub(r"\.base_layer(?=\.)", "", module)  # a wrapped module's own wrapped child
+        if f"{path}.weight" not in base_names and f"{path}.in_proj_weight" in base_names:
+            path = f"{path}.in_proj_weight"
+        if path != module:
+            out[module] = path
+    return out
+
+
+MERGED_TWICE = "weightdrift:merged_twice"
+"""The key under which `core.models.merging.adapter_files` lists in the config dict the modules whose ΔW
+PEFT adds twice (:data:`OUT_PROJ_TWICE`): nn.MultiheadAttention's out_proj."""
+OUT_PROJ_TWICE = (
+    "PEFT 0.21.2's LoRA on nn.MultiheadAttention adds out_proj's ΔW twice: its merge (and its forward, which "
+    "merges for the call) writes W + ΔW into out_proj, then merges out_proj's own LoRA layer, which adds ΔW "
+    "again; the merged out_proj is compared with W + 2ΔW, what PEFT computes"
+)
+"""What the merge check says of such a module."""
+
+
 def rename_modules(keys: Iterable[str], paths: Mapping[str, str]) -> dict[str, str]:
     """Checkpoint keys with the module path of each renamed by ``paths`` (old module path → new) → the key as
     the file has it; keys of other modules unchanged."""
@@ -409,6 +435,11 @@ def adapted_modules(peft_model: nn.Module) -> dict[str, tuple[nn.Module, list[st
         path = name[len(_PEFT_PREFIX) :] if name.startswith(_PEFT_PREFIX) else name
         if type(module).__name__ == "ParamWrapper":  # LoRA on a parameter: named by the parameter's path
             path = f"{path.replace('.base_layer', '')}.{module.parameter_name}"
+        elif (
+            type(module).__name__ == "MultiheadAttention"
+        ):  # its LoRA on in_proj (out_proj's is its own layer)
+            path = f"{path}.in_proj_weight"
+        path = re.sub(r"\.base_layer(?=\.)", "", path)  # a wrapped module's wrapped child (MHA's out_proj)
         out[path] = (module, names)
     return out
 

@@ -31,6 +31,7 @@ from core.methods import formulas_more
 from core.methods.adapter_keys import (
     ADAPTER_TYPES,
     BIAS_SUFFIX,
+    MERGED_TWICE,
     PARAMETER_LAYOUT,
     AdapterModule,
     UnreplicatedBase,
@@ -91,7 +92,7 @@ def _lora_delta(
     r, scaling = _lora_rank_and_scaling(config, mod.module)
     layout = config.get(PARAMETER_LAYOUT) or {}
     if mod.module in layout and weight.ndim == 3:
-        return _lora_experts_delta(mod, a, b, r, scaling, weight, layout[mod.module])
+        return formulas_more.lora_experts_delta(mod, a, b, r, scaling, weight, layout[mod.module])
     if weight.ndim > 2:
         return _lora_conv_delta(mod, a, b, r, scaling, weight)
     fifo = bool(config.get("fan_in_fan_out"))
@@ -99,28 +100,6 @@ def _lora_delta(
     _check_shape(mod, "lora_A.weight", a.shape, (r, in_f))
     _check_shape(mod, "lora_B.weight", b.shape, (out_f, r))
     return _t(scaling * (b @ a), fifo)
-
-
-def _lora_experts_delta(
-    mod: AdapterModule,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    r: int,
-    scaling: float,
-    weight: torch.Tensor,
-    out_in: bool,
-) -> torch.Tensor:
-    """LoRA on a 3-d parameter (``target_parameters``: a stack of E experts' weights): one rank-r pair per
-    expert, A (E·r, in) read expert-major (row e·r + k) and B (out, r·E) rank-major (column k·E + e), as
-    PEFT's ``ParamWrapper`` reshapes them: ``ΔW[e] = s·Σ_k B[:, k·E + e] ⊗ A[e·r + k]``, laid out (E, out, in)
-    where PEFT reads the parameter so (``out_in``), else (E, in, out)."""
-    experts = weight.shape[0]
-    in_f, out_f = (weight.shape[2], weight.shape[1]) if out_in else (weight.shape[1], weight.shape[2])
-    _check_shape(mod, "lora_A.weight", a.shape, (r * experts, in_f))
-    _check_shape(mod, "lora_B.weight", b.shape, (out_f, r * experts))
-    per_a = a.reshape(experts, r, in_f)  # [e, k, i]
-    per_b = b.reshape(out_f, r, experts)  # [o, k, e]
-    return scaling * torch.einsum("oke,eki->eoi" if out_in else "oke,eki->eio", per_b, per_a)
 
 
 def _lora_conv_delta(
@@ -483,7 +462,7 @@ def reference_deltas(
     ``adapter_config`` is the ``adapter_config.json`` dict, ``adapter_tensors`` the adapter file as
     ``safetensors.torch.load_file`` returns it, ``base_weights`` the base model's state dict. Keys of
     the result are module paths (``model.layers.0.self_attn.q_proj``), and ``<module>.bias`` for a bias the
-    adapter trained (:func:`bias_delta`: Δb, read against the base's ``<module>.bias``). Rules:
+    adapter trained (`formulas_more.bias_delta`: Δb, read against the base's ``<module>.bias``). Rules:
 
     * LoRA / PiSSA: ``s·B@A``, ``s = alpha/r`` (``alpha/sqrt(r)`` with rsLoRA), rank_pattern and
       alpha_pattern honoured, transposed with fan_in_fan_out; on embeddings ``s·(B@A)ᵀ`` from
@@ -517,7 +496,7 @@ def reference_deltas(
     with torch.no_grad():
         for name, mod in modules.items():
             if mod.bias_key is not None:
-                out[name + BIAS_SUFFIX] = bias_delta(mod, adapter_tensors, base_weights)
+                out[name + BIAS_SUFFIX] = formulas_more.bias_delta(mod, adapter_tensors, base_weights)
             if not mod.changes_weight:
                 continue
             weight = _module_base_weight(mod, adapter_tensors, base_weights)
@@ -530,24 +509,6 @@ def reference_deltas(
                 )
             out[name] = formula(adapter_config, mod, adapter_tensors, weight)
     return out
-
-
-def bias_delta(
-    mod: AdapterModule, adapter_tensors: Mapping[str, torch.Tensor], base_weights: Mapping[str, torch.Tensor]
-) -> torch.Tensor:
-    """``Δb = b_adapter − b_base`` in float64: the bias an adapter trained (``bias="all"``/``"lora_only"``),
-    which PEFT loads over the base's, less the base checkpoint's. Exact: the difference of two float32 (or
-    bfloat16, float16) numbers is a float64 number unless their exponents lie more than 29 binades apart."""
-    key = mod.module + BIAS_SUFFIX
-    if key not in base_weights:
-        raise ValueError(
-            f"module {mod.module}: the adapter saves a trained bias but the base has no '{key}'; "
-            "was this adapter made for a different base model?"
-        )
-    trained = adapter_tensors[mod.bias_key].detach().to(device="cpu", dtype=torch.float64)
-    base = base_weights[key].detach().to(device="cpu", dtype=torch.float64)
-    _check_shape(mod, "bias", trained.shape, tuple(base.shape))
-    return trained - base
 
 
 def _as_loaded(
@@ -665,7 +626,8 @@ def merged_weights(
         elif kind == "lora" and base_rewriting_init(adapter_config) == "olora":
             r, scaling = _lora_rank_and_scaling(adapter_config, name)
             weight = _t(olora_residual(_t(weight, fifo), r, scaling), fifo)
-        out[name] = weight + delta
+        # nn.MultiheadAttention's out_proj: PEFT adds its ΔW twice (adapter_keys.OUT_PROJ_TWICE)
+        out[name] = weight + 2 * delta if name in adapter_config.get(MERGED_TWICE, ()) else weight + delta
     return out
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import re
 import threading
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from copy import deepcopy
 from dataclasses import dataclass
 from pathlib import Path
@@ -261,3 +261,20 @@ def targeted_parameters(folder: str | Path, adapter_config: dict) -> dict[str, t
             owner = name.replace(".base_layer", "")
             out[name] = (f"{owner}.{module.parameter_name}", bool(module._did_swap_in_out_features))
     return out
+
+
+def attention_modules(
+    base: str | Path, config: dict, names: Collection[str], done: set[str]
+) -> dict[str, str]:
+    """`adapter_keys.attention_renames` of the modules an adapter file with checkpoint keys `names` adapts
+    (those not in `done`), by the base folder's tensor names (headers only)."""
+    from core.methods import adapter_keys
+
+    saved = adapter_keys.saved_module_names(config)
+    split = (
+        adapter_keys.split_adapter_key(n) for n in names if not adapter_keys.split_saved_module_key(n, saved)
+    )
+    modules = {s[0] for s in split if s is not None} - done
+    paths = {m.replace(".base_layer.", ".") for m in modules}
+    present = loaded_shapes(base, {f"{p}.{t}" for p in paths for t in ("weight", "in_proj_weight")})
+    return adapter_keys.attention_renames(modules, set(present))

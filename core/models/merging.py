@@ -27,7 +27,7 @@ from torch import nn
 from core.methods import adapter_keys, formulas, projections
 from core.models import targets
 from core.models.checkpoint import Checkpoint, adapters_task_type, read_adapter_config, read_checkpoint
-from core.models.conversion import loaded_shapes, targeted_parameters
+from core.models.conversion import attention_modules, loaded_shapes, targeted_parameters
 from core.models.validate import TIED_EMBEDDING_NAMES
 from core.numerics.tolerance import ulp
 from core.spec import AdapterRef, ProbeSpec, Target
@@ -217,6 +217,8 @@ def base_weight(layer: nn.Module) -> torch.Tensor:
     if type(layer).__name__ == "ParamWrapper":
         return layer.get_param()
     base = layer.get_base_layer()
+    if isinstance(base, nn.MultiheadAttention):  # PEFT's LoRA on it merges into in_proj_weight
+        return base.in_proj_weight
     return targets.dequantize(base) if targets.is_quantized_layer(base) else base.weight
 
 
@@ -234,6 +236,9 @@ def base_state(layers: dict[str, nn.Module]) -> dict[str, dict[str, Any]]:
             continue
         base = layer.get_base_layer()
         state[module] = {n: p.detach().clone() for n, p in base.named_parameters()}
+        state[module].setdefault(
+            "weight", base_weight(layer).detach().clone()
+        )  # MultiheadAttention's in_proj
         if targets.is_quantized_layer(base):
             state[module].update(
                 weight=targets.dequantize(base).clone(), **{targets.HELD: targets.hold(base)}
@@ -576,17 +581,19 @@ def adapter_files(
     adapter: AdapterRef, base: str, modules: Collection[str] | None = None
 ) -> tuple[dict, dict[str, torch.Tensor]]:
     """The adapter's config and its file's tensors (those of `modules` alone, shared ones included, where
-    given),
-    as the float64 formulas read them: with VeRA's or RandLoRA's shared pair regenerated from the config
-    where the file lacks it (``save_projection=False``), sized by the shapes of the base weights (folder
-    `base`, headers only) of every module the adapter adapts, as PEFT sizes it."""
+    given), as the float64 formulas read them: with VeRA's or RandLoRA's shared pair regenerated from the
+    config where the file lacks it (``save_projection=False``), sized by the shapes of the base weights
+    (folder `base`, headers only) of every module the adapter adapts, as PEFT sizes it; LoRA on parameters'
+    and on nn.MultiheadAttention's tensors by what they adapt (the file's key kept as the index's value)."""
     config = read_adapter_config(adapter)
-    # a LoRA on parameters: its file's keys by the parameters' paths (file key kept as the value)
     layout = targeted_parameters(base, config)
     paths = {module: path for module, (path, _) in layout.items()}
-    index = adapter_keys.rename_modules(Checkpoint.open(adapter.path, prefix="adapter_model").names(), paths)
-    if layout:
-        config = {**config, adapter_keys.PARAMETER_LAYOUT: dict(layout.values())}
+    names = Checkpoint.open(adapter.path, prefix="adapter_model").names()
+    attention = attention_modules(base, config, names, set(paths))
+    index = adapter_keys.rename_modules(names, {**paths, **attention})
+    twice = [new for old, new in attention.items() if ".base_layer.out_proj" in old]
+    extra = {adapter_keys.PARAMETER_LAYOUT: dict(layout.values()), adapter_keys.MERGED_TWICE: twice}
+    config = {**config, **{k: v for k, v in extra.items() if v}}
     kind = adapter_keys.adapter_type(config)
     shared: dict[str, torch.Tensor] = {}
     if projections.unsaved(kind, config, index):

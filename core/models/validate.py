@@ -75,7 +75,12 @@ def validate_model(model: ModelRef) -> dict[str, tuple[int, ...]] | None:
 
 def validate_adapter(adapter: AdapterRef, base_shapes: dict[str, tuple[int, ...]] | None, base: str) -> None:
     """The adapter folder is intact and its modules exist in the base with fitting shapes."""
-    from core.methods.adapter_keys import replicated_layers, split_adapter_key, unreplicated
+    from core.methods.adapter_keys import (
+        attention_renames,
+        replicated_layers,
+        split_adapter_key,
+        unreplicated,
+    )
 
     config = check_adapter_config(adapter)
     shapes = weight_shapes(Path(adapter.path).expanduser(), prefix="adapter_model")
@@ -90,6 +95,9 @@ def validate_adapter(adapter: AdapterRef, base_shapes: dict[str, tuple[int, ...]
             continue  # modules_to_save copies and the like: nothing to match against the base
         module, param = unreplicated(split[0], order), split[1]
         modules.setdefault(module, {})[param.split(".")[0]] = shape
+    # LoRA on nn.MultiheadAttention: its in_proj's and out_proj's modules by the tensors they adapt
+    renames = attention_renames(modules, base_shapes)
+    modules = {renames.get(m, m): roles for m, roles in modules.items()}
     # LoRA on parameters (target_parameters) keeps a module's tensors under `<module>(.base_layer)*`, one
     # nesting per parameter it targets there: the module must hold one of the parameters the config names
     targeted = [str(t).rpartition(".")[2] for t in config.get("target_parameters") or ()]
@@ -97,6 +105,7 @@ def validate_adapter(adapter: AdapterRef, base_shapes: dict[str, tuple[int, ...]
         m
         for m in modules
         if f"{m}.weight" not in base_shapes
+        and m not in base_shapes
         and not any(f"{m.replace('.base_layer', '')}.{p}" in base_shapes for p in targeted)
     ]
     if missing and len(missing) == len(modules):
