@@ -517,3 +517,77 @@ def test_attention_runs_every_check(attention_case, tmp_path: Path) -> None:
             f"merged:{s}:{m}" for m in modules for s in ("merge_adapter", "safe_merge")
         }
     assert any("adds out_proj's ΔW twice" in n for n in run.notes())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 6. A checkpoint whose class the task's Auto mapping lacks: a Llava-style VLM with a CAUSAL_LM adapter
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vlm_case(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Llava: a CLIP vision tower (8×8 images of 4×4 patches: 4 image tokens) and a Llama LM (hidden 16, 64
+    tokens, the last one the image token); a CAUSAL_LM LoRA on q_proj and v_proj of both."""
+    import transformers
+    from peft import LoraConfig
+
+    root = tmp_path_factory.mktemp("vlm")
+    quiet()
+    torch.manual_seed(61)
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=8,
+        patch_size=4,
+    )
+    text = transformers.LlamaConfig(**{**ARCHITECTURES["llama"].config, "max_position_embeddings": 64})
+    config = transformers.LlavaConfig(
+        vision_config=vision.to_dict(), text_config=text.to_dict(), image_token_index=63, image_seq_length=4
+    )
+    transformers.LlavaForConditionalGeneration(config).eval().save_pretrained(root / "llava")
+    base = transformers.LlavaForConditionalGeneration.from_pretrained(root / "llava")
+    lora = LoraConfig(
+        r=2, lora_alpha=4, init_lora_weights=False, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"
+    )
+    return root / "llava", save_adapter(base, lora, root / "llava-lora", 6)
+
+
+def test_vlm_class_is_the_checkpoints_and_its_probe_holds_pixels_and_image_tokens(vlm_case) -> None:
+    from transformers import AutoConfig
+
+    from core.models.loading import model_class
+    from core.models.probes import probe_inputs
+
+    config = AutoConfig.from_pretrained(vlm_case[0])
+    cls = model_class(config, "CAUSAL_LM")
+    assert cls.__name__ == "LlavaForConditionalGeneration"
+    probe = probe_inputs(config, cls, ProbeInputs(batch=2, seq_len=5), seed=0)
+    assert {k: tuple(t.shape) for k, t in probe.items()} == {
+        "input_ids": (2, 9),
+        "attention_mask": (2, 9),
+        "pixel_values": (2, 3, 8, 8),
+    }
+    assert (probe["input_ids"][:, :4] == 63).all() and not (probe["input_ids"][:, 4:] == 63).any()
+
+
+def test_vlm_runs_every_check(vlm_case, tmp_path: Path) -> None:
+    """Both towers' LoRA modules have their ΔW and merged rows; the logits cover the image tokens and the text."""
+    model, adapter = vlm_case
+    table = run_all_checks(tmp_path / "home", model, {"vl": adapter}).metrics()
+    nothing_broken(table)
+    modules = {
+        f"model.{tower}.layers.0.self_attn.{m}"
+        for tower in ("language_model", "vision_tower.encoder")
+        for m in ("q_proj", "v_proj")
+    }
+    for target in TARGETS:
+        at = table[(table.adapter == "vl") & (table.target == target)]
+        assert set(at[(at.check == "deltas") & (at.role == "delta")].tensor) == modules
+        merged = at[(at.check == "merge") & (at.role == "merged")]
+        assert set(merged.tensor) == {
+            f"merged:{s}:{m}" for m in modules for s in ("merge_adapter", "safe_merge")
+        }
+        assert set(at[at.check == "outputs"]["shape"]) == {"2x9x64"}
+        assert len(at[at.check == "generate"]) == 1
