@@ -504,3 +504,16 @@ class UnreplicatedBase(Mapping):
 
     def __len__(self) -> int:
         return len(self._base)
+
+
+def expansion_notes(adapter_config: dict) -> list[str]:
+    """What PEFT did to the base before loading the adapter, where it expanded it (``layer_replication``:
+    its `replicate_layers` stacks copies of the base's layers that share their weights), in words."""
+    order = replicated_layers(adapter_config)
+    if not order:
+        return []
+    return [
+        f"PEFT expanded the base's layers to {len(order)} before loading the adapter "
+        f"(layer_replication {adapter_config['layer_replication']}: layers {', '.join(map(str, order))}; "
+        "each copy shares the weights of the layer it copies)"
+    ]

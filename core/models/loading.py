@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from core.methods import adapter_keys
 from core.models.checkpoint import (
     NOT_IN_CHECKPOINT,
     LoadError,
@@ -495,7 +496,7 @@ def load_isolated(
             model = None
             yield Loaded(adapter=adapter, model=None, notes=notes, refused=str(e))
             continue
-        notes.extend(expansion_notes(read_adapter_config(adapter)))
+        notes.extend(adapter_keys.expansion_notes(read_adapter_config(adapter)))
         init = float32_only_init(read_adapter_config(adapter)) if upcast else None
         if upcast and float64_offload_dtype(base) is not None:
             # too large for float64 whole: it stays float32 and runs its forward in float64 block by block
@@ -507,21 +508,6 @@ def load_isolated(
         yield Loaded(adapter=adapter, model=peft_model, notes=notes)
         model = None
         del peft_model
-
-
-def expansion_notes(adapter_config: dict) -> list[str]:
-    """What PEFT did to the base before loading the adapter, where it expanded it (``layer_replication``:
-    its `replicate_layers` stacks copies of the base's layers that share their weights), in words."""
-    from core.methods.adapter_keys import replicated_layers
-
-    order = replicated_layers(adapter_config)
-    if not order:
-        return []
-    return [
-        f"PEFT expanded the base's layers to {len(order)} before loading the adapter "
-        f"(layer_replication {adapter_config['layer_replication']}: layers {', '.join(map(str, order))}; "
-        "each copy shares the weights of the layer it copies)"
-    ]
 
 
 def _pissa_upcast(adapter: AdapterRef, target: Target) -> bool:
