@@ -236,9 +236,8 @@ def base_state(layers: dict[str, nn.Module]) -> dict[str, dict[str, Any]]:
             continue
         base = layer.get_base_layer()
         state[module] = {n: p.detach().clone() for n, p in base.named_parameters()}
-        state[module].setdefault(
-            "weight", base_weight(layer).detach().clone()
-        )  # MultiheadAttention's in_proj
+        if "weight" not in state[module]:  # nn.MultiheadAttention's: its in_proj_weight
+            state[module]["weight"] = base_weight(layer).detach().clone()
         if targets.is_quantized_layer(base):
             state[module].update(
                 weight=targets.dequantize(base).clone(), **{targets.HELD: targets.hold(base)}
