@@ -591,3 +591,44 @@ def test_vlm_runs_every_check(vlm_case, tmp_path: Path) -> None:
         }
         assert set(at[at.check == "outputs"]["shape"]) == {"2x9x64"}
         assert len(at[at.check == "generate"]) == 1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# On a GPU (skipped without CUDA): each kind on cuda:0, in worker processes
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(
+    "case", ["bias_case", "parameter_cases", "replication_case", "own_case", "attention_case", "vlm_case"]
+)
+def test_each_kind_on_cuda(case: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """Every check on cuda:0/float32 and cuda:0/bfloat16 (the trained biases' Δb on the device, a float64
+    twin of a VBLoRA layer made from a CUDA layer, ParamWrapper and MultiheadAttention merges on the GPU):
+    nothing broken, and cuda:0/float32 identical or within tolerance (but `base mutated` rows)."""
+    from core.engine.runners import ProcessRunner
+
+    made = request.getfixturevalue(case)
+    if case == "parameter_cases":
+        model, adapters = made["qwen3_moe"][0], {"experts": made["qwen3_moe"][1]}
+    elif case in ("bias_case", "own_case"):
+        model, adapters = made[0], {n: made[1][n] for n in list(made[1])[:1]}
+    else:
+        model, adapters = made[0], {"a": made[1]}
+    engine = Engine(tmp_path / "home", runner=ProcessRunner())
+    spec = ProbeSpec(
+        base=ModelRef(path=str(model)),
+        adapters=tuple(AdapterRef(path=str(f), name=n) for n, f in adapters.items()),
+        targets=tuple(Target.parse(t) for t in ("cuda:0/float32", "cuda:0/bfloat16")),
+        checks=tuple(CHECKS),
+        probe=ProbeInputs(batch=2, seq_len=5),
+    )
+    job = engine.submit(spec)
+    assert job.wait(600) and job.state == "succeeded", job.error
+    table = engine.store.open(job.run_id).metrics()
+    assert "broken" not in set(table.verdict)
+    float32 = table[(table.target == "cuda:0/float32") & (table.reason.fillna("") != "base mutated")]
+    assert set(float32.verdict) <= {"identical", "within tolerance"}, float32[
+        ~float32.verdict.isin(["identical", "within tolerance"])
+    ][["check", "tensor", "verdict"]].values
