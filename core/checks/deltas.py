@@ -278,7 +278,7 @@ def _bias_deltas(loaded: Loaded, base: str) -> dict[str, torch.Tensor]:
     dtype): what the load changed, as the target holds it. Empty for an adapter that trains no bias."""
     config = read_adapter_config(loaded.adapter)
     names = Checkpoint.open(loaded.adapter.path, prefix="adapter_model").names()
-    biases = adapter_keys.trained_biases(names, adapter_keys.saved_module_names(config))
+    biases = adapter_keys.trained_biases(names, config)
     if not biases:
         return {}
     params = adapter_keys.loaded_parameters(loaded.model, biases)

@@ -694,4 +694,4 @@ def _exact_stage(stage: str) -> str:
 def _trained_biases(adapter: AdapterRef) -> list[str]:
     """The biases the adapter trained and saves (``<module>.bias``), by its file's index: no tensor read."""
     names = Checkpoint.open(adapter.path, prefix="adapter_model").names()
-    return adapter_keys.trained_biases(names, adapter_keys.saved_module_names(read_adapter_config(adapter)))
+    return adapter_keys.trained_biases(names, read_adapter_config(adapter))

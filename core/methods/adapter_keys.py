@@ -444,9 +444,13 @@ def adapted_modules(peft_model: nn.Module) -> dict[str, tuple[nn.Module, list[st
     return out
 
 
-def trained_biases(keys: Iterable[str], saved_modules: tuple[str, ...] = ()) -> list[str]:
+def trained_biases(keys: Iterable[str], adapter_config: Mapping[str, Any]) -> list[str]:
     """The biases an adapter file with checkpoint keys ``keys`` trained (``bias="all"``/``"lora_only"``), as
-    ``<module>.bias``; ``saved_modules``' copies are not among them (they replace their module whole)."""
+    ``<module>.bias``; the copies of the modules it saves whole are not among them (they replace their module
+    whole); none where its config trains none (another method's ``….bias`` key is its own parameter)."""
+    if adapter_config.get("bias") in (None, "none"):
+        return []
+    saved_modules = saved_module_names(adapter_config)
     out = []
     for key in keys:
         split = None if split_saved_module_key(key, saved_modules) else split_adapter_key(key)

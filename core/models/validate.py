@@ -76,6 +76,7 @@ def validate_model(model: ModelRef) -> dict[str, tuple[int, ...]] | None:
 def validate_adapter(adapter: AdapterRef, base_shapes: dict[str, tuple[int, ...]] | None, base: str) -> None:
     """The adapter folder is intact and its modules exist in the base with fitting shapes."""
     from core.methods.adapter_keys import (
+        BIAS_PARAMS,
         attention_renames,
         replicated_layers,
         split_adapter_key,
@@ -91,8 +92,9 @@ def validate_adapter(adapter: AdapterRef, base_shapes: dict[str, tuple[int, ...]
     modules = {}
     for key, shape in shapes.items():
         split = split_adapter_key(key)
-        if split is None:
-            continue  # modules_to_save copies and the like: nothing to match against the base
+        if split is None or split[1] in BIAS_PARAMS:
+            # modules_to_save copies and the like, trained biases: nothing to match against the base's weights
+            continue
         module, param = unreplicated(split[0], order), split[1]
         modules.setdefault(module, {})[param.split(".")[0]] = shape
     # LoRA on nn.MultiheadAttention: its in_proj's and out_proj's modules by the tensors they adapt
