@@ -227,6 +227,7 @@ class AdaptersCheck(Check):
         base = capture.get(TensorKey(self.name, BASE, kind))
         iso_steps = {s["adapter"]: s for s in (iso.meta.get(self.name, {}).get("steps", []) if iso else [])}
         pissa = {a.name for a in spec.adapters if consistency.is_pissa_config(_config(a))}
+        causes = {a.name: cause for a in spec.adapters if (cause := _mutation_cause(_config(a)))}
         rows: list[dict[str, Any]] = []
         for adapter in spec.adapters:
             name = adapter.name
@@ -297,7 +298,8 @@ class AdaptersCheck(Check):
                 if not stats.bitwise_equal:
                     add_note(
                         row,
-                        _mutation_text(step, pissa) + "; disable_adapter() does not give the base model back",
+                        _mutation_text(step, causes)
+                        + "; disable_adapter() does not give the base model back",
                     )
                 rows.append(row)
             elif step.get("disable_error"):
@@ -348,7 +350,7 @@ class AdaptersCheck(Check):
                     "dtype": str(tensor.dtype).removeprefix("torch."),
                     "reason": "base mutated",
                     "note": f"changed when {name} was loaded ({strategy})"
-                    + (" — PiSSA replaces W by its residual" if name in pissa else ""),
+                    + (f" — {causes[name]}" if name in causes else ""),
                 }
                 ref = checkpoint.tensors.get(TensorKey(self.name, key.adapter, key.name).encode())
                 if ref is None:
@@ -452,13 +454,24 @@ def _module(tensor_name: str) -> str:
     return parts[-2] if len(parts) > 1 else parts[0]
 
 
-def _mutation_text(step: dict, pissa: set[str]) -> str:
-    """ "3 base weights differ from the base as loaded (changed by pissa: PiSSA residual)" """
+def _mutation_cause(config: dict) -> str | None:
+    """Why an adapter changes the base by design when it loads, in words (None: it should not)."""
+    if consistency.is_pissa_config(config):
+        return "PiSSA replaces W by its residual"
+    if config.get("bias") not in (None, "none"):
+        return f"it trained biases (bias={config['bias']!r}), which PEFT loads over the base's"
+    if config.get("layer_replication"):
+        return "PEFT expanded the base's layers for it (layer_replication), which disabling it does not undo"
+    return None
+
+
+def _mutation_text(step: dict, causes: dict[str, str]) -> str:
+    """ "3 base weights differ from the base as loaded, changed by pissa (PiSSA replaces W by its residual)" """
     changed_by = step.get("changed_by") or {}
     if not changed_by:
         return "the base weights differ from the base as loaded"
     by = sorted(set(changed_by.values()))
-    why = [f"{b} (PiSSA replaces W by its residual)" if b in pissa else b for b in by]
+    why = [f"{b} ({causes[b]})" if b in causes else b for b in by]
     return f"{len(changed_by)} base weights differ from the base as loaded, changed by {', '.join(why)}"
 
 

@@ -19,7 +19,7 @@ from core.capture import Capture, TensorKey
 from core.checks.base import CaptureContext, Check, Reference, add_note
 from core.methods import adapter_keys, formulas, peft_path, projections
 from core.models import merging
-from core.models.checkpoint import read_adapter_config, read_checkpoint
+from core.models.checkpoint import Checkpoint, read_adapter_config, read_checkpoint
 from core.models.conversion import layer_of, read_loaded
 from core.models.loading import Loaded
 from core.spec import ProbeSpec, Target
@@ -39,6 +39,12 @@ SAVED_PREFIX = adapter_keys.SAVED_MODULE + ":"
 # The deltas meta is keyed by adapter name; the findings sit beside under a key no adapter name can be
 # (a colon is not allowed in one: `core.spec`).
 FINDINGS = ":findings"
+# The role of a bias change's rows (a trained bias: bias="all"/"lora_only").
+BIAS_ROLE = "bias delta"
+# How a target's Δb is taken: PEFT has no function for it (it loads the trained bias over the base's).
+BIAS_SOURCE = (
+    "the bias as loaded less the base checkpoint's bias in the loaded dtype (subtracted in float32 or wider)"
+)
 REPLACED = (
     "modules_to_save: the adapter replaces this module whole, so its new W is the saved tensor, not W + ΔW "
     "by a formula; compared with the adapter file"
@@ -57,6 +63,10 @@ class DeltasCheck(Check):
         config = read_adapter_config(loaded.adapter)
         kind = adapter_keys.adapter_type(config)
         meta = out.meta.setdefault(self.name, {})
+        if kind in peft_path.PEFT_ADDITIVE:
+            self._capture_saved_modules(loaded, config, out)
+            self._capture_peft_own(ctx, loaded, out, kind)
+            return
         if kind not in adapter_keys.ADAPTER_TYPES:
             if kind in adapter_keys.PROMPT_LEARNING:
                 finding = "does not apply"
@@ -94,6 +104,9 @@ class DeltasCheck(Check):
                     continue
                 out.add(TensorKey(self.name, adapter, module), peft_path.peft_delta(layer, adapter))
                 sources[module] = peft_path.peft_delta_source(layer, adapter)
+            for name, delta in _bias_deltas(loaded, ctx.spec.base.path).items():
+                out.add(TensorKey(self.name, adapter, name), delta)
+                sources[name] = BIAS_SOURCE
         # AdaLoRA modules its budget pruned: PEFT rebuilds them on load (see `rows`)
         resized = (
             [k.split(".lora_E")[0] for k in (config.get("rank_pattern") or {})] if kind == "adalora" else []
@@ -103,6 +116,33 @@ class DeltasCheck(Check):
             "applies_to_w": applies_to_w(kind, config),
             "sources": sources,
             "resized": resized,
+        }
+
+    def _capture_peft_own(self, ctx: CaptureContext, loaded: Loaded, out: Capture, kind: str) -> None:
+        """ΔW of a method with no float64 formula here but a merge that adds PEFT's get_delta_weight: each
+        module's on the target against the same function on a float64 copy of the layer, measured here."""
+        adapter = loaded.adapter.name
+        sources = {}
+        with torch.no_grad():
+            for module, (layer, names) in adapter_keys.adapted_modules(loaded.model).items():
+                if adapter not in names:
+                    continue
+                key = TensorKey(self.name, adapter, module)
+                delta = layer.get_delta_weight(adapter)
+                ref = peft_path.float64_peft_delta(layer, adapter)
+                note = f"{kind} ΔW: {peft_path.PEFT_OWN} (no float64 formula of the method here)"
+                measured = self.measure_against(
+                    ctx.spec, ctx.target, key, delta, ref, peft_path.PEFT_OWN, note
+                )
+                out.results[key.encode()] = measured.as_dict()
+                if measured.sketch is not None:
+                    out.sketches[key.encode()] = measured.sketch
+                sources[module] = f"{kind}.get_delta_weight"
+        out.meta[self.name][adapter] = {
+            "kind": kind,
+            "applies_to_w": False,
+            "sources": sources,
+            "resized": [],
         }
 
     def _capture_saved_modules(self, loaded: Loaded, config: dict, out: Capture) -> None:
@@ -140,8 +180,11 @@ class DeltasCheck(Check):
         keys = [k for k in keys if not k.name.startswith(SAVED_PREFIX)]
         base = {
             k: v.to(torch.float64)
-            # by the names the loaded model has (transformers may rename checkpoint keys on load)
-            for k, v in read_loaded(spec.base.path, {f"{k.name}.weight" for k in keys}).items()
+            # by the names the loaded model has (transformers may rename checkpoint keys on load; the layers an
+            # adapter's layer_replication copies are read for its copies)
+            for k, v in merging.reference_base(
+                spec, adapter_keys.base_tensor_names(k.name for k in keys)
+            ).items()
         }
         tensors: dict[str, torch.Tensor] = {}
         notes: dict[str, str] = {}
@@ -160,14 +203,19 @@ class DeltasCheck(Check):
             if kind not in adapter_keys.ADAPTER_TYPES:
                 continue
             # Only the wanted modules' tensors are read (and the shared ones, regenerated where unsaved).
-            _, adapter_tensors = merging.adapter_files(adapter, spec.base.path, {k.name for k in wanted})
+            config, adapter_tensors = merging.adapter_files(adapter, spec.base.path, {k.name for k in wanted})
             if not adapter_tensors:
                 continue
             deltas = formulas.reference_deltas(config, adapter_tensors, base)
             for key in wanted:
                 if key.name in deltas:
                     tensors[key.encode()] = deltas[key.name]
-                    notes[key.encode()] = f"{kind} ΔW, float64 formula from the checkpoint" + (
+                    what = (
+                        "Δb, the trained bias less the base's"
+                        if key.name.endswith(adapter_keys.BIAS_SUFFIX)
+                        else "ΔW"
+                    )
+                    notes[key.encode()] = f"{kind} {what}, float64 formula from the checkpoint" + (
                         f" ({projections.REGENERATED})" if projections.regenerated(kind, config) else ""
                     )
         return Reference(label="fp64 formula", tensors=tensors, notes=notes)
@@ -182,6 +230,9 @@ class DeltasCheck(Check):
                 "module": module.rsplit(".", 1)[-1],
                 "role": adapter_keys.SAVED_MODULE,
             }
+        module = adapter_keys.bias_module(key.name)
+        if module is not None:  # a trained bias's change, Δb
+            return {"layer": layer_of(module), "module": module.rsplit(".", 1)[-1], "role": BIAS_ROLE}
         return {"layer": layer_of(key.name), "module": key.name.rsplit(".", 1)[-1], "role": "delta"}
 
     def tables(
@@ -219,3 +270,24 @@ class DeltasCheck(Check):
                     "target: W's rounding carries into ΔW",
                 )
         return rows
+
+
+def _bias_deltas(loaded: Loaded, base: str) -> dict[str, torch.Tensor]:
+    """Per bias the adapter trained, ``Δb`` on the target: the bias as loaded less the base checkpoint's
+    (folder `base`) in the loaded dtype, on the bias's device, subtracted in float32 (or the bias's wider
+    dtype): what the load changed, as the target holds it. Empty for an adapter that trains no bias."""
+    config = read_adapter_config(loaded.adapter)
+    names = Checkpoint.open(loaded.adapter.path, prefix="adapter_model").names()
+    biases = adapter_keys.trained_biases(names, config)
+    if not biases:
+        return {}
+    params = adapter_keys.loaded_parameters(loaded.model, biases)
+    file = read_loaded(base, params)
+    out = {}
+    with torch.no_grad():
+        for name, bias in params.items():
+            if name in file:
+                wide = torch.promote_types(bias.dtype, torch.float32)
+                before = file[name].to(device=bias.device, dtype=bias.dtype)
+                out[name] = bias.detach().to(wide) - before.to(wide)
+    return out

@@ -56,7 +56,7 @@ from core.checks.behaviour.merge_tables import (
 from core.checks.outputs import forward_output, nonfinite_output
 from core.methods import adapter_keys, formulas, peft_path, projections
 from core.models import merging
-from core.models.checkpoint import keeps_tensors, read_adapter_config, read_checkpoint
+from core.models.checkpoint import Checkpoint, keeps_tensors, read_adapter_config, read_checkpoint
 from core.models.conversion import layer_of
 from core.models.loading import Loaded
 from core.models.merging import ROUNDING_ULPS, scale_ulp
@@ -111,7 +111,14 @@ class MergeCheck(Check):
             if mismatch:  # said in a note and a finding row (`findings_table`)
                 meta["not_covered"] = mismatch
                 out.notes.append(f"merge: {meta['not_covered']}")
-            elif kind in adapter_keys.ADAPTER_TYPES:
+            elif config.get("layer_replication"):  # said in a note and a finding row (`findings_table`)
+                meta["does_not_apply"] = (
+                    f"{adapter} replicates the base's layers (layer_replication {config['layer_replication']}), "
+                    "whose copies share the originals' weights: PEFT refuses to merge it (\"Cannot merge LORA "
+                    'layers when base model layers are replicated"); its ΔW is compared (deltas check)'
+                )
+                out.notes.append(f"merge: {meta['does_not_apply']}")
+            elif kind in adapter_keys.ADAPTER_TYPES or kind in peft_path.PEFT_ADDITIVE:
                 self._capture_adapter(ctx, loaded, out, meta)
             elif kind in adapter_keys.PROMPT_LEARNING:  # said in a note and a finding row (`findings_table`)
                 meta["does_not_apply"] = (
@@ -138,15 +145,23 @@ class MergeCheck(Check):
         name: str,
         t,
         before=None,
+        own: tuple[torch.Tensor, str] | None = None,
     ) -> None:
         """Keep an output (compared across targets later); a weight (every other role) too where the run
         keeps tensors (`keeps_tensors`: the compare task measures it), else measure it here and now, as
-        the compare task would (`before`: W before the merge), and keep its row, sketch and hash."""
+        the compare task would (`before`: W before the merge), and keep its row, sketch and hash. `own`: a
+        reference made here from the loaded layer (PEFT's own ΔW in float64, and its note), measured here
+        always (the compare task has no model to make it from)."""
         key = TensorKey(self.name, adapter, key_name(role, stage, name))
-        if role == "output" or keeps_tensors(ctx.spec):
+        if role == "output" or (keeps_tensors(ctx.spec) and own is None):
             out.add(key, t)
             return
-        if role == "roundtrip":
+        if own is not None:
+            if keeps_tensors(ctx.spec):
+                out.keep(key, t)
+            ref, note = own
+            label = "W + " + peft_path.PEFT_OWN if role == "merged" else peft_path.PEFT_OWN
+        elif role == "roundtrip":
             ref, label, note = before, "W before merge (same target)", ""
         else:
             reference = self.reference_for(ctx.spec, key, None)
@@ -179,8 +194,30 @@ class MergeCheck(Check):
             return t
 
         unmerged = output("unmerged", model)
+        if any(isinstance(layer.get_base_layer(), torch.nn.MultiheadAttention) for layer in layers.values()):
+            out.notes.append(f"merge: {adapter}: {adapter_keys.OUT_PROJ_TWICE}")
         sources = {}
+        own = {}
+        if (
+            meta["kind"] in peft_path.PEFT_ADDITIVE
+        ):  # no formula here: PEFT's own ΔW in float64, W from the file
+            base = merging.reference_base(ctx.spec, {f"{m}.weight" for m in layers})
+            own = peft_path.own_references(layers, adapter, meta["kind"], base)
         for module, layer in layers.items():
+            if module in own:  # no formula here: PEFT's own get_delta_weight, the reference its float64 twin
+                delta, merged_ref, note = own[module]
+                self._add(
+                    ctx,
+                    out,
+                    adapter,
+                    "delta",
+                    "peft",
+                    module,
+                    layer.get_delta_weight(adapter),
+                    own=(delta, note),
+                )
+                sources[module] = f"{meta['kind']}.get_delta_weight"
+                continue
             try:
                 self._add(ctx, out, adapter, "delta", "peft", module, peft_path.peft_delta(layer, adapter))
                 sources[module] = peft_path.peft_delta_source(layer, adapter)
@@ -201,6 +238,7 @@ class MergeCheck(Check):
             for module, params in state.items():
                 self._add(ctx, out, adapter, "before", "", module, params["weight"])
         before = {module: params["weight"] for module, params in state.items()}
+        biases = _trained_biases(loaded.adapter)  # loaded over the base's: the merged model keeps them
 
         def restore() -> None:
             # The next stage must start from the loaded W, not from what a merge round trip left.
@@ -215,7 +253,9 @@ class MergeCheck(Check):
             meta["merge_adapter_error"] = merging.error_text(e)
         else:
             meta["nonfinite_merged"] = merging.nonfinite_written(layers, state)
-            self._merged_stage(ctx, out, adapter, model, layers, tied, "merge_adapter", output, before)
+            self._merged_stage(
+                ctx, out, adapter, model, layers, tied, "merge_adapter", output, before, biases, own
+            )
             model.unmerge_adapter()
             for module, layer in layers.items():
                 roundtrip = merging.base_weight(layer)
@@ -227,7 +267,7 @@ class MergeCheck(Check):
 
         # safe_merge, module by module so that every refused module is named.
         meta["safe_merge_errors"] = merging.merge_modules(model, [adapter], safe=True)
-        self._merged_stage(ctx, out, adapter, model, layers, tied, "safe_merge", output, before)
+        self._merged_stage(ctx, out, adapter, model, layers, tied, "safe_merge", output, before, biases, own)
         restore()
 
         try:
@@ -261,11 +301,27 @@ class MergeCheck(Check):
             )
 
     def _merged_stage(
-        self, ctx, out: Capture, adapter: str, model, layers: dict, tied: list, stage: str, output, before
+        self,
+        ctx,
+        out: Capture,
+        adapter: str,
+        model,
+        layers: dict,
+        tied: list,
+        stage: str,
+        output,
+        before,
+        biases: list[str],
+        own: dict,
     ) -> None:
-        """The merged weights, the tied partners' weights and the outputs of a model just merged by `stage`."""
+        """The merged weights, the biases the adapter trained (`biases`, ``<module>.bias``), the tied partners'
+        weights and the outputs of a model just merged by `stage`."""
         for module, layer in layers.items():
-            self._add(ctx, out, adapter, "merged", stage, module, merging.base_weight(layer), before[module])
+            ref = (own[module][1], own[module][2]) if module in own else None
+            weight = merging.base_weight(layer)
+            self._add(ctx, out, adapter, "merged", stage, module, weight, before[module], own=ref)
+        for name, bias in adapter_keys.loaded_parameters(model, biases).items():
+            self._add(ctx, out, adapter, "merged", stage, name, bias)
         params = {merging._strip(n): p for n, p in model.named_parameters(remove_duplicate=False)}
         for finding in tied:
             for partner in merging.tied_partner_modules(finding):
@@ -359,7 +415,7 @@ class MergeCheck(Check):
                 notes[key.encode()] = note
         if weight_keys and not only_keys:
             # the adapted modules' base weights and the embedding a tied head shares, never the whole base
-            base = merging.reference_base(spec, {f"{p[3]}.weight" for p in weight_keys})
+            base = merging.reference_base(spec, adapter_keys.base_tensor_names(p[3] for p in weight_keys))
             by_name = {a.name: a for a in spec.adapters}
             cache: dict[str, tuple[dict, dict]] = {}
 
@@ -667,3 +723,9 @@ def _no_reference(tensor: torch.Tensor, label: str, note: str) -> dict[str, Any]
 def _exact_stage(stage: str) -> str:
     """The stage of the cpu/float64 capture an output is compared with: the exact model's unmerged one."""
     return "subset unmerged" if stage.startswith("subset") else "unmerged"
+
+
+def _trained_biases(adapter: AdapterRef) -> list[str]:
+    """The biases the adapter trained and saves (``<module>.bias``), by its file's index: no tensor read."""
+    names = Checkpoint.open(adapter.path, prefix="adapter_model").names()
+    return adapter_keys.trained_biases(names, read_adapter_config(adapter))

@@ -11,6 +11,7 @@ import torch
 from core.capture import BASE, Capture, TensorKey
 from core.checks.base import CaptureContext, Check, Reference, add_note, missing_reference_row
 from core.methods.adapter_keys import (
+    BIAS_PARAMS,
     PROMPT_KEY,
     SAVED_MODULE,
     saved_module_names,
@@ -403,5 +404,6 @@ class WeightsCheck(Check):
             if split is None:  # a method formulas does not know (HRA, …): last part names the role
                 path = key.name.removeprefix("base_model.model.").removesuffix(".weight")
                 split = tuple(path.rsplit(".", 1)) if "." in path else (path, path)
-            module_path, role = split[0], split[1].split(".")[0]
+            # a trained bias is a bias, wherever PEFT keeps it (an adapted module's `base_layer.bias`)
+            module_path, role = split[0], "bias" if split[1] in BIAS_PARAMS else split[1].split(".")[0]
         return {"layer": layer_of(module_path), "module": module_path.rsplit(".", 1)[-1], "role": role}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,7 +105,15 @@ _PARAM_NAMES = (
     "delora_lambda",
     # DeLoRA's per-input-column norms of W, taken when the adapter was created and saved with it
     "delora_w_norm",
+    # a trained bias (LoraConfig(bias="all"/"lora_only"), the same option on other tuners): PEFT loads it over
+    # the base's; an adapted module's is its base layer's, another module's its own
+    "base_layer.bias",
+    "bias",
 )
+BIAS_PARAMS = ("base_layer.bias", "bias")
+"""The parameter names of a trained bias in an adapter checkpoint (bias="all" or "lora_only")."""
+BIAS_SUFFIX = ".bias"
+"""What a bias change's name adds to its module's path (``model.layers.0.self_attn.q_proj.bias``): Δb."""
 
 # VeRA's random projections and RandLoRA's random bases, one pair shared by every adapted module, saved once
 # at the top level (with save_projection=True, PEFT's default): checkpoint key -> parameter name in each
@@ -185,6 +193,17 @@ class AdapterModule:
     keys: dict[str, str]
     """Parameter name (``lora_A.weight``, ``boft_R``, ...) -> key in the checkpoint."""
 
+    @property
+    def bias_key(self) -> str | None:
+        """The checkpoint key of the bias the adapter trained for this module, if it saves one."""
+        return next((self.keys[p] for p in BIAS_PARAMS if p in self.keys), None)
+
+    @property
+    def changes_weight(self) -> bool:
+        """Whether the module has tensors of its own besides a trained bias (a module of bias="all" that
+        is not adapted has only its bias; the shared projections every module lists are not its own)."""
+        return any(p not in BIAS_PARAMS and p not in _SHARED_KEYS.values() for p in self.keys)
+
 
 def split_adapter_key(key: str) -> tuple[str, str] | None:
     """``base_model.model.X.lora_A.weight`` → (``X``, ``lora_A.weight``); None if no adapter parameter (a
@@ -196,6 +215,65 @@ def split_adapter_key(key: str) -> tuple[str, str] | None:
     if param is None:
         return None
     return path[: -len(param) - 1], param
+
+
+def bias_module(name: str) -> str | None:
+    """The module path of a bias change's name (:data:`BIAS_SUFFIX`), else None (a ΔW's module path)."""
+    return name.removesuffix(BIAS_SUFFIX) if name.endswith(BIAS_SUFFIX) else None
+
+
+def base_tensor_names(names: Iterable[str]) -> set[str]:
+    """The base tensors the float64 references of ``names`` (modules' ΔW, biases' Δb, targeted parameters' ΔW)
+    read: each module's weight and its bias (an adapter that trains biases changes it; a base without one has
+    none to read), a targeted parameter itself (a module path names no tensor: the base has none by it)."""
+    modules = {bias_module(n) or n for n in names}
+    return {f"{m}.{p}" for m in modules for p in ("weight", "bias")} | modules
+
+
+PARAMETER_LAYOUT = "weightdrift:target_parameters"
+"""The key under which `core.models.merging.adapter_files` adds to a ``target_parameters`` LoRA's config
+dict the parameters it adapts: parameter path → whether PEFT reads a 3-d one as (experts, out, in), the
+layout of `core.models.conversion.targeted_parameters` (its file's keys renamed to those paths)."""
+
+
+def attention_renames(modules: Iterable[str], base_names: Container[str]) -> dict[str, str]:
+    """LoRA on ``nn.MultiheadAttention``: PEFT wraps the module (its LoRA on ``in_proj_weight`` saved under the
+    module's path) and its ``out_proj`` inside it (saved under ``<module>.base_layer.out_proj``). Module path →
+    the base tensor or module it adapts (``<module>.in_proj_weight``, ``<module>.out_proj``), for the modules
+    of ``modules`` that are such, by the base's tensor names ``base_names``."""
+    out = {}
+    for module in modules:
+        path = re.sub(r"\.base_layer(?=\.)", "", module)  # a wrapped module's own wrapped child
+        if f"{path}.weight" not in base_names and f"{path}.in_proj_weight" in base_names:
+            path = f"{path}.in_proj_weight"
+        if path != module:
+            out[module] = path
+    return out
+
+
+MERGED_TWICE = "weightdrift:merged_twice"
+"""The key under which `core.models.merging.adapter_files` lists in the config dict the modules whose ΔW
+PEFT adds twice (:data:`OUT_PROJ_TWICE`): nn.MultiheadAttention's out_proj."""
+OUT_PROJ_TWICE = (
+    "PEFT 0.21.2's LoRA on nn.MultiheadAttention adds out_proj's ΔW twice: its merge (and its forward, which "
+    "merges for the call) writes W + ΔW into out_proj, then merges out_proj's own LoRA layer, which adds ΔW "
+    "again; the merged out_proj is compared with W + 2ΔW, what PEFT computes"
+)
+"""What the merge check says of such a module."""
+
+
+def rename_modules(keys: Iterable[str], paths: Mapping[str, str]) -> dict[str, str]:
+    """Checkpoint keys with the module path of each renamed by ``paths`` (old module path → new) → the key as
+    the file has it; keys of other modules unchanged."""
+    out = {}
+    for key in keys:
+        split = split_adapter_key(key)
+        if split is not None and split[0] in paths:
+            prefix = _PEFT_PREFIX if key.startswith(_PEFT_PREFIX) else ""
+            out[f"{prefix}{paths[split[0]]}.{split[1]}"] = key
+        else:
+            out[key] = key
+    return out
 
 
 def saved_module_names(adapter_config: Mapping[str, Any]) -> tuple[str, ...]:
@@ -294,6 +372,8 @@ def _need_projections(mod: AdapterModule, method: str) -> None:
 def _base_weight(mod: AdapterModule, base_weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The float64 base weight of ``mod``, or a ValueError saying the adapter does not fit this base."""
     key = mod.module + ".weight"
+    if key not in base_weights and mod.module in base_weights:  # a parameter LoRA targets (target_parameters)
+        key = mod.module
     if key not in base_weights:
         example = next(iter(base_weights), "<empty>")
         raise ValueError(
@@ -337,7 +417,8 @@ def _adapter_names(layer: nn.Module) -> list[str]:
 
 
 def adapted_modules(peft_model: nn.Module) -> dict[str, tuple[nn.Module, list[str]]]:
-    """Map base-module path (as in :func:`core.methods.formulas.reference_deltas`) to ``(PEFT tuner layer, adapter names)``.
+    """Map base-module path (as in :func:`core.methods.formulas.reference_deltas`) to ``(PEFT tuner layer, adapter names)``;
+    a LoRA on a parameter (``target_parameters``: PEFT's ``ParamWrapper``) by the parameter's path.
 
     Works on a ``PeftModel`` (the ``base_model.model.`` prefix is stripped) and on a model with
     adapters injected directly.
@@ -352,5 +433,91 @@ def adapted_modules(peft_model: nn.Module) -> dict[str, tuple[nn.Module, list[st
         if not names:
             continue
         path = name[len(_PEFT_PREFIX) :] if name.startswith(_PEFT_PREFIX) else name
+        if type(module).__name__ == "ParamWrapper":  # LoRA on a parameter: named by the parameter's path
+            path = f"{path.replace('.base_layer', '')}.{module.parameter_name}"
+        elif (
+            type(module).__name__ == "MultiheadAttention"
+        ):  # its LoRA on in_proj (out_proj's is its own layer)
+            path = f"{path}.in_proj_weight"
+        path = re.sub(r"\.base_layer(?=\.)", "", path)  # a wrapped module's wrapped child (MHA's out_proj)
         out[path] = (module, names)
     return out
+
+
+def trained_biases(keys: Iterable[str], adapter_config: Mapping[str, Any]) -> list[str]:
+    """The biases an adapter file with checkpoint keys ``keys`` trained (``bias="all"``/``"lora_only"``), as
+    ``<module>.bias``; the copies of the modules it saves whole are not among them (they replace their module
+    whole); none where its config trains none (another method's ``….bias`` key is its own parameter)."""
+    if adapter_config.get("bias") in (None, "none"):
+        return []
+    saved_modules = saved_module_names(adapter_config)
+    out = []
+    for key in keys:
+        split = None if split_saved_module_key(key, saved_modules) else split_adapter_key(key)
+        if split is not None and split[1] in BIAS_PARAMS:
+            out.append(split[0] + BIAS_SUFFIX)
+    return sorted(out)
+
+
+def loaded_parameters(model: nn.Module, names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """The parameters ``names`` (base state-dict names, ``<module>.bias``) of a loaded PEFT model or a merged
+    one, where it has them: PEFT's ``base_model.model.`` prefix and its layers' ``base_layer.`` looked through."""
+    wanted = set(names)
+    out = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        path = name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")
+        if path in wanted:
+            out[path] = param
+    return out
+
+
+# A layer of the stacks PEFT's `replicate_layers` expands: `model.layers.N.`, BERT's `encoder.layer.N.`, `h.N.`
+_LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h)\.(\d+)(?=\.|$)")
+
+
+def replicated_layers(adapter_config: Mapping[str, Any]) -> list[int]:
+    """The base layer each layer of the expanded stack is a copy of, for a LoRA with ``layer_replication``
+    (PEFT's `replicate_layers`: ``[[0, 2], [1, 3]]`` makes layers 0, 1, 1, 2); [] without it."""
+    return [i for start, end in adapter_config.get("layer_replication") or () for i in range(start, end)]
+
+
+def unreplicated(name: str, order: list[int]) -> str:
+    """The base's name of ``name`` (a module or tensor path of the expanded model) where PEFT replicated the
+    layers in ``order`` (:func:`replicated_layers`): its layer index mapped to the layer it copies."""
+    match = _LAYER.search(name)
+    if not order or match is None or int(match.group(1)) >= len(order):
+        return name
+    return f"{name[: match.start(1)]}{order[int(match.group(1))]}{name[match.end(1) :]}"
+
+
+class UnreplicatedBase(Mapping):
+    """Base weights read by the expanded model's names (a LoRA with ``layer_replication``): each name looked
+    up as the layer it copies (PEFT's copies share the originals' weights)."""
+
+    def __init__(self, base: Mapping[str, torch.Tensor], order: list[int]) -> None:
+        self._base, self._order = base, order
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._base[unreplicated(name, self._order)]
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and unreplicated(name, self._order) in self._base
+
+    def __iter__(self):
+        return iter(self._base)
+
+    def __len__(self) -> int:
+        return len(self._base)
+
+
+def expansion_notes(adapter_config: dict) -> list[str]:
+    """What PEFT did to the base before loading the adapter, where it expanded it (``layer_replication``:
+    its `replicate_layers` stacks copies of the base's layers that share their weights), in words."""
+    order = replicated_layers(adapter_config)
+    if not order:
+        return []
+    return [
+        f"PEFT expanded the base's layers to {len(order)} before loading the adapter "
+        f"(layer_replication {adapter_config['layer_replication']}: layers {', '.join(map(str, order))}; "
+        "each copy shares the weights of the layer it copies)"
+    ]

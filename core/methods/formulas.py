@@ -9,9 +9,10 @@
     merge would, without touching the layer.
 
 Comparing the two measures how far a device/dtype drifts from the exact math. Semantics follow the
-installed PEFT 0.21.2 (``peft/tuners/<method>/layer.py``). Only weight
-deltas are covered: bias changes (``lora_bias``, IA3 scaling the bias of non-feedforward layers) are
-outside ``ΔW``.
+installed PEFT 0.21.2 (``peft/tuners/<method>/layer.py``). Besides weight
+deltas, a bias the adapter trained (``bias="all"``/``"lora_only"``) is a change ``Δb`` under the name
+``<module>.bias``; ``lora_bias`` (LoRA's own bias on B) and IA3 scaling the bias of non-feedforward layers are
+outside them.
 
 Module names are base-model module paths as they appear in the base state dict without the
 ``.weight`` suffix, e.g. ``model.layers.0.self_attn.q_proj``; how checkpoint keys map to them, and the
@@ -29,7 +30,11 @@ import torch
 from core.methods import formulas_more
 from core.methods.adapter_keys import (
     ADAPTER_TYPES,
+    BIAS_SUFFIX,
+    MERGED_TWICE,
+    PARAMETER_LAYOUT,
     AdapterModule,
+    UnreplicatedBase,
     _base_weight,
     _check_shape,
     _ia3_is_feedforward,
@@ -41,6 +46,8 @@ from core.methods.adapter_keys import (
     _t,
     adapter_module_keys,
     adapter_type,
+    bias_module,
+    replicated_layers,
     saved_module_names,
 )
 
@@ -83,6 +90,9 @@ def _lora_delta(
     a = _need(mod, "lora_A.weight", tensors)
     b = _need(mod, "lora_B.weight", tensors)
     r, scaling = _lora_rank_and_scaling(config, mod.module)
+    layout = config.get(PARAMETER_LAYOUT) or {}
+    if mod.module in layout and weight.ndim == 3:
+        return formulas_more.lora_experts_delta(mod, a, b, r, scaling, weight, layout[mod.module])
     if weight.ndim > 2:
         return _lora_conv_delta(mod, a, b, r, scaling, weight)
     fifo = bool(config.get("fan_in_fan_out"))
@@ -451,11 +461,13 @@ def reference_deltas(
 
     ``adapter_config`` is the ``adapter_config.json`` dict, ``adapter_tensors`` the adapter file as
     ``safetensors.torch.load_file`` returns it, ``base_weights`` the base model's state dict. Keys of
-    the result are module paths (``model.layers.0.self_attn.q_proj``). Rules:
+    the result are module paths (``model.layers.0.self_attn.q_proj``), and ``<module>.bias`` for a bias the
+    adapter trained (`formulas_more.bias_delta`: Δb, read against the base's ``<module>.bias``). Rules:
 
     * LoRA / PiSSA: ``s·B@A``, ``s = alpha/r`` (``alpha/sqrt(r)`` with rsLoRA), rank_pattern and
       alpha_pattern honoured, transposed with fan_in_fan_out; on embeddings ``s·(B@A)ᵀ`` from
-      ``lora_embedding_A``/``lora_embedding_B``; on convolutions ``s·Σ_r B[:, r]·A[r]`` over the kernel.
+      ``lora_embedding_A``/``lora_embedding_B``; on convolutions ``s·Σ_r B[:, r]·A[r]`` over the kernel; on
+      a parameter (``target_parameters``, keyed by its path) ``s·B@A``, per expert for a stack of experts.
       For PiSSA this is the change relative to
       the *residual* base PEFT computes in memory when it loads the adapter (``W − top-r SVD``), which
       is what PEFT's ``get_delta_weight`` and merge add; see :func:`merged_weights`.
@@ -479,11 +491,17 @@ def reference_deltas(
     modules = adapter_module_keys(adapter_tensors, saved_module_names(adapter_config))
     if not modules:
         raise ValueError("adapter checkpoint holds no adapter tensors")
+    base_weights = _as_loaded(adapter_config, base_weights)
     out = {}
     with torch.no_grad():
         for name, mod in modules.items():
+            if mod.bias_key is not None:
+                out[name + BIAS_SUFFIX] = formulas_more.bias_delta(mod, adapter_tensors, base_weights)
+            if not mod.changes_weight:
+                continue
             weight = _module_base_weight(mod, adapter_tensors, base_weights)
-            # a convolution's ΔW is written out for plain LoRA; the other rules are for Linear layers
+            # a convolution's (and a stack of experts') ΔW is written out for plain LoRA; the other rules are for
+            # Linear layers
             if weight.ndim != 2 and (kind != "lora" or base_rewriting_init(adapter_config)):
                 raise ValueError(
                     f"module {mod.module}: only 2-d (Linear) weights are supported for {kind}, "
@@ -491,6 +509,15 @@ def reference_deltas(
                 )
             out[name] = formula(adapter_config, mod, adapter_tensors, weight)
     return out
+
+
+def _as_loaded(
+    adapter_config: Mapping[str, Any], base_weights: Mapping[str, torch.Tensor]
+) -> Mapping[str, torch.Tensor]:
+    """The base weights by the names the adapter's model has: a LoRA with ``layer_replication`` sees the
+    base's layers expanded (each copy reads the layer it copies), any other the base's own names."""
+    order = replicated_layers(adapter_config)
+    return UnreplicatedBase(base_weights, order) if order else base_weights
 
 
 def _module_base_weight(
@@ -585,8 +612,13 @@ def merged_weights(
     kind = adapter_type(adapter_config)
     fifo = bool(adapter_config.get("fan_in_fan_out"))
     modules = adapter_module_keys(adapter_tensors, saved_module_names(adapter_config))
+    base_weights = _as_loaded(adapter_config, base_weights)
     out: dict[str, torch.Tensor] = {}
     for name, delta in deltas.items():
+        module = bias_module(name)
+        if module is not None:  # the merged bias is the trained one, which PEFT loaded over the base's
+            out[name] = adapter_tensors[modules[module].bias_key].detach().to("cpu", torch.float64)
+            continue
         weight = _module_base_weight(modules[name], adapter_tensors, base_weights)
         if kind == "pissa":
             r, _ = _lora_rank_and_scaling(adapter_config, name)
@@ -594,7 +626,8 @@ def merged_weights(
         elif kind == "lora" and base_rewriting_init(adapter_config) == "olora":
             r, scaling = _lora_rank_and_scaling(adapter_config, name)
             weight = _t(olora_residual(_t(weight, fifo), r, scaling), fifo)
-        out[name] = weight + delta
+        # nn.MultiheadAttention's out_proj: PEFT adds its ΔW twice (adapter_keys.OUT_PROJ_TWICE)
+        out[name] = weight + 2 * delta if name in adapter_config.get(MERGED_TWICE, ()) else weight + delta
     return out
 
 
@@ -620,6 +653,11 @@ def sequential_merged_weights(
             )
         merged = merged_weights(config, tensors, current)
         for name, weight in merged.items():
-            current[name + ".weight"] = weight
+            current[_base_name(name)] = weight
             touched.add(name)
-    return {name: current[name + ".weight"] for name in sorted(touched)}
+    return {name: current[_base_name(name)] for name in sorted(touched)}
+
+
+def _base_name(name: str) -> str:
+    """The base tensor a merged name stands for: a bias change's name is the bias, a module's its weight."""
+    return name if bias_module(name) is not None else name + ".weight"

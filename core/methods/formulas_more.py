@@ -1,4 +1,5 @@
-"""Float64 ΔW formulas of HRA, MiSS, RandLoRA and DeLoRA, path (a) of `core.methods.formulas` (which
+"""Float64 ΔW formulas of HRA, MiSS, RandLoRA and DeLoRA, of LoRA on a stack of experts (``target_parameters``) and
+of a trained bias (Δb), path (a) of `core.methods.formulas` (which
 dispatches to these): from the adapter file's tensors (and W where the method applies the adapter to it),
 written out from the methods' definitions in the installed PEFT 0.21.2
 (``peft/tuners/{hra,miss,randlora,delora}/layer.py``), not taken from PEFT's layers.
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from core.methods.adapter_keys import (
+    BIAS_SUFFIX,
     AdapterModule,
     _check_shape,
     _need,
@@ -151,3 +153,43 @@ def delora_delta(
     b_norm = torch.linalg.vector_norm(b, dim=0).clamp(min=1e-4)
     per_rank = lam / r / (a_norm * b_norm)  # (r,)
     return ((b * per_rank) @ a) * w_norm
+
+
+def lora_experts_delta(
+    mod: AdapterModule,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    r: int,
+    scaling: float,
+    weight: torch.Tensor,
+    out_in: bool,
+) -> torch.Tensor:
+    """LoRA on a 3-d parameter (``target_parameters``: a stack of E experts' weights): one rank-r pair per
+    expert, A (E·r, in) read expert-major (row e·r + k) and B (out, r·E) rank-major (column k·E + e), as
+    PEFT's ``ParamWrapper`` reshapes them: ``ΔW[e] = s·Σ_k B[:, k·E + e] ⊗ A[e·r + k]``, laid out (E, out, in)
+    where PEFT reads the parameter so (``out_in``), else (E, in, out)."""
+    experts = weight.shape[0]
+    in_f, out_f = (weight.shape[2], weight.shape[1]) if out_in else (weight.shape[1], weight.shape[2])
+    _check_shape(mod, "lora_A.weight", a.shape, (r * experts, in_f))
+    _check_shape(mod, "lora_B.weight", b.shape, (out_f, r * experts))
+    per_a = a.reshape(experts, r, in_f)  # [e, k, i]
+    per_b = b.reshape(out_f, r, experts)  # [o, k, e]
+    return scaling * torch.einsum("oke,eki->eoi" if out_in else "oke,eki->eio", per_b, per_a)
+
+
+def bias_delta(
+    mod: AdapterModule, adapter_tensors: Mapping[str, torch.Tensor], base_weights: Mapping[str, torch.Tensor]
+) -> torch.Tensor:
+    """``Δb = b_adapter − b_base`` in float64: the bias an adapter trained (``bias="all"``/``"lora_only"``),
+    which PEFT loads over the base's, less the base checkpoint's. Exact: the difference of two float32 (or
+    bfloat16, float16) numbers is a float64 number unless their exponents lie more than 29 binades apart."""
+    key = mod.module + BIAS_SUFFIX
+    if key not in base_weights:
+        raise ValueError(
+            f"module {mod.module}: the adapter saves a trained bias but the base has no '{key}'; "
+            "was this adapter made for a different base model?"
+        )
+    trained = adapter_tensors[mod.bias_key].detach().to(device="cpu", dtype=torch.float64)
+    base = base_weights[key].detach().to(device="cpu", dtype=torch.float64)
+    _check_shape(mod, "bias", trained.shape, tuple(base.shape))
+    return trained - base

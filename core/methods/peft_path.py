@@ -112,10 +112,10 @@ def peft_delta(layer: nn.Module, adapter_name: str) -> torch.Tensor:
     if layer.merged_adapters:
         raise ValueError(f"layer has merged adapters {layer.merged_adapters}; unmerge before peft_delta")
     with torch.no_grad():
-        weight = _base_weight(layer.get_base_layer()).detach()
         if kind in ADDITIVE:
             delta = layer.get_delta_weight(adapter_name)
             return delta.to_dense() if delta.is_sparse else delta  # SHiRA's is a sparse tensor
+        weight = _base_weight(layer.get_base_layer()).detach()
         if kind == "dora":
             delta = layer.get_delta_weight(adapter_name)
             w = weight.to(delta.dtype)
@@ -207,3 +207,38 @@ def peft_delta_source(layer: nn.Module, adapter: str) -> str:
         return "miss.get_delta_weight_miss of a zero W (its block laid over W's input slices)"
     dim = "input dim (feedforward)" if layer.is_feedforward else "output dim"
     return f"ia3_l scaling W along the {dim}"
+
+
+PEFT_ADDITIVE = ("vblora", "c3a", "gralora", "waveft")
+"""Methods with no float64 formula here whose PEFT merge adds the layer's ``get_delta_weight`` to W (PEFT
+0.21.2's ``<method>/layer.py``; WaveFT's transposed for fan_in_fan_out): their ΔW is PEFT's own function, its
+reference the same function on a float64 copy of the layer (:func:`float64_peft_delta`)."""
+PEFT_OWN = "PEFT's own get_delta_weight in float64"
+"""The reference label of those methods' ΔW (W + it for their merged weights)."""
+
+
+def float64_peft_delta(layer: nn.Module, adapter_name: str) -> torch.Tensor:
+    """``get_delta_weight(adapter_name)`` of a float64 copy of ``layer`` on the CPU: PEFT's own ΔW computed in
+    float64 from the tensors the layer holds (the adapter file's values, which the weights check compares
+    bit for bit: PEFT keeps a float32 adapter float32 on a half-precision model). The layer is not touched."""
+    import copy
+
+    with torch.no_grad():
+        twin = copy.deepcopy(layer).to(device="cpu", dtype=torch.float64)
+        delta = twin.get_delta_weight(adapter_name)
+    return delta.to_dense() if delta.is_sparse else delta
+
+
+def own_references(
+    layers: dict[str, nn.Module], adapter: str, kind: str, base: dict[str, torch.Tensor]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor, str]]:
+    """module → (ΔW, W + ΔW, note) in float64 by :func:`float64_peft_delta`, for a method of
+    :data:`PEFT_ADDITIVE` (its merge adds ΔW to W), W from ``base`` (the checkpoint's weights by module)."""
+    note = f"{kind}: {PEFT_OWN} (no float64 formula of the method here)"
+    out = {}
+    for module, layer in layers.items():
+        weight = base.get(f"{module}.weight")
+        if weight is not None:
+            delta = float64_peft_delta(layer, adapter)
+            out[module] = (delta, weight.to(torch.float64) + delta, note)
+    return out

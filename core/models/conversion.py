@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import re
 import threading
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from copy import deepcopy
 from dataclasses import dataclass
 from pathlib import Path
@@ -246,3 +246,43 @@ def loaded_shapes(folder: str | Path, names: Iterable[str]) -> dict[str, tuple[i
         for n in names
         if n in shapes or n in checkpoint
     }
+
+
+def targeted_parameters(folder: str | Path, adapter_config: dict) -> dict[str, tuple[str, bool]]:
+    """Where a LoRA with ``target_parameters`` keeps each targeted parameter's tensors: the module path its
+    file names them under (PEFT wraps every targeted parameter of a module in a ``ParamWrapper``, nested in
+    the order the module registers them, the first innermost: ``experts.base_layer`` then ``experts``) →
+    (the parameter's path, whether PEFT reads a 3-d one as (experts, out, in)). Worked out as PEFT does it, by
+    injecting the adapter's config into the base model built on the meta device (no weights read); {} for
+    an adapter without ``target_parameters``."""
+    if not adapter_config.get("target_parameters"):
+        return {}
+    from peft import LoraConfig, inject_adapter_in_model
+    from peft.tuners.lora.layer import ParamWrapper
+
+    fields = set(LoraConfig.__dataclass_fields__)
+    config = LoraConfig(**{k: v for k, v in adapter_config.items() if k in fields and k != "peft_type"})
+    model = inject_adapter_in_model(config, _meta_model(str(folder)))
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, ParamWrapper):
+            owner = name.replace(".base_layer", "")
+            out[name] = (f"{owner}.{module.parameter_name}", bool(module._did_swap_in_out_features))
+    return out
+
+
+def attention_modules(
+    base: str | Path, config: dict, names: Collection[str], done: set[str]
+) -> dict[str, str]:
+    """`adapter_keys.attention_renames` of the modules an adapter file with checkpoint keys `names` adapts
+    (those not in `done`), by the base folder's tensor names (headers only)."""
+    from core.methods import adapter_keys
+
+    saved = adapter_keys.saved_module_names(config)
+    split = (
+        adapter_keys.split_adapter_key(n) for n in names if not adapter_keys.split_saved_module_key(n, saved)
+    )
+    modules = {s[0] for s in split if s is not None} - done
+    paths = {m.replace(".base_layer.", ".") for m in modules}
+    present = loaded_shapes(base, {f"{p}.{t}" for p in paths for t in ("weight", "in_proj_weight")})
+    return adapter_keys.attention_renames(modules, set(present))

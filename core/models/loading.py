@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from core.methods import adapter_keys
 from core.models.checkpoint import (
     NOT_IN_CHECKPOINT,
     LoadError,
@@ -50,6 +51,12 @@ TASK_HEADS: dict[str, tuple[str, ...]] = {
     "QUESTION_ANS": ("AutoModelForQuestionAnswering",),
     "FEATURE_EXTRACTION": ("AutoModel",),
 }
+# Generating models outside a task's own mapping: a vision-language (Llava-style) or other multimodal model
+# whose adapter PEFT saves as CAUSAL_LM (it has no task type of its own for them) is loaded with the generating
+# class its checkpoint names (`architectures`), else the first of these that knows its config.
+GENERATING_HEADS: dict[str, tuple[str, ...]] = {
+    "CAUSAL_LM": ("AutoModelForImageTextToText", "AutoModelForMultimodalLM"),
+}
 
 
 def _head_for(config, autos: tuple[str, ...]) -> type | None:
@@ -57,6 +64,8 @@ def _head_for(config, autos: tuple[str, ...]) -> type | None:
     import transformers
 
     for name in autos:
+        if not hasattr(transformers, name):  # a mapping this transformers lacks
+            continue
         mapping = getattr(transformers, name)._model_mapping
         if type(config) in mapping:
             return mapping[type(config)]
@@ -66,23 +75,30 @@ def _head_for(config, autos: tuple[str, ...]) -> type | None:
 def model_class(config, task_type: str | None = None) -> type:
     """The transformers class to load a checkpoint with, from its config and the adapter's task head.
 
-    An adapter's PEFT `task_type` names the head it was trained with, so it decides; without one,
+    An adapter's PEFT `task_type` names the head it was trained with, so it decides (a CAUSAL_LM adapter on
+    a model that task's mapping lacks, a Llava-style vision-language model: the generating class the
+    checkpoint names, else `GENERATING_HEADS`); without one,
     the checkpoint's own class (`architectures`) where it has a head, else the LM head of an
     encoder-decoder, else the class it names, else the bare model. LoadError when the task's head
     does not exist for this family.
     """
     import transformers
 
-    if task_type in TASK_HEADS:
-        cls = _head_for(config, TASK_HEADS[task_type])
-        if cls is None:
-            raise LoadError(
-                f"the adapter was trained for {task_type}, but transformers has no such head for "
-                f"{type(config).__name__} (expected one of {', '.join(TASK_HEADS[task_type])})"
-            )
-        return cls
     archs = [getattr(transformers, a, None) for a in getattr(config, "architectures", None) or []]
     named = [c for c in archs if isinstance(c, type)]
+    if task_type in TASK_HEADS:
+        cls = _head_for(config, TASK_HEADS[task_type])
+        if cls is None and task_type in GENERATING_HEADS:
+            generating = [c for c in named if issubclass(c, transformers.GenerationMixin)]
+            cls = generating[0] if generating else _head_for(config, GENERATING_HEADS[task_type])
+        if cls is None:
+            more = GENERATING_HEADS.get(task_type, ())
+            also = f", a generating class its config.json names or {', '.join(more)}" if more else ""
+            raise LoadError(
+                f"the adapter was trained for {task_type}, but transformers has no such head for "
+                f"{type(config).__name__} (expected one of {', '.join(TASK_HEADS[task_type])}{also})"
+            )
+        return cls
     bare = _head_for(config, ("AutoModel",))
     headed = [c for c in named if c is not bare]
     if headed:
@@ -480,6 +496,7 @@ def load_isolated(
             model = None
             yield Loaded(adapter=adapter, model=None, notes=notes, refused=str(e))
             continue
+        notes.extend(adapter_keys.expansion_notes(read_adapter_config(adapter)))
         init = float32_only_init(read_adapter_config(adapter)) if upcast else None
         if upcast and float64_offload_dtype(base) is not None:
             # too large for float64 whole: it stays float32 and runs its forward in float64 block by block

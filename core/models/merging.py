@@ -27,7 +27,7 @@ from torch import nn
 from core.methods import adapter_keys, formulas, projections
 from core.models import targets
 from core.models.checkpoint import Checkpoint, adapters_task_type, read_adapter_config, read_checkpoint
-from core.models.conversion import loaded_shapes
+from core.models.conversion import attention_modules, loaded_shapes, targeted_parameters
 from core.models.validate import TIED_EMBEDDING_NAMES
 from core.numerics.tolerance import ulp
 from core.spec import AdapterRef, ProbeSpec, Target
@@ -160,8 +160,7 @@ def tied_adapted_modules(peft_model: nn.Module, adapter: str) -> list[TiedFindin
     for module, (layer, names) in adapter_keys.adapted_modules(peft_model).items():
         if adapter not in names:
             continue
-        weight = layer.get_base_layer().weight
-        key = _storage_key(weight)
+        key = _storage_key(base_weight(layer))
         for group in groups:
             members = {_strip(n) for n in group}
             if f"{module}.weight" not in members:
@@ -213,8 +212,13 @@ def unmerge_modules(peft_model: nn.Module) -> None:
 
 
 def base_weight(layer: nn.Module) -> torch.Tensor:
-    """The base weight a tuner layer merges into (a bitsandbytes weight dequantized, as PEFT merges it)."""
+    """The base weight a tuner layer merges into (a bitsandbytes weight dequantized, as PEFT merges it; the
+    parameter a LoRA on parameters targets)."""
+    if type(layer).__name__ == "ParamWrapper":
+        return layer.get_param()
     base = layer.get_base_layer()
+    if isinstance(base, nn.MultiheadAttention):  # PEFT's LoRA on it merges into in_proj_weight
+        return base.in_proj_weight
     return targets.dequantize(base) if targets.is_quantized_layer(base) else base.weight
 
 
@@ -227,8 +231,13 @@ def base_state(layers: dict[str, nn.Module]) -> dict[str, dict[str, Any]]:
     """
     state: dict[str, dict[str, Any]] = {}
     for module, layer in layers.items():
+        if type(layer).__name__ == "ParamWrapper":  # its one parameter (`base_weight`), as "weight"
+            state[module] = {"weight": layer.get_param().detach().clone()}
+            continue
         base = layer.get_base_layer()
         state[module] = {n: p.detach().clone() for n, p in base.named_parameters()}
+        if "weight" not in state[module]:  # nn.MultiheadAttention's: its in_proj_weight
+            state[module]["weight"] = base_weight(layer).detach().clone()
         if targets.is_quantized_layer(base):
             state[module].update(
                 weight=targets.dequantize(base).clone(), **{targets.HELD: targets.hold(base)}
@@ -509,6 +518,9 @@ def reference_base(spec: ProbeSpec, names: set[str]) -> dict[str, torch.Tensor]:
         names = names | {
             n for n in Checkpoint.open(spec.base.path).names() if n.endswith(TIED_EMBEDDING_NAMES)
         }
+    # an adapter that replicates layers names the copies: the layers they copy are read
+    orders = [adapter_keys.replicated_layers(read_adapter_config(a)) for a in spec.adapters]
+    names = names | {adapter_keys.unreplicated(n, order) for order in orders if order for n in names}
     base = read_loaded(spec.base.path, names)  # by the loaded model's names
     return with_tied_aliases(spec, base)
 
@@ -521,7 +533,7 @@ def module_reference(
     ``merged`` only), ``tied`` a partner's own base weight. (None, "") where the module is not adapted;
     (None, why) where the formula fails. What the merge check computes for the whole adapter at once, for
     this module: a worker measures one tensor at a time, the drill-down one module."""
-    base = reference_base(spec, {f"{name}.weight"})
+    base = reference_base(spec, adapter_keys.base_tensor_names([name]))
     if role == "tied":
         w = base.get(f"{name}.weight")
         return (
@@ -529,7 +541,8 @@ def module_reference(
         )
     by_name = {a.name: a for a in spec.adapters}
     try:
-        files = [_module_files(by_name[a], name, spec.base.path) for a in adapters]
+        module = adapter_keys.bias_module(name) or name  # a bias change is read with its module's tensors
+        files = [_module_files(by_name[a], module, spec.base.path) for a in adapters]
         files = [f for f in files if f[1]]  # an adapter of a subset that leaves this module alone
         if not files:
             return None, ""
@@ -563,29 +576,41 @@ def adapter_files(
     adapter: AdapterRef, base: str, modules: Collection[str] | None = None
 ) -> tuple[dict, dict[str, torch.Tensor]]:
     """The adapter's config and its file's tensors (those of `modules` alone, shared ones included, where
-    given),
-    as the float64 formulas read them: with VeRA's or RandLoRA's shared pair regenerated from the config
-    where the file lacks it (``save_projection=False``), sized by the shapes of the base weights (folder
-    `base`, headers only) of every module the adapter adapts, as PEFT sizes it."""
+    given), as the float64 formulas read them: with VeRA's or RandLoRA's shared pair regenerated from the
+    config where the file lacks it (``save_projection=False``), sized by the shapes of the base weights
+    (folder `base`, headers only) of every module the adapter adapts, as PEFT sizes it; LoRA on parameters'
+    and on nn.MultiheadAttention's tensors by what they adapt (the file's key kept as the index's value)."""
     config = read_adapter_config(adapter)
-    index = dict.fromkeys(Checkpoint.open(adapter.path, prefix="adapter_model").names())
+    layout = targeted_parameters(base, config)
+    paths = {module: path for module, (path, _) in layout.items()}
+    names = Checkpoint.open(adapter.path, prefix="adapter_model").names()
+    attention = attention_modules(base, config, names, set(paths))
+    index = adapter_keys.rename_modules(names, {**paths, **attention})
+    twice = [new for old, new in attention.items() if ".base_layer.out_proj" in old]
+    extra = {adapter_keys.PARAMETER_LAYOUT: dict(layout.values()), adapter_keys.MERGED_TWICE: twice}
+    config = {**config, **{k: v for k, v in extra.items() if v}}
     kind = adapter_keys.adapter_type(config)
     shared: dict[str, torch.Tensor] = {}
     if projections.unsaved(kind, config, index):
-        adapted = adapter_keys.adapter_module_keys(index, adapter_keys.saved_module_names(config))
+        by_module = adapter_keys.adapter_module_keys(index, adapter_keys.saved_module_names(config))
+        # the modules PEFT sizes them by: those it adapts, not those whose bias alone it trains
+        adapted = [m for m, mod in by_module.items() if mod.changes_weight]
         shapes = loaded_shapes(base, {f"{m}.weight" for m in adapted})
         missing = sorted(m for m in adapted if f"{m}.weight" not in shapes)
         if missing:  # a size from a subset of the modules would draw other numbers, not fewer
             raise ValueError(f"{kind}: the base has no weight for {', '.join(missing[:3])}")
         shared = projections.regenerate(kind, config, shapes.values())
-        index.update(dict.fromkeys(shared))
+        index.update({k: k for k in shared})
     if modules is None:
         names = set(index)
     else:
         by_module = adapter_keys.adapter_module_keys(index, adapter_keys.saved_module_names(config))
-        names = {t for m in modules if m in by_module for t in by_module[m].keys.values()}
+        wanted = {adapter_keys.bias_module(m) or m for m in modules}  # a bias change: its module's tensors
+        names = {t for m in wanted if m in by_module for t in by_module[m].keys.values()}
     names -= set(shared)
-    tensors = read_checkpoint(adapter.path, prefix="adapter_model", names=names) if names else {}
+    file_names = {index[n]: n for n in names}
+    read = read_checkpoint(adapter.path, prefix="adapter_model", names=set(file_names)) if names else {}
+    tensors = {file_names[k]: t for k, t in read.items()}
     if tensors:
         tensors.update(shared)
     return config, tensors
@@ -614,7 +639,8 @@ def not_for_subset(adapter: AdapterRef) -> str:
 
     A plain LoRA only: the others have no `cat` combination. A LoRA that saves modules whole
     (modules_to_save, a classifier head) neither: all adapters of the subset are active at once, and
-    PEFT keeps one saved copy of a module active at a time (it refuses to activate several).
+    PEFT keeps one saved copy of a module active at a time (it refuses to activate several); nor one that
+    trains biases (PEFT holds one such adapter on a model) or replicates layers (PEFT merges none).
     """
     config = read_adapter_config(adapter)
     kind = adapter_keys.adapter_type(config)
@@ -627,6 +653,10 @@ def not_for_subset(adapter: AdapterRef) -> str:
         return (
             f"saves {', '.join(saved)} whole (modules_to_save), and PEFT activates one saved copy at a time"
         )
+    if config.get("bias") not in (None, "none"):
+        return f"trains biases (bias={config['bias']!r}), and PEFT holds one adapter with bias on a model"
+    if config.get("layer_replication"):
+        return "replicates the base's layers (layer_replication), which PEFT refuses to merge"
     return ""
 
 

@@ -62,7 +62,8 @@ def probe_inputs(
     What the model's forward takes decides the inputs: token ids (the prompts through `base`'s own
     tokenizer, `prompt_inputs`; explicit ids; or drawn from the seed),
     with pixel values beside them for a model that needs both (CLIP-style: `pixel_values` in its
-    signature and no image token to place in the ids); pixel values (`num_channels` × `image_size`²,
+    signature and no image token to place in the ids; Llava-style: an image token, `image_seq_length` of
+    them placed before each row's ids); pixel values (`num_channels` × `image_size`²,
     standard normal, of the vision tower's config where there is one); audio features (`num_mel_bins`
     × twice `max_source_positions` frames, as Whisper's encoder requires, with decoder ids beside them);
     a raw waveform (`input_values`: standard normal, as a feature extractor's normalisation leaves it,
@@ -88,8 +89,20 @@ def probe_inputs(
             inputs["decoder_input_ids"] = inputs["input_ids"]
         image = _image_shape(config) if "pixel_values" in takes else None
         # a generative vision-language model reads pixels only where its image tokens sit in the ids
-        placed = any(getattr(config, a, None) is not None for a in ("image_token_id", "image_token_index"))
-        if image is not None and not placed:
+        token = next(
+            (
+                t
+                for a in ("image_token_id", "image_token_index")
+                if (t := getattr(config, a, None)) is not None
+            ),
+            None,
+        )
+        if image is not None and token is None:
+            inputs["pixel_values"] = torch.randn(len(inputs["input_ids"]), *image, generator=g)
+        elif image is not None and getattr(config, "image_seq_length", None) and not probe.prompts:
+            inputs = _with_image_tokens(
+                inputs["input_ids"], int(token), int(config.image_seq_length), vocab_size(config)
+            )
             inputs["pixel_values"] = torch.randn(len(inputs["input_ids"]), *image, generator=g)
         return inputs
     if probe.input_ids or probe.prompts:
@@ -125,6 +138,15 @@ def probe_inputs(
         f"{cls.__name__} takes neither token ids, pixel values, audio features nor raw audio; "
         "no probe input can be made for it"
     )
+
+
+def _with_image_tokens(ids: torch.Tensor, token: int, count: int, vocab: int) -> dict[str, torch.Tensor]:
+    """Token ids of a Llava-style model with one image per row: the `count` image tokens its processor puts
+    where the image goes (`image_seq_length`), first, then the row's ids (an id that is the image token
+    replaced by the next one: the model would look for a second image there)."""
+    text = torch.where(ids == token, (token + 1) % vocab, ids)
+    full = torch.cat([torch.full((len(ids), count), token, dtype=ids.dtype), text], dim=1)
+    return {"input_ids": full, "attention_mask": torch.ones_like(full)}
 
 
 def probe_input_ids(probe: ProbeInputs, vocab_size: int, generator: torch.Generator) -> torch.Tensor:

@@ -75,21 +75,41 @@ def validate_model(model: ModelRef) -> dict[str, tuple[int, ...]] | None:
 
 def validate_adapter(adapter: AdapterRef, base_shapes: dict[str, tuple[int, ...]] | None, base: str) -> None:
     """The adapter folder is intact and its modules exist in the base with fitting shapes."""
-    from core.methods.adapter_keys import split_adapter_key
+    from core.methods.adapter_keys import (
+        BIAS_PARAMS,
+        attention_renames,
+        replicated_layers,
+        split_adapter_key,
+        unreplicated,
+    )
 
     config = check_adapter_config(adapter)
     shapes = weight_shapes(Path(adapter.path).expanduser(), prefix="adapter_model")
     if shapes is None or base_shapes is None:
         return
     fan_in_fan_out = bool(config.get("fan_in_fan_out"))
+    order = replicated_layers(config)  # layer_replication: PEFT expands the base's layers before loading
     modules = {}
     for key, shape in shapes.items():
         split = split_adapter_key(key)
-        if split is None:
-            continue  # modules_to_save copies and the like: nothing to match against the base
-        module, param = split
+        if split is None or split[1] in BIAS_PARAMS:
+            # modules_to_save copies and the like, trained biases: nothing to match against the base's weights
+            continue
+        module, param = unreplicated(split[0], order), split[1]
         modules.setdefault(module, {})[param.split(".")[0]] = shape
-    missing = [m for m in modules if f"{m}.weight" not in base_shapes]
+    # LoRA on nn.MultiheadAttention: its in_proj's and out_proj's modules by the tensors they adapt
+    renames = attention_renames(modules, base_shapes)
+    modules = {renames.get(m, m): roles for m, roles in modules.items()}
+    # LoRA on parameters (target_parameters) keeps a module's tensors under `<module>(.base_layer)*`, one
+    # nesting per parameter it targets there: the module must hold one of the parameters the config names
+    targeted = [str(t).rpartition(".")[2] for t in config.get("target_parameters") or ()]
+    missing = [
+        m
+        for m in modules
+        if f"{m}.weight" not in base_shapes
+        and m not in base_shapes
+        and not any(f"{m.replace('.base_layer', '')}.{p}" in base_shapes for p in targeted)
+    ]
     if missing and len(missing) == len(modules):
         raise InputError(
             f"adapter {adapter.name} was made for a different base model: none of its modules "
@@ -100,8 +120,8 @@ def validate_adapter(adapter: AdapterRef, base_shapes: dict[str, tuple[int, ...]
             f"adapter {adapter.name} does not fit {base}: modules {', '.join(missing[:3])} do not exist"
         )
     for module, roles in modules.items():
-        w = base_shapes[f"{module}.weight"]
-        if len(w) != 2:
+        w = base_shapes.get(f"{module}.weight")
+        if w is None or len(w) != 2:  # a parameter LoRA targets: the formulas check its shapes
             continue
         out_f, in_f = (w[1], w[0]) if fan_in_fan_out else (w[0], w[1])
         a, b = roles.get("lora_A"), roles.get("lora_B")
@@ -115,6 +135,21 @@ def validate_adapter(adapter: AdapterRef, base_shapes: dict[str, tuple[int, ...]
                 f"adapter {adapter.name} was made for a different base model: lora_B of {module} has "
                 f"{b[0]} output features, {base} has {out_f}"
             )
+
+
+def validate_trained_biases(adapters: Sequence[AdapterRef]) -> None:
+    """At most one adapter of a run trains biases: PEFT refuses to hold two on one model ("supports only 1
+    adapter with bias"), and the run loads its adapters together for the outputs, merge and other checks."""
+    biased = [
+        f"{a.name} (bias={c['bias']!r})"
+        for a in adapters
+        if (c := check_adapter_config(a)).get("bias") not in (None, "none")
+    ]
+    if len(biased) > 1:
+        raise InputError(
+            f"adapters {', '.join(biased)} each train biases, and PEFT holds only one adapter with bias on a "
+            "model (the run loads its adapters together): run them in separate runs"
+        )
 
 
 def validate_merge_subset(subset: Sequence[str], adapters: Sequence[str], checks: Sequence[str]) -> None:
@@ -170,6 +205,7 @@ def validate_inputs(spec: ProbeSpec) -> None:
     validate_merge_subset(spec.merge_subset, names, spec.checks)
     for adapter in spec.adapters:
         validate_adapter(adapter, base_shapes, spec.base.path)
+    validate_trained_biases(spec.adapters)
     if base_shapes is not None:  # a local folder (a hub id's config is fetched by the worker)
         validate_family(spec)
 
