@@ -12,7 +12,7 @@ import torch
 from bench.judgement import perturbing
 from core import cli
 from core.capture import Capture, TensorKey
-from core.checks.behaviour.generate import first_divergence
+from core.checks.generate import first_divergence
 from core.demo.build import TIE_PROMPT, TIE_STEP
 from core.engine.store import Store
 from core.models.probes import probe_inputs

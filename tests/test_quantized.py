@@ -158,7 +158,7 @@ def test_a_quantized_target_never_stands_in_for_the_reference() -> None:
 def test_every_format_runs_every_check(run) -> None:
     from bitsandbytes.functional import has_avx512bf16
 
-    from core.checks.behaviour.merge_tables import REPACKED_MERGE
+    from core.checks.merge.tables import REPACKED_MERGE
 
     record, _, _ = run
     table = record.metrics()
@@ -257,7 +257,7 @@ def test_a_merge_into_weights_the_fused_kernel_repacked_is_a_finding(run) -> Non
     say why, and the same merge on `+portable` moves the outputs by the merge's own effect alone."""
     from peft import PeftModel
 
-    from core.checks.behaviour.merge_tables import REPACKED_MERGE
+    from core.checks.merge.tables import REPACKED_MERGE
 
     record, model, adapter = run
     with warnings.catch_warnings():
@@ -418,7 +418,7 @@ def test_repacked_merge_scenario_shows_the_finding_in_one_click(
     page, and a merge that moves the outputs more than twice as far as the same merge on `+portable`."""
     from apptest import make_app, no_exceptions
 
-    from core.checks.behaviour.merge_tables import repacked_finding
+    from core.checks.merge.tables import repacked_finding
 
     record = _repacked_scenario(demo_workspace, tmp_path)
     findings = record.table("merge_findings")

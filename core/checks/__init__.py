@@ -7,8 +7,8 @@ from __future__ import annotations
 from core.checks.activations import ActivationsCheck
 from core.checks.adapters import AdaptersCheck
 from core.checks.base import Check
-from core.checks.behaviour.generate import GenerateCheck
 from core.checks.deltas import DeltasCheck
+from core.checks.generate import GenerateCheck
 from core.checks.memory import MemoryCheck
 from core.checks.merge import MergeCheck
 from core.checks.outputs import OutputsCheck

@@ -433,7 +433,7 @@ def _divergences(table) -> dict[str, Any]:
     """Where each target parts from the reference: {"first_divergence": {target (· adapter): sentence}}
     from activations rows, {"generation_divergence": …} from generate rows; a key only where its check ran."""
     from core.checks.activations import divergence_sentences as modules
-    from core.checks.behaviour.generate import divergence_sentences as generations
+    from core.checks.generate import divergence_sentences as generations
 
     found = {"first_divergence": modules(table), "generation_divergence": generations(table)}
     return {key: sentences for key, sentences in found.items() if sentences}

@@ -342,7 +342,7 @@ class RunRecord:
         (`core.report.served_elsewhere`), where each target parts from the reference (activations,
         generate)."""
         from core.checks.activations import divergence_sentences as modules
-        from core.checks.behaviour.generate import divergence_sentences as generations
+        from core.checks.generate import divergence_sentences as generations
         from core.report import served_elsewhere
 
         table = self.metrics() if table is None else table

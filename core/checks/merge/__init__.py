@@ -43,7 +43,18 @@ import torch
 
 from core.capture import Capture, TensorKey
 from core.checks.base import CaptureContext, Check, Measured, Reference, add_note, tolerance
-from core.checks.behaviour.merge_tables import (
+from core.checks.merge.keys import (
+    ROUNDTRIP_NOTE,
+    SAVED_NOTE,
+    broken,
+    dtype_of,
+    exact_stage,
+    key_name,
+    no_reference,
+    parse_name,
+    trained_biases,
+)
+from core.checks.merge.tables import (
     REPACKED_MERGE,
     REPACKED_SAVE,
     REPACKED_STAGES,
@@ -56,7 +67,7 @@ from core.checks.behaviour.merge_tables import (
 from core.checks.outputs import forward_output, nonfinite_output
 from core.methods import adapter_keys, formulas, peft_path, projections
 from core.models import merging
-from core.models.checkpoint import Checkpoint, keeps_tensors, read_adapter_config, read_checkpoint
+from core.models.checkpoint import keeps_tensors, read_adapter_config, read_checkpoint
 from core.models.conversion import layer_of
 from core.models.loading import Loaded
 from core.models.merging import ROUNDING_ULPS, scale_ulp
@@ -64,24 +75,6 @@ from core.models.targets import repacked
 from core.numerics import metrics
 from core.numerics.sketch import content_hash
 from core.spec import AdapterRef, ProbeSpec, Target
-
-ROLES = ("merged", "roundtrip", "delta", "tied", adapter_keys.SAVED_MODULE, "output")
-ROUNDTRIP_NOTE = "unmerge_adapter() must restore W: this is what it left"
-SAVED_NOTE = (
-    "modules_to_save: merge_and_unload puts the adapter's copy of this module in place of the base's "
-    "(replaced, not merged: no W + ΔW); compared with the adapter file"
-)
-
-
-def key_name(role: str, stage: str, name: str) -> str:
-    """The capture tensor name of one measurement: ``role:stage:name``."""
-    return f"{role}:{stage}:{name}"
-
-
-def parse_name(name: str) -> tuple[str, str, str]:
-    """(role, stage, name) of a capture tensor name made by `key_name`."""
-    role, stage, rest = name.split(":", 2)
-    return role, stage, rest
 
 
 class MergeCheck(Check):
@@ -171,12 +164,12 @@ class MergeCheck(Check):
             )
         if ref is None:
             dtype = str(t.dtype).removeprefix("torch.")
-            measured = Measured(label, note, dtype, _no_reference(t, label, note), None, content_hash(t))
+            measured = Measured(label, note, dtype, no_reference(t, label, note), None, content_hash(t))
         else:
             measured = self.measure_against(ctx.spec, ctx.target, key, t, ref, label, note)
             if role == "merged":
                 before = None if before is None else before.detach().cpu()
-                measured.row["scale_ulp"] = scale_ulp(t.detach().cpu(), ref, before, _dtype(ctx.target))
+                measured.row["scale_ulp"] = scale_ulp(t.detach().cpu(), ref, before, dtype_of(ctx.target))
         out.results[key.encode()] = measured.as_dict()
         if measured.sketch is not None:
             out.sketches[key.encode()] = measured.sketch
@@ -238,7 +231,7 @@ class MergeCheck(Check):
             for module, params in state.items():
                 self._add(ctx, out, adapter, "before", "", module, params["weight"])
         before = {module: params["weight"] for module, params in state.items()}
-        biases = _trained_biases(loaded.adapter)  # loaded over the base's: the merged model keeps them
+        biases = trained_biases(loaded.adapter)  # loaded over the base's: the merged model keeps them
 
         def restore() -> None:
             # The next stage must start from the loaded W, not from what a merge round trip left.
@@ -462,7 +455,7 @@ class MergeCheck(Check):
             for key, role, stage, name in parsed:
                 if role != "output":
                     continue
-                exact = TensorKey(self.name, key.adapter, key_name("output", _exact_stage(stage), name))
+                exact = TensorKey(self.name, key.adapter, key_name("output", exact_stage(stage), name))
                 t = reference_capture.get(exact)
                 if t is not None:
                     tensors[key.encode()] = t
@@ -491,7 +484,7 @@ class MergeCheck(Check):
 
     def rows(self, spec: ProbeSpec, capture: Capture, reference: Reference) -> list[dict[str, Any]]:
         target = Target.parse(capture.target)
-        dtype = _dtype(target)
+        dtype = dtype_of(target)
         meta = capture.meta.get(self.name, {})
         adapters_meta = meta.get("adapters", {})
         rows: list[dict[str, Any]] = []
@@ -550,7 +543,7 @@ class MergeCheck(Check):
         row["note"] = note
         row["dtype"] = str(tensor.dtype).removeprefix("torch.")
         if ref is None:
-            row.update(_no_reference(tensor, label, note))
+            row.update(no_reference(tensor, label, note))
             return row
         stats = metrics.compare(tensor, ref, tolerance(spec, row["role"], dtype))
         row.update(metrics.stats_to_row(stats))
@@ -588,7 +581,7 @@ class MergeCheck(Check):
             if source:
                 add_note(row, f"target ΔW via {source}")
         if role in ("merged", "roundtrip") and name in info.get("repacked", []):
-            _broken(row, f"{name}: {REPACKED_MERGE}")
+            broken(row, f"{name}: {REPACKED_MERGE}")
         if role == "merged" and info.get("kind") == "pissa":
             add_note(
                 row,
@@ -662,7 +655,7 @@ class MergeCheck(Check):
                 add_note(row, REPACKED_SAVE)
             return
         if info.get("repacked") and stage in REPACKED_STAGES:
-            _broken(row, REPACKED_MERGE)
+            broken(row, REPACKED_MERGE)
         if stage in ("merge_adapter", "safe_merge", "merge_and_unload", "reload"):
             tied = info.get("tied", [])
             if tied:
@@ -696,36 +689,3 @@ class MergeCheck(Check):
     ) -> dict[str, pd.DataFrame]:
         """`merge_save`: one row per (target, adapter, save path); `merge_findings`: tied/NaN/notes."""
         return {"merge_save": save_table(captures), "merge_findings": findings_table(captures)}
-
-
-def _dtype(target: Target) -> torch.dtype:
-    """The dtype a target's rows are judged in (its tolerances follow it)."""
-    return getattr(torch, target.float_dtype)
-
-
-def _broken(row: dict[str, Any], explanation: str) -> None:
-    """Mark `row` broken, with `explanation` after any it has."""
-    row["verdict"] = "broken"
-    row["explanation"] = " · ".join(filter(None, [row.get("explanation"), explanation]))
-
-
-def _no_reference(tensor: torch.Tensor, label: str, note: str) -> dict[str, Any]:
-    """The measured part of a `broken` row for a tensor without a reference."""
-    return {
-        "shape": "x".join(map(str, tensor.shape)),
-        "numel": tensor.numel(),
-        "bitwise_equal": False,
-        "verdict": "broken",
-        "explanation": f"no reference ({label}) for this tensor" + (f": {note}" if note else ""),
-    }
-
-
-def _exact_stage(stage: str) -> str:
-    """The stage of the cpu/float64 capture an output is compared with: the exact model's unmerged one."""
-    return "subset unmerged" if stage.startswith("subset") else "unmerged"
-
-
-def _trained_biases(adapter: AdapterRef) -> list[str]:
-    """The biases the adapter trained and saves (``<module>.bias``), by its file's index: no tensor read."""
-    names = Checkpoint.open(adapter.path, prefix="adapter_model").names()
-    return adapter_keys.trained_biases(names, read_adapter_config(adapter))
