@@ -293,7 +293,12 @@ def test_deltas_drilldown_reads_one_base_weight_only(run, monkeypatch):
     monkeypatch.setattr("core.checks.deltas.read_checkpoint", spy)
     # the base is read by the loaded model's names (transformers may rename keys on load)
     monkeypatch.setattr("core.checks.deltas.read_loaded", spy_loaded)
+    monkeypatch.setattr("core.models.conversion.read_loaded", spy_loaded)  # merging.reference_base's
     d = element_diff(record, "deltas", row["target"], row["adapter"], row["tensor"])
-    assert ("", {f"{row['tensor']}.weight"}) in calls  # the base: one weight, read lazily
+    # the base: that module's tensors alone, read lazily (its weight; its bias and a parameter by its
+    # own path, which adapters that train biases or target parameters need, where the file has them)
+    module = row["tensor"]
+    base_reads = [names for prefix, names in calls if prefix == "" and f"{module}.weight" in names]
+    assert len(base_reads) == 1 and base_reads[0] <= {f"{module}.weight", f"{module}.bias", module}, calls
     assert float(np.abs(d.diff).max()) == row["max_abs"]
     assert d.explanation == row["explanation"]
