@@ -360,7 +360,7 @@ def test_a_machine_with_a_gpu_spawns_every_task(tmp_path, monkeypatch):
 
     monkeypatch.setattr(runners, "gpu_visible", lambda: True)
     runner = ProcessRunner()
-    assert not runner.forks and runner.workers == "gpu"
+    assert not runner.forks and runner.workers_path == "gpu"
     runner.warm(fresh=0)
     assert runner._server is None  # no fork server is started
     assert len(runner._ready) == runners.WARM_SPARES  # spawned spares import ahead instead

@@ -52,7 +52,7 @@ def test_the_gpu_paths_spares_give_a_spawned_tasks_rows_bit_for_bit_and_nothing_
     checks = ["weights", "outputs", "activations"]
     warm, info = Recording(), {}
     warm.warm()
-    assert warm.workers == "gpu" and warm._server is None and warm._ready
+    assert warm.workers_path == "gpu" and warm._server is None and warm._ready
     spares = run(tmp_path / "spares", *args, checks, runner=warm, record=info)
     assert info["workers"] == "gpu"
     assert warm.started and not any(isinstance(p, runners.ForkedProcess) for p in warm.started)

@@ -150,7 +150,7 @@ def test_every_page_of_the_demo_run_has_its_figures_and_a_wrong_selection_says_w
     with pytest.raises(
         SelectionError, match=r"adapter 'nope' is not in this run: one of boft, dora, ia3, lora, oft, pissa$"
     ):
-        page_figures(record, "drift", table, adapter="nope")
+        page_figures(record, "drift", table, check="deltas", adapter="nope")
     with pytest.raises(SelectionError, match="the drift page has no selector 'stage'"):
         page_figures(record, "drift", table, stage="x")
     with pytest.raises(SelectionError, match="no page 'drifts': one of overview, drift"):

@@ -415,7 +415,7 @@ class Engine:
             started=snap["started"],
             finished=snap["finished"],
             duration_s=None if not snap["finished"] else round(snap["finished"] - snap["started"], 3),
-            workers=job.runner.workers,  # how its task processes were made (`runners.worker_path`)
+            workers=job.runner.workers_path,  # how its task processes were made (`runners.worker_path`)
             targets={
                 k: {kk: vv for kk, vv in v.items() if kk != "elapsed_s"} for k, v in snap["tasks"].items()
             },

@@ -102,7 +102,7 @@ class Runner(ABC):
     concurrent = True
 
     @property
-    def workers(self) -> str:
+    def workers_path(self) -> str:
         """The worker path a run records (`run.json`'s "workers"): `worker_path`."""
         return worker_path()
 
@@ -456,7 +456,7 @@ class ProcessRunner(Runner):
         self._live_lock = threading.Lock()  # apart: _start runs under _lock in prepare
 
     @property
-    def workers(self) -> str:
+    def workers_path(self) -> str:
         return self._workers
 
     def kill_all(self) -> None:
