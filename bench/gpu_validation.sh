@@ -84,6 +84,8 @@ if [ -n "${QUICK:-}" ]; then
     # targets of the H200 tables and the quantized path side by side; then, alone (their numbers are
     # memory or time), the GPU-marked tests, the memory scenario and the bench's worker ratio.
     QUICK_CHECKS="weights deltas outputs merge activations generate"
+    # the device comparison's GPU-marked parity tests (issue 36.2) beside tests/test_gpu.py
+    GPU_TESTS=${GPU_TESTS:-tests/test_kernel.py tests/test_metrics.py}
     step demo_build 90 $PY -m core demo --json  # PEFT tries to build BOFT's CUDA kernel here (nvcc)
     # the import unit the demo's wall time is set against (bench/cli_demo.py's BARE_IMPORT)
     step bare_import 60 bash -c "TIMEFORMAT='bare import wall %R s'; time $PY -c 'import torch, transformers, peft'"
