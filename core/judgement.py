@@ -267,6 +267,7 @@ class Rewrite:
     n: int
     how: str
     differing: list[tuple[str, str]] = field(default_factory=list)  # (target, the target it differs from)
+    compared: int = 0  # how many (target, peer) pairs were set against each other
 
     def sentence(self) -> str:
         """`pissa rewrites 12 base weights at load (SVD on the load device): cuda:0/float32 differs from
@@ -274,6 +275,8 @@ class Rewrite:
         head = (
             f"{self.adapter} rewrites {self.n} base weight{'s' if self.n != 1 else ''} at load ({self.how})"
         )
+        if not self.compared:
+            return f"{head}: no target here has a peer besides itself to set them against"
         if not self.differing:
             return f"{head}: every target is bitwise its peer in them"
         return f"{head}: " + "; ".join(f"{t} differs from {o} in them" for t, o in self.differing)
@@ -306,7 +309,7 @@ def rewrites(table: pd.DataFrame, pairwise: pd.DataFrame, targets: list[str]) ->
             )
             if len(pair) and not pair["bitwise_equal"].astype("boolean").fillna(False).all():
                 differing.append((target, other))
-        out.append(Rewrite(str(adapter), len(tensors), str(mine["rewrite"].iloc[0]), differing))
+        out.append(Rewrite(str(adapter), len(tensors), str(mine["rewrite"].iloc[0]), differing, len(against)))
     return out
 
 

@@ -461,6 +461,13 @@ def test_the_rewrite_sentence_names_the_targets_whose_rewritten_weights_differ_f
         .endswith(": every target is bitwise its peer in them")
     )
     assert rewrites(table.drop(columns="rewrite"), pairwise, ["cpu/float32"]) == []
+    # targets that are each their own peer (cpu/float32 and cpu/bfloat16) set nothing against each other
+    alone = table[table["target"] == "cpu/float32"]
+    assert (
+        rewrites(alone, pairwise, ["cpu/float32"])[0]
+        .sentence()
+        .endswith(": no target here has a peer besides itself to set them against")
+    )
 
 
 def test_pissa_s_rewritten_base_is_measured_against_its_float64_rewrite_and_plain_lora_adds_none(
