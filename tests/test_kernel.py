@@ -383,6 +383,22 @@ def test_nan_and_inf_placement():
     assert math.isnan(k.mismatch_max_abs) and k.mismatch_max_abs_index == 1
 
 
+def test_the_sketch_gives_every_nan_value_as_the_canonical_one():
+    """A NaN's payload is no number: on an H200 float16's NaN reached the sketch as 0x7FFFFFFFE0000000
+    (CUDA converts through float32's 0x7FFFFFFF); here a float32 NaN with that payload stands in."""
+    t = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float32)
+    t.view(torch.int32)[1] = 0x7FFFFFFF
+    r = torch.tensor([1.0, 2.5, 3.0], dtype=F64)
+    for stats in (
+        kernel.compare_cpu(t, r, 0.0, 0.0, sketch=True),
+        compare_torch(t, r, 0.0, 0.0, sketch=True),
+    ):
+        sk = stats.sketch
+        assert sk.topk_index.tolist()[0] == 1
+        assert struct.pack("<d", sk.topk_target[0]) == struct.pack("<d", math.nan)
+        assert sk.topk_reference[0] == 2.5
+
+
 def test_matching_nonfinite_and_signed_zero_are_equal():
     r = torch.tensor([math.nan, math.inf, -math.inf, 0.0, 1.0], dtype=F64)
     t = torch.tensor([math.nan, math.inf, -math.inf, -0.0, 1.0 + 2**-20])

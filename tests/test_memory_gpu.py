@@ -78,9 +78,12 @@ def test_torch_device_comparison_on_a_gpu(tmp_path, demo_workspace, where):
             dora = part[part["stage"] == memory.adapter_stage("dora")].iloc[0]
             assert dora["workspace"] == WORKSPACE_SIZE() if WORKSPACE_SIZE else dora["workspace"] > 0
             assert loaded["workspace"] == 0 and after["workspace"] == 0 and after["reserved"] == 0
-    # torch_device passed: every tensor and every byte on the target, nothing stray
+    # torch_device passed: every tensor and every byte on the target, nothing stray (the run's CPU
+    # reference target has a placement of its own, on the CPU)
+    placement = placement[placement["target"] == f"{target}/float32"]
     assert set(placement[placement["variant"] == "torch_device"]["device"]) == {target}
     rows = record.metrics()
+    rows = rows[rows["target"] == f"{target}/float32"]
     passed = rows[(rows["check"] == "memory") & (rows["variant"] == "torch_device")]
     assert set(passed["verdict"]) == {"identical"}, passed[["rule", "explanation"]]
     if target != "cuda:0":
@@ -110,7 +113,8 @@ def test_a_tensor_kept_past_cleanup_is_a_leak(tmp_path, demo_workspace, monkeypa
     assert job.wait(600)
     assert job.state == "succeeded", job.error
     rows = engine.store.open(job.run_id).metrics()
-    rows = rows[rows["check"] == "memory"]
+    # the CPU reference target's rows, in this process, see the cuda target's memory as stray: not ours
+    rows = rows[(rows["check"] == "memory") & (rows["target"] == "cuda:0/float32")]
     assert sorted(rows["variant"]) == ["no_torch_device", "torch_device"], rows[["rule", "explanation"]]
     assert set(rows["rule"]) == {"leak"} and set(rows["device"]) == {"cuda:0"}
     # one embedding per strategy (both adapters share it); the allocator counts it in 512-byte blocks

@@ -103,6 +103,10 @@ class MemoryCheck(Check):
         import peft  # noqa: F401  (what the load needs, imported before the base-load sample)
         import transformers  # noqa: F401
 
+        if not samples:
+            # In-process, an earlier task's garbage (a model in a reference cycle) would be freed by this
+            # task's cleanup and offset what it leaves: the baseline is taken once it is gone.
+            cleanup()
         sampler.sample(memory.IMPORT_LIBS)
         if samples:
             # A fresh worker: what the imports made lives to its end, so collections (cleanup's and the

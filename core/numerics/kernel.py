@@ -510,6 +510,14 @@ def _assemble_sketch(t_flat, r_flat, n_same, sk, fold, grid) -> Sketch:
         n_nonfinite=int(h[HIST_FINITE_BINS:].sum()),
         topk_index=idx,
         topk_abs=keys.view(np.float64).copy(),
-        topk_target=t_flat[sel.to(t_flat.device)].to(torch.float64).cpu().numpy(),
-        topk_reference=r_flat[sel.to(r_flat.device)].to(torch.float64).cpu().numpy(),
+        topk_target=_values_at(t_flat, sel),
+        topk_reference=_values_at(r_flat, sel),
     )
+
+
+def _values_at(flat: torch.Tensor, sel: torch.Tensor) -> np.ndarray:
+    """`flat[sel]` as float64 on the host, every NaN the canonical one: a CUDA conversion keeps a
+    payload (float16's NaN arrives as 0x7FFFFFFFE0000000 on an H200) that the CPU's does not."""
+    v = flat[sel.to(flat.device)].to(torch.float64).cpu().numpy()
+    v[np.isnan(v)] = np.nan
+    return v
