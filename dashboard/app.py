@@ -18,34 +18,15 @@ import streamlit as st  # noqa: E402
 
 from core.engine.store import StoreError  # noqa: E402
 from dashboard.jobs import sidebar_jobs  # noqa: E402
+from dashboard.pages import PAGES as TABLE  # noqa: E402
 from dashboard.run_form import run_form  # noqa: E402
 from dashboard.state import engine, home, store, sync_view_with_url  # noqa: E402
 from dashboard.text import literal  # noqa: E402
 
 VIEWS = Path(__file__).resolve().parent / "views"
 FAVICON = Path(__file__).resolve().parent / "favicon.png"
-PAGES = [
-    st.Page(
-        VIEWS / "overview.py",
-        title="Overview",
-        icon=":material/dashboard:",
-        url_path="overview",
-    ),
-    st.Page(VIEWS / "drift.py", title="Drift", icon=":material/grid_on:", url_path="drift"),
-    st.Page(VIEWS / "outputs.py", title="Outputs", icon=":material/output:", url_path="outputs"),
-    st.Page(
-        VIEWS / "activations.py",
-        title="Activations",
-        icon=":material/stacked_line_chart:",
-        url_path="activations",
-    ),
-    st.Page(VIEWS / "merge.py", title="Merge residuals", icon=":material/merge:", url_path="merge"),
-    st.Page(VIEWS / "memory.py", title="Memory placement", icon=":material/memory:", url_path="memory"),
-    st.Page(
-        VIEWS / "adapters.py", title="Adapter consistency", icon=":material/layers:", url_path="adapters"
-    ),
-    st.Page(VIEWS / "runs.py", title="Runs", icon=":material/history:", url_path="runs"),
-]
+# the navigation, from the one table of pages (dashboard/pages.py)
+PAGES = [st.Page(VIEWS / f"{p.path}.py", title=p.title, icon=p.icon, url_path=p.path) for p in TABLE]
 
 
 def start() -> None:

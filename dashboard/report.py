@@ -24,13 +24,14 @@ from core.checks.activations import ACCUMULATED, LOCAL_DRIFT, first_divergences
 from core.engine.pairwise import pair_matrix
 from core.engine.store import ACTIVE_STATES, RunRecord, Store, StoreError, atomic_write_bytes, io_advice
 from core.spec import REFERENCE_TARGET, ProbeSpec
+from dashboard import pages
 from dashboard.figures.activations import activations_heatmap, depth_line_chart
 from dashboard.figures.adapters import consistency_cells, consistency_matrix
 from dashboard.figures.common import (
     BASE,
-    DRIFT_CHECKS,
     METRIC_LABELS,
     colourable,
+    drift_checks,
     drift_heatmap,
     empty_figure,
     environment_table,
@@ -103,7 +104,7 @@ def _drift(
     target: str | None = None,
     tensor: str | None = None,
 ) -> Figures:
-    present = [c for c in dict.fromkeys(table["check"]) if c in DRIFT_CHECKS] if len(table) else []
+    present = drift_checks(table)
     if not present:
         return []
     worst = max(present, key=lambda c: severity(_rows(table, c)))
@@ -228,15 +229,6 @@ PAGE_FIGURES: dict[str, Callable[..., Figures]] = {
     "merge": _merge,
     "memory": _memory,
     "adapters": _adapters,
-}
-PAGE_TITLES = {
-    "overview": "Overview",
-    "drift": "Drift",
-    "outputs": "Outputs",
-    "activations": "Activations",
-    "merge": "Merge residuals",
-    "memory": "Memory placement",
-    "adapters": "Adapter consistency",
 }
 
 
@@ -425,7 +417,7 @@ def _page_figures_html(record: RunRecord, table: pd.DataFrame) -> str:
         figures = page_figures(record, page, table)
         if not figures:
             continue
-        parts.append(f"<h3>{_text(PAGE_TITLES[page])}</h3>")
+        parts.append(f"<h3>{_text(pages.page(page).title)}</h3>")
         for title, fig in figures:
             parts.append(f"<p class='muted'>{_text(title)}</p>")
             parts.append(fig.to_html(full_html=False, include_plotlyjs=first, config={"displaylogo": False}))

@@ -46,7 +46,8 @@ from core.spec import (
     ToleranceOverride,
     prompts_from_text,
 )
-from dashboard.state import engine, ray_runner, result_page, start_run, store
+from dashboard.pages import result_page
+from dashboard.state import engine, ray_runner, start_run, store
 from dashboard.text import literal
 
 # float dtypes, then the bitsandbytes formats of a quantized base (QUANTIZED_FORMATS)

@@ -22,6 +22,7 @@ from core.engine.runners import FRESH_SPARES, InProcessRunner, ProcessRunner, Ru
 from core.engine.store import ACTIVE_STATES, RunRecord, Store, StoreError, table_problem
 from core.engine.store import metrics_table as rows_table
 from core.spec import ProbeSpec, SpecError, weightdrift_home
+from dashboard import pages
 from dashboard.text import literal
 
 # Query parameters that make up a view; anything else in the URL is left alone.
@@ -232,32 +233,6 @@ def open_run(name: str = "run", *, container: Any = None, check: str | None = No
     return store().open(run_id)
 
 
-# The page that shows each check's result (url_path, title, icon), in the order a run's first result
-# page is chosen.
-RESULT_PAGES: dict[str, tuple[str, str, str]] = {
-    "weights": ("drift", "Drift heatmap", ":material/grid_on:"),
-    "deltas": ("drift", "Drift heatmap", ":material/grid_on:"),
-    "outputs": ("outputs", "Outputs", ":material/output:"),
-    "merge": ("merge", "Merge residuals", ":material/merge:"),
-    "adapters": ("adapters", "Adapter consistency", ":material/layers:"),
-    "memory": ("memory", "Memory placement", ":material/memory:"),
-    "activations": ("activations", "Activations", ":material/stacked_line_chart:"),
-}
-
-
-def result_pages(checks: Sequence[str]) -> list[tuple[str, str, str]]:
-    """The pages that show these checks' results, once each, in RESULT_PAGES order."""
-    order = list(RESULT_PAGES)
-    ranked = sorted((c for c in checks if c in RESULT_PAGES), key=order.index)
-    return list(dict.fromkeys(RESULT_PAGES[c] for c in ranked))
-
-
-def result_page(checks: Sequence[str]) -> str:
-    """Where a run opens: the Drift heatmap when it has per-tensor checks, else its first check's page."""
-    pages = result_pages(checks)
-    return pages[0][0] if pages else "overview"
-
-
 def start_run(spec: ProbeSpec, page: str, runner: Runner | None = None) -> None:
     """Submit `spec` and open `views/<page>.py` on the new run (its progress, then its result).
 
@@ -272,7 +247,7 @@ def start_run(spec: ProbeSpec, page: str, runner: Runner | None = None) -> None:
     for name in VIEW_KEYS:
         set_view(name, None)
     set_view("run", job.run_id)
-    st.switch_page(f"views/{page}.py", query_params={"run": job.run_id})
+    st.switch_page(pages.page(page).script, query_params={"run": job.run_id})
 
 
 def start_comparison(paths: Sequence[Path], uploads: Sequence[tuple[str, bytes]] = ()) -> None:
@@ -299,7 +274,7 @@ def start_comparison(paths: Sequence[Path], uploads: Sequence[tuple[str, bytes]]
     for name in VIEW_KEYS:
         set_view(name, None)
     set_view("run", job.run_id)
-    st.switch_page("views/overview.py", query_params={"run": job.run_id})
+    st.switch_page(pages.OVERVIEW.script, query_params={"run": job.run_id})
 
 
 def save_upload(name: str, data: bytes) -> Path:

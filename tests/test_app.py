@@ -22,6 +22,7 @@ from core.engine.jobs import Engine
 from core.engine.runners import InProcessRunner
 from core.engine.store import Store
 from core.spec import AdapterRef, ModelRef, ProbeSpec, Target
+from dashboard import pages
 
 PAGES = (
     "views/overview.py",
@@ -82,6 +83,28 @@ def test_every_page_renders_a_stored_run(run_home, monkeypatch):
         at.switch_page(page).run()
         no_exceptions(at)
         assert at.query_params["run"] == run_id or page.endswith("runs.py")
+        # each page's heading is its title in the one table of pages (the navigation's)
+        assert [t.value for t in at.title] == [pages.page(Path(page).stem).title], page
+
+
+def test_the_table_of_pages_is_every_view_and_says_where_a_run_opens():
+    views = Path(__file__).resolve().parent.parent / "dashboard" / "views"
+    assert (
+        sorted(p.script for p in pages.PAGES)
+        == sorted(PAGES)
+        == sorted(f"views/{p.name}" for p in views.glob("[!_]*.py"))
+    )
+    # every check has a page (generated text is on Outputs); the per-tensor ones share the Drift page,
+    # which a run opens on first
+    assert sorted(c for p in pages.PAGES for c in p.checks) == sorted(CHECKS)
+    assert pages.result_page(["memory", "weights", "merge"]) == "drift"
+    assert pages.result_page(["activations", "memory"]) == "memory"
+    assert [p.path for p in pages.result_pages(["activations", "adapters", "outputs"])] == [
+        "outputs",
+        "adapters",
+        "activations",
+    ]
+    assert pages.result_page(["generate"]) == "outputs" and pages.result_page([]) == "overview"
 
 
 def test_drift_page_opens_the_view_the_url_names(run_home, monkeypatch):

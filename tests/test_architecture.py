@@ -167,6 +167,7 @@ def test_core_the_figures_the_report_and_the_api_import_without_streamlit():
     modules += [
         "dashboard.figures",
         *(f"dashboard.figures.{p.stem}" for p in sorted(figures.glob("[!_]*.py"))),
+        "dashboard.pages",
         "dashboard.report",
         "dashboard.text",
         "weightdrift",

@@ -400,3 +400,9 @@ def test_diff_heatmap_names_the_fold_of_an_already_folded_tensor():
     fig = diff_heatmap(logits, shape=(2, 16, 256))
     assert "2×16×256 folded to 256 columns" in fig.layout.title.text
     assert fig.data[0].z.shape == (32, 256)
+
+
+def test_drift_checks_are_the_per_tensor_checks_a_table_has_in_its_order():
+    table = pd.DataFrame({"check": ["outputs", "deltas", "merge", "weights", "deltas"]})
+    assert F.drift_checks(table) == ["deltas", "weights"]
+    assert F.drift_checks(table.iloc[:0]) == [] and F.drift_checks(table[table.check == "merge"]) == []

@@ -44,6 +44,11 @@ DRIFT_CHECKS = ("weights", "deltas")
 BASE = "base model"  # the selection of the rows without an adapter
 
 
+def drift_checks(table: pd.DataFrame) -> list[str]:
+    """The per-tensor checks (DRIFT_CHECKS) a metrics table has rows of, in the table's order."""
+    return [c for c in dict.fromkeys(table["check"]) if c in DRIFT_CHECKS] if len(table) else []
+
+
 def severity(rows: pd.DataFrame) -> tuple[int, float]:
     """How bad a selection is: worst verdict, then largest relative error (a page opens on the worst)."""
     if rows.empty:

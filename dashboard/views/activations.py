@@ -21,6 +21,7 @@ from dashboard.figures.common import (
     metric_choices,
     with_judgement,
 )
+from dashboard.pages import page
 from dashboard.state import bound_select, metrics_table, set_view, view
 from dashboard.text import inert, literal
 from dashboard.ui import (
@@ -38,7 +39,7 @@ DRIFTS = {
     LOCAL_DRIFT: "local (each module alone, on the reference's input)",
 }
 
-st.title("Activations")
+st.title(page("activations").title)
 record = finished_run(NAME, "activations")
 table = metrics_table(record)
 rows = table[table["check"] == NAME] if len(table) else table

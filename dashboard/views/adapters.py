@@ -14,6 +14,7 @@ from dashboard.figures.adapters import (
     mutation_table,
     stacking_summary,
 )
+from dashboard.pages import page
 from dashboard.state import bound_select, metrics_table, run_table
 from dashboard.text import inert, literal, trusted
 from dashboard.ui import (
@@ -25,7 +26,7 @@ from dashboard.ui import (
     scenario_buttons,
 )
 
-st.title("Adapter consistency")
+st.title(page("adapters").title)
 record = finished_run("adapters", "adapters")
 table = metrics_table(record)
 rows = table[table["check"] == "adapters"] if len(table) else table

@@ -13,6 +13,7 @@ from dashboard.figures.common import (
     METRIC_LABELS,
     VERDICT_SYMBOLS,
     colourable,
+    drift_checks,
     drift_heatmap,
     mark_legend,
     metric_choices,
@@ -20,6 +21,7 @@ from dashboard.figures.common import (
     severity,
     with_judgement,
 )
+from dashboard.pages import page
 from dashboard.state import bound_select, metrics_table, set_view, view
 from dashboard.text import literal
 from dashboard.ui import (
@@ -31,10 +33,10 @@ from dashboard.ui import (
     verdict_box,
 )
 
-st.title("Drift")
+st.title(page("drift").title)
 record = finished_run()
 table = metrics_table(record)
-per_tensor = [c for c in dict.fromkeys(table["check"]) if c in DRIFT_CHECKS] if len(table) else []
+per_tensor = drift_checks(table)
 if not per_tensor:
     if record.status in ("queued", "running") and record.spec is not None:
         coming = [c for c in DRIFT_CHECKS if c in record.spec.checks]

@@ -19,11 +19,12 @@ from dashboard.figures.memory import (
     timeline_heatmap,
     workspace_devices,
 )
+from dashboard.pages import page
 from dashboard.state import bound_select, metrics_table, run_table
 from dashboard.text import inert, literal
 from dashboard.ui import check_not_run, csv_download, downloads, finished_run, scenario_buttons
 
-st.title("Memory placement")
+st.title(page("memory").title)
 record = finished_run("memory", "memory")
 timeline = run_table(record, "memory_timeline")
 placement = run_table(record, "placement")

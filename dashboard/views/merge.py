@@ -19,6 +19,7 @@ from dashboard.figures.merge import (
     weight_rows,
     worst_modules,
 )
+from dashboard.pages import page
 from dashboard.state import bound_select, metrics_table, run_table
 from dashboard.text import inert, literal, trusted
 from dashboard.ui import (
@@ -32,7 +33,7 @@ from dashboard.ui import (
     verdict_box,
 )
 
-st.title("Merge residuals")
+st.title(page("merge").title)
 record = finished_run("merge", "merge")
 table = metrics_table(record)
 rows = table[table["check"] == "merge"] if len(table) else table

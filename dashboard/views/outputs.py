@@ -6,6 +6,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboard.figures.outputs import generations_side_by_side, kl_position_figure, outputs_figure
+from dashboard.pages import page
 from dashboard.state import metrics_table, run_table
 from dashboard.text import inert, literal
 from dashboard.ui import (
@@ -24,7 +25,7 @@ HEALTH = {
     "health_identical_rows": "identical rows",
 }
 
-st.title("Outputs")
+st.title(page("outputs").title)
 record = finished_run("outputs", "outputs")
 table = metrics_table(record)
 rows = table[table["check"] == "outputs"] if len(table) else table

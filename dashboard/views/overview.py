@@ -9,12 +9,13 @@ from core.engine.pairwise import pair_matrix
 from core.engine.store import ACTIVE_STATES
 from dashboard.figures.common import environment_table, highlight_differences
 from dashboard.figures.overview import groups_table, pairwise_figure, snapshot_sources, verdict_counts_figure
+from dashboard.pages import page, result_pages
 from dashboard.report import report_html
-from dashboard.state import metrics_table, result_pages, run_table, view_query
+from dashboard.state import metrics_table, run_table, view_query
 from dashboard.text import inert, literal, trusted
 from dashboard.ui import METRIC_COLUMN_CONFIG, csv_download, downloads, finished_run
 
-st.title("Overview")
+st.title(page("overview").title)
 record = finished_run()
 table = metrics_table(record)
 if table.empty:
@@ -103,8 +104,8 @@ if not running:
 pages = result_pages(list(dict.fromkeys(table["check"])))
 # one row that wraps, each link as wide as its label: equal columns cut "Open Adapter consistency" at 1280 px
 links = st.container(horizontal=True)
-for path, title, icon in pages:
-    links.page_link(f"views/{path}.py", label=f"Open {trusted(title)}", icon=icon, query_params=view_query())
+for p in pages:
+    links.page_link(p.script, label=f"Open {trusted(p.title)}", icon=p.icon, query_params=view_query())
 
 st.subheader("Verdicts per check and target")
 by = report.verdicts_by_check_target(table)

@@ -12,6 +12,7 @@ from core.engine.snapshot import SUFFIX, read_snapshot
 from core.engine.store import StoreError
 from core.spec import SpecError
 from dashboard.figures.common import environment_table, highlight_differences
+from dashboard.pages import OVERVIEW, page
 from dashboard.state import set_view, start_comparison, store
 from dashboard.text import literal
 from dashboard.ui import csv_download
@@ -19,7 +20,7 @@ from dashboard.ui import csv_download
 # Snapshots made on real GPUs that ship with a checkout (none in an installed package)
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
-st.title("Runs")
+st.title(page("runs").title)
 
 with st.expander("Compare snapshots from other machines", icon=":material/upload_file:"):
     st.caption(
@@ -119,7 +120,7 @@ if selected:
         set_view("run", run_id)
         for name in ("target", "tensor", "adapter", "check"):
             set_view(name, None)
-        st.switch_page("views/overview.py", query_params={"run": run_id})
+        st.switch_page(OVERVIEW.script, query_params={"run": run_id})
     with c2.popover("Delete…", icon=":material/delete:"):
         # Any process's run (this server's, a CLI's): its owner holds the run's lock.
         if store().in_use(run_id):
