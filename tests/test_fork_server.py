@@ -6,6 +6,8 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,9 +15,11 @@ from pandas.testing import assert_frame_equal
 from tiny_models import ARCHITECTURES, quiet
 
 from core.engine import runners
+from core.engine.fork_server import FORKS, ForkedProcess, ForkServer
 from core.engine.jobs import Engine
-from core.engine.runners import FORKS, ForkedProcess, ForkServer, ProcessRunner, worker_env
-from core.engine.worker import FORKED_NAME
+from core.engine.runners import ProcessRunner
+from core.engine.tasks import Task
+from core.engine.worker import FORKED_NAME, worker_env
 from core.spec import AdapterRef, ModelRef, ProbeSpec, SpecError, Target
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not FORKS, reason="the fork server needs Linux")]
@@ -300,21 +304,28 @@ def test_forked_and_spawned_tasks_give_the_same_metrics_bit_for_bit_and_a_dead_s
     weights = table(forked).query("check == 'weights'")
     assert (weights["numel"] >= 1 << 17).any()
 
-    # The GPU machines' path (WEIGHTDRIFT_WORKERS=gpu): no fork server; spawned spares imported ahead take
-    # the tasks, one each. The same rows, bit for bit; each run says which path it took.
+    # The GPU machines' path (WEIGHTDRIFT_WORKERS=gpu): a fork server that imported no bitsandbytes (whose
+    # import initialises CUDA there) forks the float targets' tasks; a quantized target's task is spawned,
+    # and spares imported ahead wait for the next. The same rows, bit for bit; each run says its path.
     monkeypatch.setenv(runners.WORKERS_ENV, "gpu")
     gpu = RecordingRunner()
     gpu.warm()
-    assert gpu._server is None and len(gpu._ready) == runners.WARM_SPARES
-    warmed = list(gpu._ready)
+    assert gpu._server is not None and not gpu._ready  # no spare before a task needs one
     gpu_engine = Engine(tmp_path / "gpu", runner=gpu)
     on_gpu_path = gpu_engine.submit(spec)
     assert on_gpu_path.wait(900) and on_gpu_path.state == "succeeded", on_gpu_path.error
+    assert gpu.started and all(isinstance(p, ForkedProcess) for p in gpu.started)
+    maps = Path(f"/proc/{gpu._server.pid}/maps").read_text()
+    assert "torch" in maps and "bitsandbytes" not in maps  # PEFT imported, bitsandbytes not
+    gpu.started.clear()
+    quantized = replace(spec, targets=(Target.parse("cpu/nf4"),), checks=("weights",))
+    nf4 = gpu_engine.submit(quantized)
+    assert nf4.wait(900) and nf4.state == "succeeded", nf4.error
+    capture = [p for p in gpu.started if not isinstance(p, ForkedProcess)]
+    assert capture and len(gpu._ready) == runners.WARM_SPARES  # spawned; spares for the next ones
     gpu_engine.shutdown("test over")
-    assert gpu.started and not any(isinstance(p, ForkedProcess) for p in gpu.started)
-    assert gpu.started[0] is warmed[0]  # the first task took a spare that had imported before the run
-    assert len(set(map(id, gpu.started))) == len(gpu.started)  # one task per process
     assert all(p.poll() is not None for p in gpu.started + gpu._ready)  # shutdown left none waiting
+    assert len(gpu_engine.store.open(nf4.run_id).metrics().query("check == 'weights'"))
     assert_same_rows(
         gpu_engine.store.open(on_gpu_path.run_id).metrics(),
         table(forked),
@@ -329,6 +340,7 @@ VALIDATE_IN_WORKER = r"""
 import json, sys
 from pathlib import Path
 from core.engine.runners import ProcessRunner
+from core.engine.tasks import Task
 from core.spec import ProbeSpec
 from core.models.checkpoint import InputError
 
@@ -386,7 +398,7 @@ def test_a_process_without_the_libraries_validates_its_inputs_in_a_forked_worker
     assert in_worker(bad) == {"checked": True, "error": str(here.value), "imported": False}
 
 
-def test_a_machine_with_a_gpu_spawns_every_task(tmp_path, monkeypatch):
+def test_a_machine_with_a_gpu_forks_from_a_server_without_bitsandbytes(tmp_path, monkeypatch):
     # bitsandbytes makes a CUDA context when PEFT imports it, and CUDA does not survive a fork
     dev = tmp_path / "dev"
     dev.mkdir()
@@ -404,17 +416,21 @@ def test_a_machine_with_a_gpu_spawns_every_task(tmp_path, monkeypatch):
 
     monkeypatch.setattr(runners, "gpu_visible", lambda: True)
     runner = ProcessRunner()
-    assert not runner.forks and runner.workers_path == "gpu"
-    runner.warm(fresh=0)
-    assert runner._server is None  # no fork server is started
-    assert len(runner._ready) == runners.WARM_SPARES  # spawned spares import ahead instead
+    assert runner.forks == FORKS and runner.workers_path == "gpu"
+    runner.warm(fresh=1)
+    # the fork server imports no bitsandbytes; a memory timeline's interpreter (which does) hosts no server
+    assert runner._server is not None and runner._server.host is None and len(runner._spares) == 1
+    assert not runner._ready  # spares for quantized targets come with the first such task
+    cpu_task = Task(kind="capture", run_dir=str(tmp_path), spec={}, target="cpu/float32")
+    assert not runner._needs_bitsandbytes(cpu_task)
+    assert runner._needs_bitsandbytes(replace(cpu_task, target="cuda:0/nf4"))
     runner.kill_all()
     # WEIGHTDRIFT_WORKERS chooses, either way; anything else is a one-line error
     monkeypatch.setenv(runners.WORKERS_ENV, "cpu")
     assert runners.worker_path() == "cpu" and ProcessRunner().forks == FORKS
     monkeypatch.setattr(runners, "gpu_visible", lambda: False)
     monkeypatch.setenv(runners.WORKERS_ENV, "gpu")
-    assert runners.worker_path() == "gpu" and not ProcessRunner().forks
+    assert runners.worker_path() == "gpu" and ProcessRunner().forks == FORKS
     monkeypatch.setenv(runners.WORKERS_ENV, "tpu")
     with pytest.raises(
         SpecError, match=r"^WEIGHTDRIFT_WORKERS='tpu': give gpu or cpu \(or leave it unset\)$"

@@ -30,18 +30,19 @@ def run(home, demo, targets, adapters, checks, runner=None, record=None):
     return engine.store.open(job.run_id).metrics()
 
 
-def test_the_gpu_paths_spares_give_a_spawned_tasks_rows_bit_for_bit_and_nothing_is_forked(
-    tmp_path, demo_workspace, monkeypatch
+def test_the_gpu_paths_fork_server_never_touches_cuda_and_its_tasks_give_spawned_rows_bit_for_bit(
+    tmp_path, demo_workspace
 ):
-    """Where a GPU is visible no task is forked (bitsandbytes made a CUDA context at import): spares
-    spawned ahead take the tasks, and their rows are those of tasks each spawned when it came."""
+    """Where a GPU is visible the fork server imports no bitsandbytes (whose import makes a CUDA context):
+    it forks the float targets' tasks, CUDA ones included, and their rows are those of tasks each
+    spawned when it came; a quantized target's task is spawned."""
     from pandas.testing import assert_frame_equal
 
-    from core.engine import runners
+    from core.engine.fork_server import ForkedProcess
 
     class Recording(ProcessRunner):
-        def __init__(self):
-            super().__init__()
+        def __init__(self, fork=True):
+            super().__init__(fork=fork)
             self.started = []
 
         def _start(self, task, log_path):
@@ -50,17 +51,18 @@ def test_the_gpu_paths_spares_give_a_spawned_tasks_rows_bit_for_bit_and_nothing_
 
     args = (demo_workspace, ["cpu/float32", "cuda:0/float32", "cuda:0/bfloat16"], ["lora", "dora"])
     checks = ["weights", "outputs", "activations"]
-    warm, info = Recording(), {}
-    warm.warm()
-    assert warm.workers_path == "gpu" and warm._server is None and warm._ready
-    spares = run(tmp_path / "spares", *args, checks, runner=warm, record=info)
+    forked, info = Recording(), {}
+    forked.warm()
+    assert forked.workers_path == "gpu" and forked._server is not None
+    rows = run(tmp_path / "forked", *args, checks, runner=forked, record=info)
     assert info["workers"] == "gpu"
-    assert warm.started and not any(isinstance(p, runners.ForkedProcess) for p in warm.started)
-    monkeypatch.setattr(runners, "WARM_SPARES", 0)  # each task spawned when it comes, as before spares
-    cold = Recording()
-    spawned = run(tmp_path / "spawned", *args, checks, runner=cold)
-    assert not cold._ready and not any(isinstance(p, runners.ForkedProcess) for p in cold.started)
-    assert_frame_equal(spares, spawned, check_exact=True)
+    assert forked.started and all(isinstance(p, ForkedProcess) for p in forked.started)
+    spawned = Recording(fork=False)
+    assert_frame_equal(rows, run(tmp_path / "spawned", *args, checks, runner=spawned), check_exact=True)
+    assert not any(isinstance(p, ForkedProcess) for p in spawned.started)
+    nf4 = Recording()
+    run(tmp_path / "nf4", demo_workspace, ["cuda:0/nf4"], ["lora"], ["weights", "outputs"], runner=nf4)
+    assert any(not isinstance(p, ForkedProcess) for p in nf4.started)  # the quantized capture: spawned
 
 
 def test_cuda_loads_are_bitwise_the_checkpoint(tmp_path, demo_workspace):

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from apptest import make_app, no_exceptions
 
+from core.engine.fork_server import FORKS, ForkedProcess
 from core.engine.jobs import Engine, task_time_limit
-from core.engine.runners import FORKS, ForkedProcess, ProcessRunner
+from core.engine.runners import ProcessRunner
 from core.spec import AdapterRef, ModelRef, ProbeSpec, SpecError, Target
 
 # A tiny model's weights task takes a second or two forked (its server's imports are done before the run

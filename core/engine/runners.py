@@ -13,9 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import select
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,26 +25,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from core.engine.fork_server import FORKS, ForkedProcess, ForkServer, signal_name
 from core.engine.tasks import Cancelled, Task, run_task, task_json
 from core.engine.worker import (
     EXIT_CANCELLED,
-    FORK_SERVER_ARG,
-    HOSTS_FORK_SERVER_ENV,
     MEMORY_TIMELINE_NICENESS,
-    PREIMPORT_ENV,
-    PREIMPORT_FRESH,
+    REPO_ROOT,
     SPARE_OUTPUT_PREFIX,
     lower_priority,
+    worker_env,
 )
-from core.spec import SpecError
+from core.spec import SpecError, Target
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 # Fresh interpreters a warm runner keeps for a run's memory timelines (`warm(fresh=...)`): a run's
 # first two (the demo's two CPU targets, or two lanes of a 2-core machine) start imported; others
 # start their own, ahead of their task. Each idle one holds its imports' memory (0.54 GB RSS here).
 FRESH_SPARES = 2
-# fork needs Linux here: pidfds to reap, /proc to count threads, SCM_RIGHTS to hand a task its pipes
-FORKS = sys.platform == "linux" and hasattr(os, "pidfd_open") and hasattr(socket, "send_fds")
 
 
 # `gpu` or `cpu`: makes the process runner act as where a GPU is visible, or as where none is (`worker_path`)
@@ -56,8 +50,9 @@ WARM_SPARES = max(1, min(4, (os.cpu_count() or 1) // 2))
 
 
 def worker_path() -> str:
-    """How the process runner makes task processes here: "cpu", forked from a fork server, or "gpu",
-    spawned (spare interpreters imported ahead, never forked), as where a GPU is visible (`gpu_visible`);
+    """How the process runner makes task processes here: "cpu", forked from a fork server, or "gpu", as
+    where a GPU is visible (`gpu_visible`): forked from a fork server that imported no bitsandbytes,
+    quantized targets' tasks spawned (spare interpreters imported ahead, never forked);
     `WEIGHTDRIFT_WORKERS=gpu|cpu` chooses (a CPU machine measures the GPU machines' path)."""
     chosen = os.environ.get(WORKERS_ENV, "").strip().lower()
     if chosen and chosen not in ("gpu", "cpu"):
@@ -69,9 +64,10 @@ def gpu_visible(dev: Path = Path("/dev"), env: dict[str, str] | None = None) -> 
     """Whether a GPU that torch.cuda would use is visible here, told without touching CUDA: an NVIDIA
     device node (`/dev/nvidia0`, …) or ROCm's `/dev/kfd`, unless CUDA_VISIBLE_DEVICES hides them all.
 
-    Where one is, tasks are spawned, not forked: bitsandbytes, which PEFT imports, creates a CUDA context
-    when it is imported (it asks each GPU's compute capability), and CUDA does not survive a fork (seen
-    on an H200: every forked task failed with "Cannot re-initialize CUDA in forked subprocess", and the
+    Where one is, the fork server imports no bitsandbytes and quantized targets' tasks are spawned:
+    bitsandbytes, which PEFT imports, creates a CUDA context when it is imported (it asks each GPU's
+    compute capability), and CUDA does not survive a fork (seen on an H200: every task forked from a
+    server that had imported it failed with "Cannot re-initialize CUDA in forked subprocess", and the
     server's context alone would put memory on cuda:0 that no task asked for)."""
     env = os.environ if env is None else env
     if env.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
@@ -163,13 +159,6 @@ class InProcessRunner(Runner):
         return Outcome(ok=True)
 
 
-def _signal_name(code: int) -> str:
-    try:
-        return signal.Signals(-code).name
-    except ValueError:
-        return f"signal {-code}"
-
-
 def tail(path: Path, lines: int = 12) -> str:
     """The last lines of a log file ('' if it does not exist)."""
     try:
@@ -179,273 +168,21 @@ def tail(path: Path, lines: int = 12) -> str:
     return "\n".join(text.rstrip().splitlines()[-lines:])
 
 
-def worker_env(preimport: bool, fresh: bool = False) -> dict[str, str]:
-    """The environment of a worker process: this one's, the package on its path, output unbuffered.
-    `preimport`: it imports what every task needs before its task comes; `fresh`: what a memory
-    timeline's task imports (`core.engine.worker.preimport_fresh`)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-    env[PREIMPORT_ENV] = PREIMPORT_FRESH if fresh else "1" if preimport else ""
-    # OpenMP's threads spin between parallel regions by default; when other processes hold the cores
-    # (a small model's tasks run beside each other), a small model's every region then waits a
-    # scheduler slice for its descheduled thread. `python -m bench.wait_policy` (docs/workers.md): a
-    # tiny Llama forward with two busy processes beside it, mean 75 ms by default, 7.7 ms sleeping;
-    # alone, 2.5 ms and 5.0 ms. Sleeping changes no number, only who waits; a value set is kept.
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    return env
-
-
-class ForkedProcess:
-    """A task's process forked by a `ForkServer`, with what the runner uses of `subprocess.Popen`.
-
-    Its pid and exit status come from the server (it is the server's child): `started` waits for
-    the pid, or for the reason there is none (`refused`: the server refused or stopped)."""
-
-    def __init__(self, answers: socket.socket, stdin, stdout, server: ForkServer):
-        self.stdin, self.stdout, self._answers, self._server = stdin, stdout, answers, server
-        self._buffer = b""
-        self._lock = threading.Lock()
-        self.pid: int | None = None
-        self.threads: int | None = None  # the server's thread count just before it forked this one
-        self.returncode: int | None = None
-        self.refused: str | None = None
-        self.server_lost = False  # the server stopped before it could say how this one ended
-
-    def _read(self, timeout: float | None) -> bool:
-        """Take in what the server said, waiting up to `timeout` seconds for something; False: nothing came."""
-        try:
-            if not select.select([self._answers], [], [], timeout)[0]:
-                return False
-        except (ValueError, OSError):  # closed: everything it will say was said
-            return False
-        with self._lock:  # the task's thread and kill_all's may both be reading
-            try:
-                data = self._answers.recv(4096, socket.MSG_DONTWAIT)
-            except OSError:  # another thread took it, or closed the socket
-                return False
-            return self._take(data)
-
-    def _take(self, data: bytes) -> bool:
-        if not data:
-            self._answers.close()
-            if self.pid is None:
-                self._server.wait(1)  # to say how it ended
-                self.refused = f"the fork server stopped{self._server.exit_text()}"
-            elif self.returncode is None:  # a forked task dies with its server (PR_SET_PDEATHSIG)
-                self.returncode, self.server_lost = -signal.SIGKILL, True
-            return True
-        self._buffer += data
-        *lines, self._buffer = self._buffer.split(b"\n")
-        for line in lines:
-            word, _, rest = line.decode().partition(" ")
-            if word == "pid":
-                pid, threads = rest.split()
-                self.pid, self.threads = int(pid), int(threads)
-            elif word == "exit":
-                self.returncode = int(rest)
-            elif word == "refused":
-                self.refused = rest
-        return True
-
-    def started(self, timeout: float | None = None) -> bool:
-        """Whether it was forked (its pid is known), waiting up to `timeout` seconds to know."""
-        if self.pid is None and self.refused is None:
-            self._read(timeout)
-        return self.pid is not None
-
-    def poll(self) -> int | None:
-        while self.returncode is None and self._read(0):
-            pass
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.returncode is None:
-            if self.refused is not None:
-                self.returncode = -signal.SIGKILL  # never forked, never will be
-                break
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise subprocess.TimeoutExpired("forked task", timeout or 0)
-            self._read(left)
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.pid is not None and self.returncode is None:
-            with contextlib.suppress(ProcessLookupError):  # exited; the server's answer is on its way
-                os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        if self.pid is None:
-            self.stdin.close()  # forked later, it reads no task and exits
-            self._answers.close()
-            self.refused = self.refused or "given up before it was forked"
-            return
-        if self.returncode is None:
-            # the process (its group may not exist yet: it makes it first thing), then its group
-            for kill in (os.kill, os.killpg):
-                with contextlib.suppress(ProcessLookupError):
-                    kill(self.pid, signal.SIGKILL)
-
-
-class ForkServer:
-    """The fork server: a process that imported torch, transformers, PEFT, the task code and the
-    compiled kernel once (never CUDA) and forks a process per task (`core.engine.fork_server.serve_forks`),
-    so no task waits for its imports.
-
-    Its own `python -m core.engine.worker --fork-server` process, or (`host`) forked from a memory
-    timeline's fresh interpreter once that has imported the libraries (`fork_server.fork_server_here`):
-    `host(fds, env)` spawns that interpreter with the server's socket and error file among `fds` and
-    `env`. A hosted server is not this process's child: it says its pid on the socket, and is alive
-    while the socket is open at its end."""
-
-    def __init__(
-        self, python: str, host: Callable[[list[int], dict[str, str]], subprocess.Popen] | None = None
-    ):
-        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        # what it prints (an import error) stays readable for the log of the task it fails
-        self.errors = tempfile.TemporaryFile()  # noqa: SIM115  (closed by `stop`)
-        self.proc: subprocess.Popen | None = None
-        self.host: subprocess.Popen | None = None
-        self._pid: int | None = None
-        self._closed = False  # a hosted server's socket was closed at its end
-        with theirs:
-            if host is None:
-                self.proc = subprocess.Popen(
-                    [python, "-m", "core.engine.worker", FORK_SERVER_ARG, str(theirs.fileno())],
-                    pass_fds=[theirs.fileno()],
-                    stdin=subprocess.DEVNULL,
-                    stdout=self.errors,
-                    stderr=self.errors,
-                    cwd=str(REPO_ROOT),
-                    env=worker_env(False),
-                    start_new_session=True,
-                )
-                self._pid = self.proc.pid
-            else:
-                fds = [theirs.fileno(), self.errors.fileno()]
-                self.host = host(fds, {HOSTS_FORK_SERVER_ENV: ",".join(map(str, fds))})
-        self.control = mine
-        self._lock = threading.Lock()
-
-    @property
-    def pid(self) -> int | None:
-        """The server's pid (None while a hosted one is not forked yet)."""
-        self._hear()
-        return self._pid
-
-    def _hear(self) -> None:
-        """Take what a hosted server said on its socket (its pid), or that the socket closed."""
-        if self.proc is not None:
-            return
-        with self._lock:
-            while not self._closed:
-                try:
-                    data = self.control.recv(64, socket.MSG_DONTWAIT)
-                except BlockingIOError:
-                    return
-                except OSError:  # closed here (`stop`)
-                    self._closed = True
-                    return
-                if not data:
-                    self._closed = True
-                elif data.startswith(b"pid "):
-                    self._pid = int(data.split()[1])
-
-    def alive(self) -> bool:
-        if self.proc is not None:
-            return self.proc.poll() is None
-        self._hear()
-        return not self._closed
-
-    def wait(self, timeout: float) -> None:
-        """Wait up to `timeout` seconds for the server to end (no error if it does not)."""
-        if self.proc is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout)
-            return
-        deadline = time.monotonic() + timeout
-        while self.alive() and time.monotonic() < deadline:
-            time.sleep(0.02)
-
-    def exit_text(self) -> str:
-        """How the server ended, and the end of what it printed ('' while it runs)."""
-        if self.alive():
-            return ""
-        if self.proc is not None:
-            code = self.proc.returncode
-            how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
-        else:
-            how = "stopped"  # not this process's child: its exit status is its host's to see
-        printed = os.pread(self.errors.fileno(), 2000, max(0, os.fstat(self.errors.fileno()).st_size - 2000))
-        text = printed.decode(errors="replace").strip()
-        return f" (it {how})" + (f": …{text}" if text else "")
-
-    def fork(self, env: dict[str, str]) -> ForkedProcess | None:
-        """Ask for a task's process (answered while the server imports, if it still does); None
-        when the server cannot take the request."""
-        if not self.alive():
-            return None
-        stdin_r, stdin_w = os.pipe()
-        stdout_r, stdout_w = os.pipe()
-        answers, theirs = socket.socketpair()
-        try:
-            with self._lock:
-                socket.send_fds(
-                    self.control, [json.dumps(env).encode()], [stdin_r, stdout_w, theirs.fileno()]
-                )
-        except OSError:
-            for fd in (stdin_w, stdout_r):
-                os.close(fd)
-            answers.close()
-            return None
-        finally:  # the server holds its own copies now
-            os.close(stdin_r)
-            os.close(stdout_w)
-            theirs.close()
-        return ForkedProcess(answers, open(stdin_w, "wb"), open(stdout_r, "rb"), self)
-
-    def stop(self) -> None:
-        """Kill the server (its tasks die with it) and wait for it."""
-        pid = self.pid
-        self.control.close()  # a hosted server not forked yet exits on it once it is
-        if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.kill()
-            self.proc.wait()
-        elif pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            self._wait_gone(pid, 10)
-        self.errors.close()
-
-    @staticmethod
-    def _wait_gone(pid: int, timeout: float) -> None:
-        """Wait until process `pid` (not this one's child) has exited."""
-        try:
-            pidfd = os.pidfd_open(pid)
-        except OSError:  # gone already
-            return
-        try:
-            select.select([pidfd], [], [], timeout)
-        finally:
-            os.close(pidfd)
-
-
 class ProcessRunner(Runner):
     """Runs each task in a fresh process: forked by its fork server (started by `warm`, or with the
     first task that may fork), else spawned; a process's stderr goes to its task's log.
 
-    `fork=False`: spawn every task's process (what the fork server's processes are compared with). The GPU
-    path (`worker_path`) forks nothing either: `warm` and each task taken keep `WARM_SPARES` spawned
-    interpreters importing everything (bitsandbytes, which initialises CUDA, included) for the next
-    tasks, each of which takes one: one task per process, numerics flags and CUDA contexts its own."""
+    `fork=False`: spawn every task's process (what the fork server's processes are compared with). On the
+    GPU path (`worker_path`) the fork server imports no bitsandbytes (its import initialises CUDA, which a
+    forked task could then not use) and refuses to serve if CUDA is initialised all the same; a task that
+    loads a quantized target is spawned, and once one is, `WARM_SPARES` interpreters importing everything
+    (bitsandbytes included) wait for the next: one task per process, CUDA contexts their own."""
 
     def __init__(self, grace_s: float = 10.0, python: str | None = None, fork: bool = True):
         self.grace_s = grace_s
         self.python = python or sys.executable
         self._workers = worker_path()
-        self.forks = fork and FORKS and self._workers == "cpu"
+        self.forks = fork and FORKS
         self._ready: list[subprocess.Popen] = []  # the GPU path's spares, imported or importing
         self._server: ForkServer | None = None
         self._prepared: dict[tuple[str, str], subprocess.Popen | ForkedProcess] = {}
@@ -481,17 +218,17 @@ class ProcessRunner(Runner):
             self._spares = [p for p in self._spares if p.poll() is None]
             # a spare to come imports the libraries anyway: a server started now is forked from it
             before = self._server
-            server = self._fork_server(
-                restart=True, host=self._spawn_host if fresh > len(self._spares) else None
-            )
+            # (never on the GPU path: a memory timeline's interpreter has imported bitsandbytes)
+            hosted = fresh > len(self._spares) and self._workers == "cpu"
+            server = self._fork_server(restart=True, host=self._spawn_host if hosted else None)
             if server is not None and server is not before and server.host is not None:
                 self._spares.append(server.host)
             while len(self._spares) < fresh:
                 self._spares.append(self._spawn_worker(subprocess.DEVNULL, fresh=True))
-            self._top_up()
 
     def _top_up(self) -> None:
-        """On the GPU path, start spares until `WARM_SPARES` are alive; under _lock."""
+        """Start spares until `WARM_SPARES` are alive (the GPU path's, for tasks the fork server cannot
+        take: once one came, more may follow); under _lock."""
         if self._workers == "gpu":
             self._ready = [p for p in self._ready if p.poll() is None]
             while len(self._ready) < WARM_SPARES:
@@ -542,7 +279,7 @@ class ProcessRunner(Runner):
         if self._server is None or (restart and not self._server.alive()):
             if self._server is not None:
                 self._server.stop()
-            self._server = ForkServer(self.python, host=host)
+            self._server = ForkServer(self.python, host=host, without_bitsandbytes=self._workers == "gpu")
         return self._server
 
     def prepare(self, task: Task, log_path: Path) -> None:
@@ -568,7 +305,7 @@ class ProcessRunner(Runner):
                 if spare.poll() is None:
                     return spare
             return self._spawn(task, log_path)
-        if self.forks:
+        if self.forks and not self._needs_bitsandbytes(task):
             server = self._fork_server(restart=False)
             proc = server.fork(worker_env(False)) if server is not None else None
             if proc is not None:
@@ -583,6 +320,11 @@ class ProcessRunner(Runner):
         proc = self._spawn(task, log_path)
         self._top_up()
         return proc
+
+    def _needs_bitsandbytes(self, task: Task) -> bool:
+        """Whether the GPU path's fork server, which imported no bitsandbytes, cannot take `task`: it
+        loads a quantized target."""
+        return self._workers == "gpu" and task.target is not None and Target.parse(task.target).quantized
 
     def _spawn(self, task: Task, log_path: Path) -> subprocess.Popen:
         """A fresh `python -m core.engine.worker` for `task`; its stderr goes to `log_path`."""
@@ -678,7 +420,7 @@ class ProcessRunner(Runner):
             return Outcome(ok=False, cancelled=True)
         if final.get("type") == "error":
             return Outcome(ok=False, error=final["message"])
-        how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
+        how = f"was killed by {signal_name(code)}" if code < 0 else f"exited with code {code}"
         if getattr(proc, "server_lost", False):
             how += " (its fork server stopped)"
         return Outcome(ok=False, error=f"worker process {how}", stderr_tail=tail(log_path))

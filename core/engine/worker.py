@@ -16,6 +16,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import NoReturn, TextIO
 
 from core.engine.tasks import (
@@ -39,6 +40,11 @@ FORK_SERVER_ARG = "--fork-server"
 # fork server: once it has imported, it forks the server (`fork_server_here`), so the libraries are
 # imported once for both.
 HOSTS_FORK_SERVER_ENV = "WEIGHTDRIFT_HOSTS_FORK_SERVER"
+# Set ("1") for the GPU machines' fork server: it imports PEFT and transformers as if bitsandbytes were
+# not installed, since importing bitsandbytes initialises CUDA, which a forked task could then not use.
+# Its tasks load no quantized model (the runner spawns those); `serve_forks` still checks CUDA is untouched.
+WITHOUT_BITSANDBYTES_ENV = "WEIGHTDRIFT_FORK_WITHOUT_BITSANDBYTES"
+REPO_ROOT = Path(__file__).resolve().parents[2]
 # What a forked task's process calls itself (/proc/PID/comm, 15 bytes at most): its command line is the server's.
 FORKED_NAME = "wd-task"
 
@@ -46,6 +52,22 @@ EXIT_OK = 0
 EXIT_CRASH = 1
 EXIT_USER_ERROR = 3
 EXIT_CANCELLED = 4
+
+
+def worker_env(preimport: bool, fresh: bool = False) -> dict[str, str]:
+    """The environment of a worker process: this one's, the package on its path, output unbuffered.
+    `preimport`: it imports what every task needs before its task comes; `fresh`: what a memory
+    timeline's task imports (`core.engine.worker.preimport_fresh`)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    env[PREIMPORT_ENV] = PREIMPORT_FRESH if fresh else "1" if preimport else ""
+    # OpenMP's threads spin between parallel regions by default; when other processes hold the cores
+    # (a small model's tasks run beside each other), a small model's every region then waits a
+    # scheduler slice for its descheduled thread. `python -m bench.wait_policy` (docs/workers.md): a
+    # tiny Llama forward with two busy processes beside it, mean 75 ms by default, 7.7 ms sleeping;
+    # alone, 2.5 ms and 5.0 ms. Sleeping changes no number, only who waits; a value set is kept.
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
 
 
 def main() -> int:
@@ -240,6 +262,10 @@ def serve_forks(fd: int) -> int:
     # arrow's jemalloc starts a background thread when it loads (pandas imports pyarrow) unless told not to
     os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
     control = socket.socket(fileno=fd)
+    if os.environ.get(WITHOUT_BITSANDBYTES_ENV):
+        # None in sys.modules: `import bitsandbytes` raises ImportError and find_spec says it is absent,
+        # which is how PEFT (peft.helpers, is_bnb_available) and transformers take a missing package
+        sys.modules.setdefault("bitsandbytes", None)
     preimport(fork_safe=True)
     import torch
 
