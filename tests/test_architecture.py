@@ -313,12 +313,19 @@ def test_names_a_module_lends_are_public():
     assert not bare, "a private name used by another module says why on its line:\n" + "\n".join(bare)
 
 
-def test_the_checker_names_a_wrong_way_import_a_cycle_and_an_oversized_file(tmp_path):
+def _tree(root: Path):
+    """A writer of files (with their folders) under `root`, for the checkers' own tests."""
+
     def write(rel: str, text: str = "") -> None:
-        path = tmp_path / rel
+        path = root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
 
+    return write
+
+
+def test_the_checker_names_a_wrong_way_import_a_cycle_and_an_oversized_file(tmp_path):
+    write = _tree(tmp_path)
     for pkg in ("core", "core/numerics", "core/engine", "dashboard"):
         write(f"{pkg}/__init__.py")
     write("core/numerics/x.py", "from core.engine.jobs import Engine\n")
@@ -359,11 +366,7 @@ def test_the_checker_names_a_wrong_way_import_a_cycle_and_an_oversized_file(tmp_
 
 
 def test_the_checker_finds_a_private_name_used_by_another_module(tmp_path):
-    def write(rel: str, text: str = "") -> None:
-        path = tmp_path / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-
+    write = _tree(tmp_path)
     for pkg in ("core", "core/numerics", "dashboard", "weightdrift"):
         write(f"{pkg}/__init__.py")
     write(
