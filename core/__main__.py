@@ -1,4 +1,4 @@
-"""`python -m core` and the `weightdrift` command: the command-line interface (see core/cli.py)."""
+"""`python -m core` and the `weightdrift` command: the command-line interface (`core.cli`)."""
 
 import contextlib
 import os

@@ -44,7 +44,7 @@ from core.checks.base import (
 )
 from core.checks.outputs import forward_output
 from core.methods import consistency
-from core.models.checkpoint import CheckpointError, LoadError, _first_line, read_adapter_config
+from core.models.checkpoint import CheckpointError, LoadError, exception_gist, read_adapter_config
 from core.models.conversion import layer_of, read_loaded
 from core.models.loading import STRATEGIES
 from core.numerics import metrics
@@ -121,7 +121,7 @@ class AdaptersCheck(Check):
                     raise
                 # PEFT's layer failing on a quantized base (QDoRA on int8 on the CPU once the layer has run):
                 # a finding about this adapter there, as in the shared checks (`core.checks.base.FAILED`)
-                error = f"its forward failed: {type(e).__name__}: {_first_line(e)}"
+                error = f"its forward failed: {type(e).__name__}: {exception_gist(e)}"
                 meta["steps"].append({"adapter": name, "error": error, "failed": True})
                 out.notes.append(f"{variant} · {name}: {error}")
                 continue
@@ -137,7 +137,7 @@ class AdaptersCheck(Check):
                     out.add(TensorKey(self.name, name, DISABLED + kind), forward_output(model, ctx.probe)[1])
             except Exception as e:  # a PEFT model kind without disable_adapter(): say so (a row), go on
                 # e.g. PEFT 0.21 on prompt learning for a classifier, which has no prepare_inputs_for_generation
-                step["disable_error"] = f"disable_adapter() failed: {type(e).__name__}: {_first_line(e)}"
+                step["disable_error"] = f"disable_adapter() failed: {type(e).__name__}: {exception_gist(e)}"
                 step["notes"].append(step["disable_error"])
                 out.notes.append(f"{variant} · {name}: {step['disable_error']}")
             changed = consistency.changed_tensors(pristine, fp)

@@ -428,6 +428,6 @@ def _prompt_learning(group: list[AdapterRef]) -> list[str]:
 
 
 def _one_line(e: BaseException) -> str:
-    from core.models.checkpoint import _first_line
+    from core.models.checkpoint import exception_gist
 
-    return f"{type(e).__name__}: {_first_line(e)}"
+    return f"{type(e).__name__}: {exception_gist(e)}"

@@ -392,7 +392,7 @@ def load_config(model: ModelRef):
             model.path, revision=model.revision, trust_remote_code=model.trust_remote_code
         )
     except Exception as e:
-        raise LoadError(f"{model.path}: not a model folder or reachable hub id ({_first_line(e)})") from e
+        raise LoadError(f"{model.path}: not a model folder or reachable hub id ({exception_gist(e)})") from e
 
 
 def read_checkpoint(
@@ -585,7 +585,7 @@ def float32_only_init(adapter_config: dict) -> str | None:
     return "OLoRA" if isinstance(init, str) and init.lower() == "olora" else None
 
 
-def _first_line(e: BaseException) -> str:
+def exception_gist(e: BaseException) -> str:
     """The gist of an exception in one line; a line ending in ':' takes the next one along."""
     lines = [ln.strip() for ln in (str(e).strip() or type(e).__name__).splitlines() if ln.strip()]
     text = lines[0]

@@ -18,8 +18,8 @@ from core.methods import adapter_keys
 from core.models.checkpoint import (
     NOT_IN_CHECKPOINT,
     LoadError,
-    _first_line,
     adapters_task_type,
+    exception_gist,
     float32_only_init,
     float64_offload_dtype,
     load_config,
@@ -163,7 +163,7 @@ def load_base(
         )
     except Exception as e:
         how = f" with device_map={device_map!r}" if device_map else ""
-        raise LoadError(f"{model.path}: the model did not load{how} ({_first_line(e)})") from e
+        raise LoadError(f"{model.path}: the model did not load{how} ({exception_gist(e)})") from e
     missing = sorted(info.get("missing_keys") or ())
     if missing:
         # A task head the checkpoint lacks (an encoder saved bare, loaded for SEQ_CLS) is random; drawn
@@ -443,7 +443,7 @@ def attach_adapter(model, adapter: AdapterRef, target: Target):
     except LoadError:
         raise
     except Exception as e:
-        raise LoadError(f"adapter {adapter.name} ({adapter.path}) did not load: {_first_line(e)}") from e
+        raise LoadError(f"adapter {adapter.name} ({adapter.path}) did not load: {exception_gist(e)}") from e
 
 
 @dataclass
@@ -582,7 +582,7 @@ def load_onto(
     except LoadError:
         raise
     except Exception as e:
-        raise LoadError(f"adapter {adapter.name} ({adapter.path}) did not load: {_first_line(e)}") from e
+        raise LoadError(f"adapter {adapter.name} ({adapter.path}) did not load: {exception_gist(e)}") from e
     finally:
         if downcast:
             model.to(torch.float64)

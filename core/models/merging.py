@@ -128,7 +128,7 @@ def model_tied_groups(model: nn.Module) -> list[list[str]]:
     return shared_groups(params)
 
 
-def _strip(name: str) -> str:
+def base_parameter_name(name: str) -> str:
     """Parameter path as in the base state dict: PEFT's prefix and `base_layer.` removed."""
     name = name.removeprefix("base_model.model.")
     return name.replace(".base_layer.", ".")
@@ -162,7 +162,7 @@ def tied_adapted_modules(peft_model: nn.Module, adapter: str) -> list[TiedFindin
             continue
         key = _storage_key(base_weight(layer))
         for group in groups:
-            members = {_strip(n) for n in group}
+            members = {base_parameter_name(n) for n in group}
             if f"{module}.weight" not in members:
                 continue
             params = dict(peft_model.named_parameters(remove_duplicate=False))

@@ -16,28 +16,29 @@ from core.numerics import kernel
 from core.numerics.sketch import TOP_K
 from core.numerics.tolerance import (
     Tolerance,
-    _fails,
-    _float_format,
-    _isclose,
-    _mode_scalars,
-    _round_to,
-    _spacing,
+    float_format,
+    format_spacing,
+    narrow_tolerance_scalars,
+    round_to,
     rule_dtype,
+    rule_fails,
+    rule_isclose,
 )
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _chunks(n: int, size: int) -> Iterable[tuple[int, int]]:
+def chunk_bounds(n: int, size: int) -> Iterable[tuple[int, int]]:
+    """(start, stop) of consecutive chunks of `size` elements covering `n` (the last one shorter)."""
     for start in range(0, n, size):
         yield start, min(start + size, n)
 
 
-def _bitwise_equal(t_flat: torch.Tensor, r_flat: torch.Tensor, chunk: int) -> bool:
+def bitwise_equal_chunks(t_flat: torch.Tensor, r_flat: torch.Tensor, chunk: int) -> bool:
     """Identical bit patterns after casting both to the wider dtype (widening casts are exact)."""
     wide = t_flat.dtype if t_flat.dtype == r_flat.dtype else rule_dtype(t_flat.dtype, r_flat.dtype)
     as_int = _INT_OF_SIZE[wide.itemsize]
-    for start, stop in _chunks(t_flat.numel(), chunk):
+    for start, stop in chunk_bounds(t_flat.numel(), chunk):
         a = t_flat[start:stop].to("cpu").to(wide).view(as_int)
         b = r_flat[start:stop].to("cpu").to(wide).view(as_int)
         if not torch.equal(a, b):
@@ -45,10 +46,10 @@ def _bitwise_equal(t_flat: torch.Tensor, r_flat: torch.Tensor, chunk: int) -> bo
     return True
 
 
-def _census(flat: torch.Tensor, chunk: int) -> tuple[int, int, int]:
+def nan_inf_nonzero_counts(flat: torch.Tensor, chunk: int) -> tuple[int, int, int]:
     """(NaN count, Inf count, non-zero count) of a flat tensor, chunk by chunk."""
     n_nan = n_inf = n_nonzero = 0
-    for start, stop in _chunks(flat.numel(), chunk):
+    for start, stop in chunk_bounds(flat.numel(), chunk):
         c = flat[start:stop].to("cpu")
         n_nan += int(c.isnan().sum())
         n_inf += int(c.isinf().sum())
@@ -56,7 +57,8 @@ def _census(flat: torch.Tensor, chunk: int) -> tuple[int, int, int]:
     return n_nan, n_inf, n_nonzero
 
 
-def _unravel(flat_index: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+def unravel_index(flat_index: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The index in `shape` of a row-major flat index."""
     index = []
     for size in reversed(shape):
         flat_index, rest = divmod(flat_index, size)
@@ -64,7 +66,7 @@ def _unravel(flat_index: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(index))
 
 
-def _ldexp(m: float, e: int) -> float:
+def ldexp_or_inf(m: float, e: int) -> float:
     """``m · 2**e`` rounded once, ±inf where it overflows (where math.ldexp raises)."""
     try:
         return math.ldexp(m, e)
@@ -72,11 +74,11 @@ def _ldexp(m: float, e: int) -> float:
         return math.copysign(math.inf, m)
 
 
-def _sqrt_wide(m: float, e: int) -> float:
+def sqrt_wide(m: float, e: int) -> float:
     """``sqrt(m · 2**e)`` for ``m >= 0`` and any integer exponent."""
     if e % 2:
         m, e = 2.0 * m, e - 1
-    return _ldexp(math.sqrt(m), e // 2)
+    return ldexp_or_inf(math.sqrt(m), e // 2)
 
 
 def _bits(x: float) -> int:
@@ -157,11 +159,11 @@ def _dot(t: torch.Tensor, r: torch.Tensor, kt: int, kr: int) -> tuple[float, int
     return float((_scale2(t, -kt) * _scale2(r, -kr)).sum()), kt + kr
 
 
-class _Accumulator:
+class ChunkAccumulator:
     """Running sums, counts and maxima over the chunks of one comparison (internal, mutable)."""
 
     def __init__(self, target_dtype: torch.dtype, rule: torch.dtype, tol: Tolerance) -> None:
-        self.p, self.e_min = _float_format(target_dtype)
+        self.p, self.e_min = float_format(target_dtype)
         self.rule = rule
         self.tol = tol
         self.n_diff = self.n_mismatch = self.n_finite = 0
@@ -228,7 +230,7 @@ class _Accumulator:
         if max_abs == 0.0:
             return  # no finite difference: nothing to add to sums or max_ulp
 
-        spacing = _spacing(rf.abs(), self.p, self.e_min)
+        spacing = format_spacing(rf.abs(), self.p, self.e_min)
         if max_abs < math.inf:
             self.sum_abs.add(*_sum_abs(ad, max_abs))
             s, k = _sum_squares(d)
@@ -256,7 +258,7 @@ class _Accumulator:
         offset: int,
     ) -> None:
         """The tolerance rule on a chunk in the rule's dtype: mismatches, their greatest, min_atol."""
-        close = _isclose(tp, rp, self.tol.rtol, self.tol.atol)
+        close = rule_isclose(tp, rp, self.tol.rtol, self.tol.atol)
         err = (tp - rp).abs()  # isclose's "actual error" and assert_close's "abs_diff"
         n_fail = close.numel() - int(close.sum())
         if n_fail:
@@ -306,7 +308,7 @@ class _Accumulator:
         tc, rc = tp[idx], rp[idx]
 
         def passes(atol: float) -> bool:
-            return bool(_isclose(tc, rc, self.tol.rtol, atol).all())
+            return bool(rule_isclose(tc, rc, self.tol.rtol, atol).all())
 
         if passes(current):
             return current
@@ -340,10 +342,10 @@ class _Accumulator:
 # `compare_torch` computes what `kernel.compare_cpu` computes, bit for bit, with whole-tensor torch
 # ops on the tensors' device (a GPU's tensors never cross to the host): the same per-element values
 # (the kernel's exact float64 and narrow-dtype arithmetic, each rounding spelled out), the same
-# blocks of `kernel.DEFAULT_BLOCK` elements summed by the same pairwise tree (`_kernel_parts.fold`),
-# the blocks combined by the same tree (`_kernel_jit.combine`), and the same exact min_atol.
+# blocks of `kernel.DEFAULT_BLOCK` elements summed by the same pairwise tree (`kernel_arith.fold`),
+# the blocks combined by the same tree (`kernel_jit.combine`), and the same exact min_atol.
 
-_NAN_BITS = 0x7FF8000000000000  # canonical NaN, above inf as int64 (as `_kernel_parts.NAN_BITS`)
+_NAN_BITS = 0x7FF8000000000000  # canonical NaN, above inf as int64 (as `kernel_arith.NAN_BITS`)
 _SAFE_LO, _SAFE_HI = 2.0**-450, 2.0**450  # squares of magnitudes in between are normal floats
 _HIST_BINS = 8192
 _NARROW = {torch.float32: (2.0**-23, 2.0**-149, 3.0e38), torch.bfloat16: (2.0**-7, 2.0**-133, 3.0e38),
@@ -359,7 +361,7 @@ def _bits_f64(b: torch.Tensor) -> torch.Tensor:
 
 
 def _ldexp_exact(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """``x · 2**m`` (int64 m, broadcast) in the kernel's exact power-of-two steps (`_kernel_parts.ldexp`)."""
+    """``x · 2**m`` (int64 m, broadcast) in the kernel's exact power-of-two steps (`kernel_arith.ldexp`)."""
     m = m.expand_as(x) if m.dim() else m.expand(x.shape)
     while True:
         hi, lo = m > 900, m < -900
@@ -381,8 +383,8 @@ def _mismatch_bits(mode, a, b, mis):
         ad = (a - b).abs()
         rel = ad / b.abs()
     else:
-        ad = _round_to(a - b, mode).abs()
-        rel = _round_to(ad / b.abs(), mode)
+        ad = round_to(a - b, mode).abs()
+        rel = round_to(ad / b.abs(), mode)
     return torch.where(mis, _canon(ad), 0), torch.where(mis, _canon(rel), 0)
 
 
@@ -396,7 +398,7 @@ def _least_atol(mode, a, b, need, margin, rtol, atol_of, rtol_nonzero: bool, bes
     """max(best, the least float64 atol passing every pair (a, b)); inf where none passes one.
 
     The rule is monotonic in atol, so each pair is bisected on float64 bit patterns with the rule
-    itself (`_kernel_parts.least_atol_narrow`; for float64 pairs `least_atol`'s predicate), from
+    itself (`kernel_arith.least_atol_narrow`; for float64 pairs `least_atol`'s predicate), from
     its naive `need` ± `margin` where those bracket it, the pairs of greatest need first: most
     others then pass at the atol found, unbisected.
     """
@@ -404,7 +406,7 @@ def _least_atol(mode, a, b, need, margin, rtol, atol_of, rtol_nonzero: bool, bes
     def passes(x: float | torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
             x = torch.full(a.shape, x, dtype=torch.float64, device=a.device)
-        return ~_fails(mode, a, b, rtol, atol_of(x), (x != 0) | rtol_nonzero)
+        return ~rule_fails(mode, a, b, rtol, atol_of(x), (x != 0) | rtol_nonzero)
 
     order = torch.argsort(need, descending=True)
     a, b, need, margin = a[order], b[order], need[order], margin[order]
@@ -430,7 +432,7 @@ def _least_atol(mode, a, b, need, margin, rtol, atol_of, rtol_nonzero: bool, bes
 
 
 def _pair_add(e1, s1, e2, s2, square: bool):
-    """`_kernel_jit._lin_add` (or `_sq_add`) element-wise: 2^e1 s1 + 2^e2 s2 (4^e for squares)."""
+    """`kernel_jit._lin_add` (or `_sq_add`) element-wise: 2^e1 s1 + 2^e2 s2 (4^e for squares)."""
     e = torch.maximum(e1, e2)
     k = 2 if square else 1
     s = _ldexp_exact(s1, k * (e1 - e)) + _ldexp_exact(s2, k * (e2 - e))
@@ -446,7 +448,7 @@ def _pair_add(e1, s1, e2, s2, square: bool):
 
 
 def _fold_torch(x: torch.Tensor) -> torch.Tensor:
-    """`_kernel_parts.fold` over the last dim (a power of two wide, padded with -0.0)."""
+    """`kernel_arith.fold` over the last dim (a power of two wide, padded with -0.0)."""
     while x.shape[-1] > 1:
         h = x.shape[-1] // 2
         x = x[..., :h] + x[..., h:]
@@ -454,7 +456,7 @@ def _fold_torch(x: torch.Tensor) -> torch.Tensor:
 
 
 def _combine_sums(exps: torch.Tensor, sums: torch.Tensor) -> list[tuple[int, float]]:
-    """The blocks' (exponent, sum) pairs (5 rows) added as `_kernel_jit.combine` adds them: a pairwise tree."""
+    """The blocks' (exponent, sum) pairs (5 rows) added as `kernel_jit.combine` adds them: a pairwise tree."""
     n = sums.shape[1]
     w = 1 << max(0, (n - 1).bit_length())
     exps = torch.nn.functional.pad(exps, (0, w - n))
@@ -492,10 +494,10 @@ def compare_torch(
     chunk = max(1, -(-chunk_elems // block)) * block
     eq, n_nan, n_inf = kernel.bitwise_census_torch(t_flat, r_flat, chunk)
     if eq:
-        return kernel._identical(numel, n_nan, n_inf, sketch, fold)
+        return kernel.identical_stats(numel, n_nan, n_inf, sketch, fold)
 
     mode = torch.promote_types(target.dtype, reference.dtype)
-    p, e_min = kernel._FORMAT[target.dtype]
+    p, e_min = kernel.FLOAT_FORMATS[target.dtype]
     ulp_floor = 2.0 ** (e_min - 1)
     tol_on = not (rtol == 0 and atol == 0)
     if mode == torch.float64:
@@ -504,12 +506,12 @@ def compare_torch(
         def atol_of(x: torch.Tensor) -> torch.Tensor:
             return x
     else:
-        rule_rtol, rule_atol = _mode_scalars(mode, rtol, atol, device)
+        rule_rtol, rule_atol = narrow_tolerance_scalars(mode, rtol, atol, device)
 
         def atol_of(x: torch.Tensor) -> torch.Tensor:
-            return _round_to(x.to(torch.float32), mode)  # via float32, then the dtype (`_scalar_in`)
+            return round_to(x.to(torch.float32), mode)  # via float32, then the dtype (`_scalar_in`)
 
-    rb, cb, gr, gc = kernel._grid(*fold)
+    rb, cb, gr, gc = kernel.pooled_grid(*fold)
     i64 = dict(dtype=torch.int64, device=device)
     counts = torch.zeros(12, **i64)  # n_same n_mis n_fin t_nz r_nz t_nan t_inf r_nan r_inf new t_nzf r_nzf
     max_ulp = torch.zeros((), dtype=torch.float64, device=device)
@@ -521,14 +523,14 @@ def compare_torch(
         hist = torch.zeros(_HIST_BINS, **i64)
         pmap, pcnt = torch.zeros(gr * gc, **i64), torch.zeros(gr * gc, **i64)
         top_key, top_idx = torch.empty(0, **i64), torch.empty(0, **i64)
-    for lo, hi in _chunks(numel, chunk):
+    for lo, hi in chunk_bounds(numel, chunk):
         tc, rc = t_flat[lo:hi], r_flat[lo:hi]
         t, r = tc.to(torch.float64), rc.to(torch.float64)
         if mode == torch.float64:
             a, b = t, r
         else:
             a, b = tc.to(torch.float32), rc.to(torch.float32)
-        mis = _fails(mode, a, b, rule_rtol, rule_atol, tol_on)
+        mis = rule_fails(mode, a, b, rule_rtol, rule_atol, tol_on)
         t_fin, r_fin = t.isfinite(), r.isfinite()
         fin = t_fin & r_fin
         all_finite = bool(fin.all())

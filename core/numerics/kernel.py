@@ -26,7 +26,7 @@ Each block (`DEFAULT_BLOCK` elements) is widened into a thread-local float64 sta
 so one compiled kernel serves every dtype pair (compiled once, cached on disk: NUMBA_CACHE_DIR,
 else ~/.cache/weightdrift/numba). Tensors under `PARALLEL_MIN` elements run on the calling
 thread. Results do not depend on the thread count: each block's sums add its per-element terms as
-a pairwise tree (`_kernel_parts.fold`), and the blocks' partials are combined by the same tree in
+a pairwise tree (`kernel_arith.fold`), and the blocks' partials are combined by the same tree in
 block order. Maxima, indices, counts, ULPs and min_atol do not depend on the block size either;
 sums do only through rounding. Float arithmetic is float64 per element, float64 accumulation, and
 no float64 copy of a tensor is made. That order is one torch reproduces with whole-tensor ops:
@@ -100,9 +100,9 @@ try:
 
     _dir = _cache_dir()
     if _dir is not None:
-        # Read when each function is decorated, so this must come before importing _kernel_jit.
+        # Read when each function is decorated, so this must come before importing kernel_jit.
         _numba_config.CACHE_DIR = _dir
-    from core.numerics import _kernel_jit as _jit
+    from core.numerics import kernel_jit as _jit
 except ImportError as _exc:  # numba missing or broken: callers use their torch path
     _jit = None
     _IMPORT_ERROR: ImportError | None = _exc
@@ -200,8 +200,8 @@ class KernelStats:
 
 
 _KIND = {torch.float64: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
-# (p, e_min) of each format, as tolerance._float_format derives them from torch.finfo.
-_FORMAT = {
+# (p, e_min) of each format, as tolerance.float_format derives them from torch.finfo.
+FLOAT_FORMATS = {
     torch.float64: (53, -1021),
     torch.float32: (24, -125),
     torch.bfloat16: (8, -125),
@@ -319,16 +319,18 @@ def _census(ta, ra, tk, rk, n, parallel) -> tuple[bool, int, int]:
     return bool(eq), int(nan), int(inf)
 
 
-def _grid(rows: int, cols: int) -> tuple[int, int, int, int]:
+def pooled_grid(rows: int, cols: int) -> tuple[int, int, int, int]:
+    """The sketch's pooled map of a `rows` × `cols` fold: (cell rows, cell cols, grid rows, grid cols)."""
     rb = max(1, -(-rows // MAX_CELLS))
     cb = max(1, -(-cols // MAX_CELLS))
     return rb, cb, max(1, -(-rows // rb)), max(1, -(-cols // cb))
 
 
-def _identical(numel: int, n_nan: int, n_inf: int, sketch: bool, fold: tuple[int, int]) -> KernelStats:
+def identical_stats(numel: int, n_nan: int, n_inf: int, sketch: bool, fold: tuple[int, int]) -> KernelStats:
+    """The statistics (and an all-zero sketch) of two bitwise-identical tensors, from their census."""
     sk = None
     if sketch:
-        rb, cb, gr, gc = _grid(*fold)
+        rb, cb, gr, gc = pooled_grid(*fold)
         sk = Sketch(
             fold=fold, cell=(rb, cb), pooled_abs=np.zeros((gr, gc)), cell_mismatches=np.zeros((gr, gc), np.int64),
             hist_first_bin=0, hist_counts=np.zeros(0, np.int64), n_zero=numel, n_nonfinite=0,
@@ -380,12 +382,12 @@ def compare_cpu(
 
     eq, n_nan, n_inf = _census(ta, ra, tk, rk, numel, parallel)
     if eq:
-        return _identical(numel, n_nan, n_inf, sketch, fold)
+        return identical_stats(numel, n_nan, n_inf, sketch, fold)
 
     promoted = torch.promote_types(target.dtype, reference.dtype)
     atolh = _scalar_in(promoted, atol) if promoted in (torch.bfloat16, torch.float16) else 0.0
-    p, e_min = _FORMAT[target.dtype]
-    rb, cb, gr, gc = _grid(*fold)
+    p, e_min = FLOAT_FORMATS[target.dtype]
+    rb, cb, gr, gc = pooled_grid(*fold)
     kinds = (tk, rk, _KIND[promoted])
     par = (float(rtol), float(atol), np.float32(rtol), np.float32(atol), np.float32(atolh),
            not (rtol == 0 and atol == 0), 2.0 ** (e_min - 1), p)  # fmt: skip

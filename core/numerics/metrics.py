@@ -36,22 +36,22 @@ import torch
 
 from core.numerics import kernel
 from core.numerics.accumulate import (
-    _Accumulator,
-    _bitwise_equal,
-    _census,
-    _chunks,
-    _ldexp,
-    _sqrt_wide,
-    _unravel,
+    ChunkAccumulator,
+    bitwise_equal_chunks,
+    chunk_bounds,
     compare_torch,
+    ldexp_or_inf,
+    nan_inf_nonzero_counts,
+    sqrt_wide,
+    unravel_index,
 )
 from core.numerics.sketch import Sketch, block_starts, hist_bin_index, make_sketch
 from core.numerics.tolerance import (
     DEFAULT_TOLERANCES,
     Tolerance,
-    _dtype_name,
     close_mask,
     default_tolerance,
+    dtype_name,
     rule_dtype,
     ulp,
 )
@@ -139,8 +139,8 @@ def _fields(target: torch.Tensor, reference: torch.Tensor, tol: Tolerance) -> di
         "numel": target.numel(),
         "shape": tuple(target.shape),
         "ref_shape": tuple(reference.shape),
-        "target_dtype": _dtype_name(target.dtype),
-        "reference_dtype": _dtype_name(reference.dtype),
+        "target_dtype": dtype_name(target.dtype),
+        "reference_dtype": dtype_name(reference.dtype),
         "rtol": float(tol.rtol),
         "atol": float(tol.atol),
     }
@@ -179,8 +179,8 @@ def compare(
     numel = target.numel()
 
     if target.shape != reference.shape:
-        n_nan, n_inf, t_nonzero = _census(t_flat, chunk_elems)
-        ref_nan, ref_inf, r_nonzero = _census(r_flat, chunk_elems)
+        n_nan, n_inf, t_nonzero = nan_inf_nonzero_counts(t_flat, chunk_elems)
+        ref_nan, ref_inf, r_nonzero = nan_inf_nonzero_counts(r_flat, chunk_elems)
         nan = math.nan
         return DiffStats(
             **fields,
@@ -216,9 +216,9 @@ def compare(
         if stats is not None:
             return stats
 
-    if _bitwise_equal(t_flat, r_flat, chunk_elems):
+    if bitwise_equal_chunks(t_flat, r_flat, chunk_elems):
         # Fast path: no float64 difference needed. Same bits means same NaN/Inf positions.
-        n_nan, n_inf, _ = _census(t_flat, chunk_elems)
+        n_nan, n_inf, _ = nan_inf_nonzero_counts(t_flat, chunk_elems)
         return DiffStats(
             **fields,
             bitwise_equal=True,
@@ -247,19 +247,19 @@ def compare(
             all_zero=False,
         )
 
-    acc = _Accumulator(target.dtype, rule_dtype(target.dtype, reference.dtype), tol)
-    for start, stop in _chunks(numel, chunk_elems):
+    acc = ChunkAccumulator(target.dtype, rule_dtype(target.dtype, reference.dtype), tol)
+    for start, stop in chunk_bounds(numel, chunk_elems):
         acc.add(t_flat[start:stop].to("cpu"), r_flat[start:stop].to("cpu"), start)
 
     n = acc.n_finite
     # Sums over no finite element are zero, so the empty case reads as "no drift measured".
-    mean_abs = _ldexp(acc.sum_abs.mant / n, acc.sum_abs.exp) if n else 0.0
-    rmse = _sqrt_wide(acc.sum_sq.mant / n, acc.sum_sq.exp) if n else 0.0
+    mean_abs = ldexp_or_inf(acc.sum_abs.mant / n, acc.sum_abs.exp) if n else 0.0
+    rmse = sqrt_wide(acc.sum_sq.mant / n, acc.sum_sq.exp) if n else 0.0
     t_zero, r_zero = acc.t_nonzero_finite == 0, acc.r_nonzero_finite == 0
     if r_zero:
         rel_l2 = 0.0 if acc.max_abs == 0.0 else math.inf
     else:
-        rel_l2 = _sqrt_wide(acc.sum_sq.mant / acc.sum_r2.mant, acc.sum_sq.exp - acc.sum_r2.exp)
+        rel_l2 = sqrt_wide(acc.sum_sq.mant / acc.sum_r2.mant, acc.sum_sq.exp - acc.sum_r2.exp)
     if t_zero and r_zero:
         cos_sim = 1.0
     elif t_zero or r_zero:
@@ -269,7 +269,7 @@ def compare(
         norms, exp = acc.sum_t2.mant * acc.sum_r2.mant, acc.sum_t2.exp + acc.sum_r2.exp
         if exp % 2:
             norms, exp = 2.0 * norms, exp - 1
-        cos = _ldexp(acc.sum_tr.mant / math.sqrt(norms), acc.sum_tr.exp - exp // 2)
+        cos = ldexp_or_inf(acc.sum_tr.mant / math.sqrt(norms), acc.sum_tr.exp - exp // 2)
         # Clamped: rounding can push nearly parallel vectors just past ±1.
         cos_sim = max(-1.0, min(1.0, cos))
     shape = tuple(target.shape)
@@ -287,11 +287,11 @@ def compare(
         cos_sim=cos_sim,
         max_ulp=acc.max_ulp,
         min_atol=acc.min_atol,
-        worst_index=None if acc.worst_flat is None else _unravel(acc.worst_flat, shape),
+        worst_index=None if acc.worst_flat is None else unravel_index(acc.worst_flat, shape),
         worst_target=acc.worst_target,
         worst_reference=acc.worst_reference,
         mismatch_max_abs=acc.mismatch_max_abs,
-        mismatch_index=None if acc.mismatch_flat is None else _unravel(acc.mismatch_flat, shape),
+        mismatch_index=None if acc.mismatch_flat is None else unravel_index(acc.mismatch_flat, shape),
         mismatch_target=acc.mismatch_target,
         mismatch_reference=acc.mismatch_reference,
         n_nan=acc.n_nan,
@@ -365,7 +365,7 @@ def _sketch_from_kernel(
         hist_counts=np.asarray(k.hist_counts, dtype=np.int64)[keep],
         n_zero=int(k.n_zero),
         n_nonfinite=int(k.n_nonfinite),
-        top_index=[_unravel(i, shape) for i in flat],
+        top_index=[unravel_index(i, shape) for i in flat],
         top_target=[float(t_flat[i]) for i in flat],
         top_reference=[float(r_flat[i]) for i in flat],
     )
@@ -420,11 +420,11 @@ def _from_kernel(
         cos_sim=k.cos_sim,
         max_ulp=k.max_ulp,
         min_atol=k.min_atol,
-        worst_index=None if k.worst_index is None else _unravel(k.worst_index, shape),
+        worst_index=None if k.worst_index is None else unravel_index(k.worst_index, shape),
         worst_target=k.worst_target,
         worst_reference=k.worst_reference,
         mismatch_max_abs=None if mismatch is None else k.mismatch_max_abs,
-        mismatch_index=None if mismatch is None else _unravel(mismatch, shape),
+        mismatch_index=None if mismatch is None else unravel_index(mismatch, shape),
         mismatch_target=None if mismatch is None else float(t_flat[mismatch]),
         mismatch_reference=None if mismatch is None else float(r_flat[mismatch]),
         n_nan=k.n_nan,
@@ -454,7 +454,7 @@ def _compare_exact(target: torch.Tensor, reference: torch.Tensor, chunk_elems: i
     max_abs = sum_abs = sum_sq = sum_r2 = sum_t2 = sum_tr = 0.0
     worst: int | None = None
     worst_t = worst_r = None
-    for start, stop in _chunks(numel, chunk_elems):
+    for start, stop in chunk_bounds(numel, chunk_elems):
         # int64 differences are exact for every integer dtype but uint64 beyond 2^63 (not a torch weight).
         t = t_flat[start:stop].to("cpu").to(torch.int64)
         r = r_flat[start:stop].to("cpu").to(torch.int64)
@@ -489,12 +489,12 @@ def _compare_exact(target: torch.Tensor, reference: torch.Tensor, chunk_elems: i
         cos_sim=cos,
         max_ulp=max_abs,  # integers are spaced 1 apart
         min_atol=max_abs,
-        worst_index=None if worst is None else _unravel(worst, tuple(target.shape)),
+        worst_index=None if worst is None else unravel_index(worst, tuple(target.shape)),
         worst_target=worst_t,
         worst_reference=worst_r,
         # Every differing integer mismatches, so assert_close's greatest is the first maximum.
         mismatch_max_abs=max_abs if worst is not None else None,
-        mismatch_index=None if worst is None else _unravel(worst, tuple(target.shape)),
+        mismatch_index=None if worst is None else unravel_index(worst, tuple(target.shape)),
         mismatch_target=worst_t,
         mismatch_reference=worst_r,
         n_nan=0,
@@ -556,7 +556,7 @@ def _mismatch_text(s: DiffStats) -> str:
     # Mismatches may come only from NaN/Inf, where no atol helps.
     if s.min_atol == math.inf:
         rule = rule_dtype(getattr(torch, s.target_dtype), getattr(torch, s.reference_dtype))
-        parts.append(f"no atol passes at rtol {_g(s.rtol)}: a difference overflows {_dtype_name(rule)}")
+        parts.append(f"no atol passes at rtol {_g(s.rtol)}: a difference overflows {dtype_name(rule)}")
     elif s.min_atol > s.atol:
         parts.append(f"needs atol ≥ {_g(s.min_atol)} at rtol {_g(s.rtol)}")
     return " · ".join(parts)

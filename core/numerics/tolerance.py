@@ -42,7 +42,8 @@ DEFAULT_TOLERANCES: Mapping[str, Tolerance] = MappingProxyType(
 )
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype's name without the `torch.` prefix (`float32`), as rows and tolerances spell it."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -59,27 +60,30 @@ def rule_dtype(target_dtype: torch.dtype, reference_dtype: torch.dtype) -> torch
     return dtype if dtype in _RULE_DTYPES else torch.float64
 
 
-def _isclose(t: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> torch.Tensor:
-    # The one place pass/fail is decided: t and r already in rule_dtype. Exactly what
-    # assert_close(equal_nan=True) computes after promoting, so the two agree bit for bit.
+def rule_isclose(t: torch.Tensor, r: torch.Tensor, rtol: float, atol: float) -> torch.Tensor:
+    """Where `t` passes against `r` (both already in `rule_dtype`): ``torch.isclose`` with ``equal_nan``.
+
+    The one place pass/fail is decided: exactly what assert_close(equal_nan=True) computes after
+    promoting, so the two agree bit for bit.
+    """
     return torch.isclose(t, r, rtol=rtol, atol=atol, equal_nan=True)
 
 
-def _round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """float32 `x` rounded to `dtype` (nearest, ties to even), as float32: the kernel's round_bf16/round_f16."""
     return x if dtype == torch.float32 else x.to(dtype).to(torch.float32)
 
 
-def _mode_scalars(mode: torch.dtype, rtol: float, atol: float, device: torch.device):
+def narrow_tolerance_scalars(mode: torch.dtype, rtol: float, atol: float, device: torch.device):
     """rtol and atol as the kernel's narrow rule sees them: float32, and atol rounded to bf16/f16."""
     rtol32 = torch.tensor(rtol, dtype=torch.float32, device=device)
-    atol32 = _round_to(torch.tensor(atol, dtype=torch.float32, device=device), mode)
+    atol32 = round_to(torch.tensor(atol, dtype=torch.float32, device=device), mode)
     return rtol32, atol32
 
 
-def _fails(mode, a, b, rtol, atol, tol_on: bool | torch.Tensor) -> torch.Tensor:
+def rule_fails(mode, a, b, rtol, atol, tol_on: bool | torch.Tensor) -> torch.Tensor:
     """not isclose(a, b, rtol, atol, equal_nan=True) in the promoted `mode`, rounding as torch's CPU
-    kernels do, on any device (`_kernel_parts.mis*`, the numba kernel's emulation of them).
+    kernels do, on any device (`kernel_arith.mis*`, the numba kernel's emulation of them).
 
     float64: a, b float64 and rtol, atol floats; narrow modes: a, b float32 holding `mode` values and
     rtol, atol float32 tensors (atol per element or a scalar), each result rounded to `mode`.
@@ -89,8 +93,8 @@ def _fails(mode, a, b, rtol, atol, tol_on: bool | torch.Tensor) -> torch.Tensor:
         actual = (a - b).abs()
         allowed = atol + (rtol * b).abs()
     else:
-        actual = _round_to(a - b, mode).abs()
-        allowed = _round_to(atol + _round_to(rtol * b, mode).abs(), mode)
+        actual = round_to(a - b, mode).abs()
+        allowed = round_to(atol + round_to(rtol * b, mode).abs(), mode)
     close = (actual < math.inf) & (actual <= allowed)
     if isinstance(tol_on, torch.Tensor):
         close &= tol_on
@@ -109,7 +113,7 @@ def close_mask(target: torch.Tensor, reference: torch.Tensor, tolerance: Toleran
     if not (target.is_floating_point() or reference.is_floating_point()):
         return target.to(torch.int64) == reference.to(torch.int64)
     dtype = rule_dtype(target.dtype, reference.dtype)
-    return _isclose(target.to(dtype), reference.to(dtype), tolerance.rtol, tolerance.atol)
+    return rule_isclose(target.to(dtype), reference.to(dtype), tolerance.rtol, tolerance.atol)
 
 
 def default_tolerance(dtype: torch.dtype | str) -> Tolerance:
@@ -121,7 +125,7 @@ def default_tolerance(dtype: torch.dtype | str) -> Tolerance:
     if isinstance(dtype, torch.dtype):
         if not dtype.is_floating_point:
             raise TypeError(f"no tolerance for non-floating dtype {dtype}")
-        name = _dtype_name(dtype)
+        name = dtype_name(dtype)
     else:
         name = dtype.removeprefix("torch.")
     try:
@@ -130,7 +134,7 @@ def default_tolerance(dtype: torch.dtype | str) -> Tolerance:
         raise ValueError(f"no default tolerance for dtype {name!r}; pass a Tolerance") from None
 
 
-def _float_format(dtype: torch.dtype) -> tuple[int, int]:
+def float_format(dtype: torch.dtype) -> tuple[int, int]:
     """(p, e_min): mantissa digits incl. the implicit bit, and frexp's exponent of the smallest normal."""
     if not dtype.is_floating_point:
         raise TypeError(f"ULP is defined for floating dtypes only, not {dtype}")
@@ -141,7 +145,7 @@ def _float_format(dtype: torch.dtype) -> tuple[int, int]:
     return 2 - eps_exp, e_min
 
 
-def _spacing(abs_x: torch.Tensor, p: int, e_min: int) -> torch.Tensor:
+def format_spacing(abs_x: torch.Tensor, p: int, e_min: int) -> torch.Tensor:
     """ulp for finite, non-negative float64 `abs_x`, built from float64 bit patterns.
 
     Exact (no exp2/ldexp, which are not guaranteed exact for subnormal results) and cheap:
@@ -165,8 +169,8 @@ def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     subnormals get the subnormal spacing, e.g. ``ulp(1.0, float32) = 2^-23`` and
     ``ulp(0, float32) = 2^-149``. Non-finite x gives NaN. Raises TypeError for non-floating dtypes.
     """
-    p, e_min = _float_format(dtype)
+    p, e_min = float_format(dtype)
     x64 = x.detach().to(torch.float64)
     finite = torch.isfinite(x64)
-    spacing = _spacing(torch.where(finite, x64, 0.0).abs(), p, e_min)
+    spacing = format_spacing(torch.where(finite, x64, 0.0).abs(), p, e_min)
     return torch.where(finite, spacing, math.nan)

@@ -20,16 +20,16 @@ from core.checks.activations import ACCUMULATED, Divergence
 from dashboard.figures.common import (
     COLORSCALE,
     MARK_SEVERITY,
-    _label,
-    _log10_positive,
-    _numeric,
-    _tensor_hover,
-    _text,
-    _verdict_color,
-    _verdict_symbol,
     category_axis,
+    cell_text,
     empty_figure,
+    log10_positive,
+    metric_label,
+    numeric_values,
+    tensor_hover,
     title_top,
+    verdict_color,
+    verdict_symbol,
 )
 from dashboard.text import plot_text
 
@@ -75,7 +75,7 @@ def activation_grid(rows: pd.DataFrame, metric: str) -> pd.DataFrame:
     if not len(rows):
         return pd.DataFrame(dtype=float)
     cells = pd.DataFrame(
-        {"depth": depth_labels(rows), "role": rows["role"].astype(str), "_v": _numeric(rows[metric])},
+        {"depth": depth_labels(rows), "role": rows["role"].astype(str), "_v": numeric_values(rows[metric])},
         index=rows.index,
     )
     grid = cells.groupby(["depth", "role"], sort=False)["_v"].max().unstack("role")
@@ -101,7 +101,7 @@ def activations_heatmap(
     output); each target's first divergence is ringed in red.
     """
     part = rows[rows["drift"] == drift] if len(rows) else rows
-    label = _label(metric)
+    label = metric_label(metric)
     if not len(part):
         return empty_figure(f"no {drift} rows", title=title)
     targets = [t for t in dict.fromkeys(part["target"].astype(str))]
@@ -114,13 +114,13 @@ def activations_heatmap(
         subplot_titles=[plot_text(t) for t in targets],
         horizontal_spacing=min(0.03, 0.5 / len(targets)),
     )
-    logs = _log10_positive(_numeric(part[metric]))
+    logs = log10_positive(numeric_values(part[metric]))
     for i, target in enumerate(targets, start=1):
         mine = part[part["target"] == target]
         grid = activation_grid(mine, metric).reindex(index=depths, columns=roles)
         fig.add_trace(
             go.Heatmap(
-                z=_log10_positive(grid.to_numpy()),
+                z=log10_positive(grid.to_numpy()),
                 x=roles,
                 y=depths,
                 coloraxis="coloraxis",
@@ -135,7 +135,7 @@ def activations_heatmap(
         cells = mine.assign(
             _depth=depth[mine.index],
             _sev=mine["verdict"].map(MARK_SEVERITY).fillna(len(MARK_SEVERITY)),
-            _v=_numeric(mine[metric]),
+            _v=numeric_values(mine[metric]),
         ).sort_values(["_sev", "_v"], ascending=False, na_position="last", kind="stable")
         cells = cells.drop_duplicates(["_depth", "role"])
         fig.add_trace(
@@ -143,16 +143,21 @@ def activations_heatmap(
                 x=cells["role"].astype(str).tolist(),
                 y=cells["_depth"].tolist(),
                 mode="markers+text",
-                text=[_verdict_symbol(v) for v in cells["verdict"]],
-                textfont={"color": [_verdict_color(v) for v in cells["verdict"]], "size": 13},
+                text=[verdict_symbol(v) for v in cells["verdict"]],
+                textfont={"color": [verdict_color(v) for v in cells["verdict"]], "size": 13},
                 marker={"symbol": "square", "size": 22, "color": "#888888", "opacity": 0.03},
                 selected={"marker": {"opacity": 0.45}},
                 unselected={"marker": {"opacity": 0.03}},
                 customdata=[
-                    [_text(r["target"]), _text(r["adapter"]), _text(r["tensor"]), _text(r["check"])]
+                    [
+                        cell_text(r["target"]),
+                        cell_text(r["adapter"]),
+                        cell_text(r["tensor"]),
+                        cell_text(r["check"]),
+                    ]
                     for _, r in cells.iterrows()
                 ],
-                hovertext=[_tensor_hover(r) for _, r in cells.iterrows()],
+                hovertext=[tensor_hover(r) for _, r in cells.iterrows()],
                 hovertemplate="%{hovertext}<extra></extra>",
                 showlegend=False,
                 name=target,
@@ -217,7 +222,11 @@ def depth_profile(rows: pd.DataFrame, metric: str, drift: str = ACCUMULATED) -> 
     if not len(part):
         return pd.DataFrame(columns=["target", "depth", "value"])
     frame = pd.DataFrame(
-        {"target": part["target"].astype(str), "depth": depth_labels(part), "value": _numeric(part[metric])}
+        {
+            "target": part["target"].astype(str),
+            "depth": depth_labels(part),
+            "value": numeric_values(part[metric]),
+        }
     )
     out = frame.groupby(["target", "depth"], sort=False)["value"].max().reset_index()
     # targets in the order the rows name them, depths top to bottom within each
@@ -238,7 +247,7 @@ def depth_line_chart(
     """The largest `metric` at each depth, one line per target, log scale: how error grows through the
     network. A target's first divergence is a red ring at its depth."""
     profile = depth_profile(rows, metric, drift)
-    label = _label(metric)
+    label = metric_label(metric)
     if not len(profile):
         return empty_figure(f"no {drift} rows", title=title)
     depths = depth_order(profile["depth"])

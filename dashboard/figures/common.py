@@ -136,11 +136,12 @@ _ASSUMED_PLOT_WIDTH = 1100
 
 
 # --------------------------------------------------------------------------------------------- helpers
-def _label(metric: str) -> str:
+def metric_label(metric: str) -> str:
+    """A metric's axis and hover label (`METRIC_LABELS`), its column name when it has none."""
     return METRIC_LABELS.get(metric, metric)
 
 
-def _fmt(value: Any) -> str:
+def hover_number(value: Any) -> str:
     """Exact-enough number for hover text (%.6g); NaN/None spelled out rather than hidden."""
     if value is None or (isinstance(value, float) and math.isnan(value)) or value is pd.NA:
         return "n/a"
@@ -150,7 +151,8 @@ def _fmt(value: Any) -> str:
         return html.escape(str(value))
 
 
-def _text(value: Any) -> str:
+def cell_text(value: Any) -> str:
+    """A table cell as text: None, NA and NaN give an empty string."""
     if value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value)):
         return ""
     return str(value)
@@ -159,15 +161,16 @@ def _text(value: Any) -> str:
 def _explanation_html(value: Any) -> str:
     # Explanations are one long line joined by " · "; break there so the hover box stays narrow,
     # and escape because plotly renders hover text as pseudo-HTML (a "<" would eat the rest).
-    text = _text(value)
+    text = cell_text(value)
     return "<br>".join(html.escape(part) for part in text.split(" · ") if part)
 
 
-def _numeric(series: pd.Series) -> np.ndarray:
+def numeric_values(series: pd.Series) -> np.ndarray:
+    """A column as float64, NaN where a value is missing or not a number."""
     return pd.to_numeric(series, errors="coerce").to_numpy(dtype=float, na_value=np.nan)
 
 
-def _log10_positive(values: np.ndarray) -> np.ndarray:
+def log10_positive(values: np.ndarray) -> np.ndarray:
     """log10 where finite and > 0, NaN elsewhere (zeros and non-finite values show as background)."""
     values = np.asarray(values, dtype=float)
     out = np.full(values.shape, np.nan)
@@ -176,15 +179,18 @@ def _log10_positive(values: np.ndarray) -> np.ndarray:
     return out
 
 
-def _verdict_color(verdict: str) -> str:
+def verdict_color(verdict: str) -> str:
+    """The colour a verdict is drawn in (`UNKNOWN_COLOR` for one not in `VERDICT_COLORS`)."""
     return VERDICT_COLORS.get(verdict, UNKNOWN_COLOR)
 
 
-def _verdict_symbol(verdict: str) -> str:
+def verdict_symbol(verdict: str) -> str:
+    """The symbol a verdict is marked with (`UNKNOWN_SYMBOL` for one not in `VERDICT_SYMBOLS`)."""
     return VERDICT_SYMBOLS.get(verdict, UNKNOWN_SYMBOL)
 
 
-def _verdicts_in_order(present: Any) -> list[str]:
+def verdicts_in_order(present: Any) -> list[str]:
+    """The distinct verdicts in `present`, by `MARK_ORDER` (severity), unknown ones after in their order."""
     present = [v for v in pd.unique(pd.Series(list(present), dtype=object)) if isinstance(v, str)]
     return [v for v in MARK_ORDER if v in present] + [v for v in present if v not in MARK_ORDER]
 
@@ -197,7 +203,7 @@ def empty_figure(message: str = "no rows", *, title: str | None = None) -> go.Fi
     return fig
 
 
-def _legend_below_title(height: int) -> dict[str, Any]:
+def legend_below_title(height: int) -> dict[str, Any]:
     """A horizontal legend on its own line under the title, placed in container pixels.
 
     Paper coordinates would depend on the plot area, which automargin changes, and the legend then
@@ -283,7 +289,7 @@ def _col_labels(table: pd.DataFrame) -> pd.Series:
     module = table["module"] if "module" in table.columns else pd.Series("?", index=table.index)
     role = table["role"] if "role" in table.columns else pd.Series("", index=table.index)
     return pd.Series(
-        [f"{_text(m) or '?'} · {_text(r)}" for m, r in zip(module, role, strict=True)],
+        [f"{cell_text(m) or '?'} · {cell_text(r)}" for m, r in zip(module, role, strict=True)],
         index=table.index,
         dtype=object,
     )
@@ -304,9 +310,9 @@ def _axis_order(table: pd.DataFrame) -> tuple[list[str], list[str]]:
     module = table["module"] if "module" in table.columns else pd.Series("?", index=table.index)
     role = table["role"] if "role" in table.columns else pd.Series("", index=table.index)
     for m, r in zip(module, role, strict=True):
-        roles = modules.setdefault(_text(m) or "?", [])
-        if _text(r) not in roles:
-            roles.append(_text(r))
+        roles = modules.setdefault(cell_text(m) or "?", [])
+        if cell_text(r) not in roles:
+            roles.append(cell_text(r))
     col_order = []
     known = {name: i for i, name in enumerate(MODULE_ORDER)}
     first = {m: i for i, m in enumerate(modules)}
@@ -320,7 +326,7 @@ def _axis_order(table: pd.DataFrame) -> tuple[list[str], list[str]]:
 
 def _grid(table: pd.DataFrame, metric: str, rows: list[str], cols: list[str]) -> pd.DataFrame:
     cells = pd.DataFrame(
-        {"_row": _row_labels(table), "_col": _col_labels(table), "_value": _numeric(table[metric])},
+        {"_row": _row_labels(table), "_col": _col_labels(table), "_value": numeric_values(table[metric])},
         index=table.index,
     )
     # max() skips NaN, so a duplicate with a real value wins over one without.
@@ -352,39 +358,40 @@ def _representatives(table: pd.DataFrame, metric: str) -> pd.DataFrame:
         _row=_row_labels(table),
         _col=_col_labels(table),
         _sev=table["verdict"].map(MARK_SEVERITY).fillna(len(MARK_SEVERITY)) if "verdict" in table else 0,
-        _value=_numeric(table[metric]),
+        _value=numeric_values(table[metric]),
     )
     cells = cells.sort_values(["_sev", "_value"], ascending=False, na_position="last", kind="stable")
     return cells.drop_duplicates(["_row", "_col"], keep="first")
 
 
-def _tensor_hover(row: pd.Series) -> str:
-    adapter = _text(row.get("adapter")) or "— (base model)"
+def tensor_hover(row: pd.Series) -> str:
+    """The hover text of one metric row: tensor, target and reference, verdicts, metrics, explanation."""
+    adapter = cell_text(row.get("adapter")) or "— (base model)"
     lines = [
-        f"<b>{html.escape(_text(row.get('tensor')))}</b>",
-        f"target: {html.escape(_text(row.get('target')))}"
-        + (f" vs {html.escape(_text(row.get('reference')))}" if _text(row.get("reference")) else ""),
-        f"adapter: {html.escape(adapter)} · role: {html.escape(_text(row.get('role')))}",
+        f"<b>{html.escape(cell_text(row.get('tensor')))}</b>",
+        f"target: {html.escape(cell_text(row.get('target')))}"
+        + (f" vs {html.escape(cell_text(row.get('reference')))}" if cell_text(row.get("reference")) else ""),
+        f"adapter: {html.escape(adapter)} · role: {html.escape(cell_text(row.get('role')))}",
     ]
-    if _text(row.get("dtype")) or _text(row.get("shape")):
+    if cell_text(row.get("dtype")) or cell_text(row.get("shape")):
         lines.append(
-            f"dtype {html.escape(_text(row.get('dtype')))} · shape {html.escape(_text(row.get('shape')))}"
+            f"dtype {html.escape(cell_text(row.get('dtype')))} · shape {html.escape(cell_text(row.get('shape')))}"
         )
-    verdict = _text(row.get("verdict"))
-    lines.append(f"verdict: <b>{_verdict_symbol(verdict)} {html.escape(verdict)}</b>")
-    tolerance = _text(row.get("tolerance_verdict"))
+    verdict = cell_text(row.get("verdict"))
+    lines.append(f"verdict: <b>{verdict_symbol(verdict)} {html.escape(verdict)}</b>")
+    tolerance = cell_text(row.get("tolerance_verdict"))
     if tolerance and tolerance != verdict:
-        lines.append(f"tolerance verdict: {_verdict_symbol(tolerance)} {html.escape(tolerance)}")
+        lines.append(f"tolerance verdict: {verdict_symbol(tolerance)} {html.escape(tolerance)}")
     for m in METRICS:
-        lines.append(f"{_label(m)}: {_fmt(row.get(m))}")
-    if _text(row.get("peer")) and _text(row.get("peer")) != _text(row.get("target")):
+        lines.append(f"{metric_label(m)}: {hover_number(row.get(m))}")
+    if cell_text(row.get("peer")) and cell_text(row.get("peer")) != cell_text(row.get("target")):
         lines.append(
-            f"× the error of its peer {html.escape(_text(row.get('peer')))}: {_fmt(row.get(PEER_RATIO))}"
+            f"× the error of its peer {html.escape(cell_text(row.get('peer')))}: {hover_number(row.get(PEER_RATIO))}"
         )
-    if _text(row.get("explanation")):
+    if cell_text(row.get("explanation")):
         lines.append(_explanation_html(row.get("explanation")))
-    if _text(row.get("note")):
-        lines.append("note: " + html.escape(_text(row.get("note"))))
+    if cell_text(row.get("note")):
+        lines.append("note: " + html.escape(cell_text(row.get("note"))))
     return "<br>".join(lines)
 
 
@@ -400,7 +407,7 @@ def drift_heatmap(table: pd.DataFrame, metric: str, *, title: str | None = None)
     """
     if not len(table):
         return empty_figure("no rows", title=title)
-    label = _label(metric)
+    label = metric_label(metric)
     targets = [t for t in pd.unique(table["target"].astype(object)) if isinstance(t, str)]
     rows, cols = _axis_order(table)
     n_panels = len(targets)
@@ -419,7 +426,7 @@ def drift_heatmap(table: pd.DataFrame, metric: str, *, title: str | None = None)
     for i, target in enumerate(targets, start=1):
         part = table[table["target"] == target]
         grid = _grid(part, metric, rows, cols)
-        z = _log10_positive(grid.to_numpy())
+        z = log10_positive(grid.to_numpy())
         fig.add_trace(
             go.Heatmap(
                 z=z,
@@ -436,15 +443,15 @@ def drift_heatmap(table: pd.DataFrame, metric: str, *, title: str | None = None)
             col=i,
         )
         reps = _representatives(part, metric)
-        for verdict in _verdicts_in_order(reps["verdict"]):
+        for verdict in verdicts_in_order(reps["verdict"]):
             sub = reps[reps["verdict"] == verdict]
-            color = _verdict_color(verdict)
+            color = verdict_color(verdict)
             fig.add_trace(
                 go.Scatter(
                     x=sub["_col"].tolist(),
                     y=sub["_row"].tolist(),
                     mode="markers+text",
-                    text=[_verdict_symbol(verdict)] * len(sub),
+                    text=[verdict_symbol(verdict)] * len(sub),
                     textposition="middle center",
                     textfont={"color": color, "size": 14, "shadow": "auto"},
                     # Nearly transparent: the point only catches clicks; the cell's colour is the heatmap's.
@@ -454,16 +461,16 @@ def drift_heatmap(table: pd.DataFrame, metric: str, *, title: str | None = None)
                     unselected={"marker": {"opacity": 0.03}, "textfont": {"color": color}},
                     customdata=[
                         [
-                            _text(r.get("target")),
-                            _text(r.get("adapter")),
-                            _text(r.get("tensor")),
-                            _text(r.get("check")),
+                            cell_text(r.get("target")),
+                            cell_text(r.get("adapter")),
+                            cell_text(r.get("tensor")),
+                            cell_text(r.get("check")),
                         ]
                         for _, r in sub.iterrows()
                     ],
-                    hovertext=[_tensor_hover(r) for _, r in sub.iterrows()],
+                    hovertext=[tensor_hover(r) for _, r in sub.iterrows()],
                     hovertemplate="%{hovertext}<extra></extra>",
-                    name=f"{_verdict_symbol(verdict)} {verdict}",
+                    name=f"{verdict_symbol(verdict)} {verdict}",
                     legendgroup=verdict,
                     # The legend gets opaque swatches below; these points are nearly transparent.
                     showlegend=False,
@@ -476,14 +483,14 @@ def drift_heatmap(table: pd.DataFrame, metric: str, *, title: str | None = None)
         fig.update_yaxes(
             **category_axis(rows), autorange="reversed", showticklabels=i == 1, ticks="", row=1, col=i
         )
-    for verdict in _verdicts_in_order(table["verdict"]):
+    for verdict in verdicts_in_order(table["verdict"]):
         fig.add_trace(
             go.Scatter(
                 x=[None],
                 y=[None],
                 mode="markers",
-                marker={"symbol": "square", "size": 12, "color": _verdict_color(verdict)},
-                name=f"{_verdict_symbol(verdict)} {verdict}",
+                marker={"symbol": "square", "size": 12, "color": verdict_color(verdict)},
+                name=f"{verdict_symbol(verdict)} {verdict}",
                 legendgroup=verdict,  # clicking it hides that verdict's symbols in every panel
                 hoverinfo="skip",
             ),
@@ -492,7 +499,7 @@ def drift_heatmap(table: pd.DataFrame, metric: str, *, title: str | None = None)
         )
     fig.update_yaxes(title_text="layer", row=1, col=1)
 
-    values = _numeric(table[metric])
+    values = numeric_values(table[metric])
     checks = (
         [c for c in pd.unique(table["check"].astype(object)) if isinstance(c, str)]
         if "check" in table
@@ -500,7 +507,7 @@ def drift_heatmap(table: pd.DataFrame, metric: str, *, title: str | None = None)
     )
     if title is None:
         title = f"{' / '.join(checks) or 'drift'} — log₁₀ {label}"
-    if not np.isfinite(_log10_positive(values)).any():
+    if not np.isfinite(log10_positive(values)).any():
         fig.add_annotation(
             text=f"no nonzero {label} values (blank cells = exactly 0 or missing)",
             showarrow=False,
@@ -512,7 +519,7 @@ def drift_heatmap(table: pd.DataFrame, metric: str, *, title: str | None = None)
             yshift=24,
         )
     coloraxis: dict[str, Any] = {}
-    logs = _log10_positive(values)
+    logs = log10_positive(values)
     if np.isfinite(logs).any():
         # At least one decade of colour: values that agree to 3 digits should not look different.
         lo, hi = float(np.nanmin(logs[np.isfinite(logs)])), float(np.nanmax(logs[np.isfinite(logs)]))
@@ -530,7 +537,7 @@ def drift_heatmap(table: pd.DataFrame, metric: str, *, title: str | None = None)
             "colorbar": {"title": {"text": f"log₁₀ {label}", "side": "right"}},
         },
         height=height,
-        legend=_legend_below_title(height),
+        legend=legend_below_title(height),
         margin={"t": 110},
         hovermode="closest",
     )

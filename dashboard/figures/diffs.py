@@ -11,9 +11,9 @@ from core.numerics.sketch import Sketch, as_2d, block_starts
 from dashboard.figures.common import (
     COLORSCALE,
     VERDICT_COLORS,
-    _legend_below_title,
-    _log10_positive,
     empty_figure,
+    legend_below_title,
+    log10_positive,
     title_top,
 )
 
@@ -163,7 +163,7 @@ def pooled_diff_heatmap(
     ]
     fig = go.Figure(
         go.Heatmap(
-            z=_log10_positive(pooled),
+            z=log10_positive(pooled),
             x=col_starts,
             y=row_starts,
             text=hover,
@@ -212,7 +212,7 @@ def pooled_diff_heatmap(
         parts.append(folded)
     if is_pooled:
         parts.append(f"block max over {rb}×{cb} blocks")
-    if not np.isfinite(_log10_positive(pooled)).any() and not bad.any():
+    if not np.isfinite(log10_positive(pooled)).any() and not bad.any():
         parts.append("all elements exactly equal")
     aspect = pooled.shape[0] / max(1, pooled.shape[1])
     height = int(min(800, max(320, 160 + 520 * aspect)))
@@ -223,7 +223,7 @@ def pooled_diff_heatmap(
         yaxis={"title": "row index", "autorange": "reversed", "showgrid": False, "zeroline": False},
         height=height,
         showlegend=shows_legend,
-        legend=_legend_below_title(height),
+        legend=legend_below_title(height),
         margin={"t": 90 if shows_legend else 60},
     )
     return fig

@@ -7,15 +7,15 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from dashboard.figures.common import (
-    _legend_below_title,
-    _numeric,
-    _tensor_hover,
-    _text,
-    _verdict_color,
-    _verdict_symbol,
-    _verdicts_in_order,
+    cell_text,
     empty_figure,
+    legend_below_title,
+    numeric_values,
+    tensor_hover,
     title_top,
+    verdict_color,
+    verdict_symbol,
+    verdicts_in_order,
 )
 from dashboard.text import plot_text
 
@@ -32,14 +32,16 @@ def outputs_figure(table: pd.DataFrame) -> go.Figure:
     """
     if not len(table):
         return empty_figure("no output rows")
-    adapters = [_text(a) or "base" for a in table["adapter"]] if "adapter" in table else ["base"] * len(table)
+    adapters = (
+        [cell_text(a) or "base" for a in table["adapter"]] if "adapter" in table else ["base"] * len(table)
+    )
     if "module" in table:
         # A bare encoder's second output (its pooled output) gets a group of its own beside the adapter's.
         adapters = [
-            a if _text(m) in ("", "logits", "last_hidden_state") else f"{a} · {_text(m)}"
+            a if cell_text(m) in ("", "logits", "last_hidden_state") else f"{a} · {cell_text(m)}"
             for a, m in zip(adapters, table["module"], strict=True)
         ]
-    data = table.assign(_adapter=adapters, _value=_numeric(table["max_abs"]))
+    data = table.assign(_adapter=adapters, _value=numeric_values(table["max_abs"]))
     order = list(dict.fromkeys(data["_adapter"]))
     if "base" in order:  # the base model is the baseline every adapter group is read against
         order = ["base"] + [a for a in order if a != "base"]
@@ -62,13 +64,13 @@ def outputs_figure(table: pd.DataFrame) -> go.Figure:
                 name=target,
                 offsetgroup=target,
                 marker={
-                    "color": [_verdict_color(_text(v)) for v in part["verdict"]],
+                    "color": [verdict_color(cell_text(v)) for v in part["verdict"]],
                     "pattern": {"shape": _TARGET_PATTERNS[i % len(_TARGET_PATTERNS)], "fillmode": "overlay"},
                     "line": {"width": 0},
                 },
-                text=[_verdict_symbol(_text(v)) for v in part["verdict"]],
+                text=[verdict_symbol(cell_text(v)) for v in part["verdict"]],
                 textposition="outside",
-                hovertext=[_tensor_hover(r) for _, r in part.iterrows()],
+                hovertext=[tensor_hover(r) for _, r in part.iterrows()],
                 hovertemplate="%{hovertext}<extra></extra>",
                 showlegend=False,  # its legend swatch would take the first bar's verdict colour
             )
@@ -88,13 +90,13 @@ def outputs_figure(table: pd.DataFrame) -> go.Figure:
             )
         )
     # Legend-only swatches so the colour key is visible next to the pattern (target) key.
-    for verdict in _verdicts_in_order(data["verdict"]):
+    for verdict in verdicts_in_order(data["verdict"]):
         fig.add_trace(
             go.Bar(
                 x=[None],
                 y=[None],
-                name=f"{_verdict_symbol(verdict)} {verdict}",
-                marker={"color": _verdict_color(verdict)},
+                name=f"{verdict_symbol(verdict)} {verdict}",
+                marker={"color": verdict_color(verdict)},
                 legendgroup="verdicts",
                 hoverinfo="skip",
             )
@@ -105,7 +107,7 @@ def outputs_figure(table: pd.DataFrame) -> go.Figure:
         xaxis={"type": "category", "categoryorder": "array", "categoryarray": order, "title": "adapter"},
         yaxis={"type": "log", "title": "max |Δ| (log)", "exponentformat": "power"},
         height=440,
-        legend=_legend_below_title(440),
+        legend=legend_below_title(440),
         margin={"t": 110},
     )
     return fig
@@ -129,7 +131,7 @@ def kl_position_figure(kl: pd.DataFrame, target: str | None = None) -> go.Figure
     fig = go.Figure()
     for (adapter, row), part in rows.groupby([rows["adapter"].fillna("base"), "row"], sort=False):
         part = part.sort_values("position")
-        name = f"{_text(adapter)} · row {int(row)}"
+        name = f"{cell_text(adapter)} · row {int(row)}"
         fig.add_trace(
             go.Scatter(
                 x=part["position"],
@@ -145,7 +147,7 @@ def kl_position_figure(kl: pd.DataFrame, target: str | None = None) -> go.Figure
         title=title_top(plot_text(f"KL(p_ref ‖ p_target) over position · {target}"), height),
         xaxis_title="position (padding excluded)",
         yaxis={"type": "log", "title": "KL (nats)"},
-        legend=_legend_below_title(height),
+        legend=legend_below_title(height),
     )
     return fig
 

@@ -14,10 +14,10 @@ from dashboard.figures.common import (
     UNKNOWN_COLOR,
     VERDICT_COLORS,
     VERDICT_SYMBOLS,
-    _fmt,
-    _verdict_color,
-    _verdict_symbol,
     empty_figure,
+    hover_number,
+    verdict_color,
+    verdict_symbol,
 )
 from dashboard.text import plot_text
 
@@ -40,10 +40,10 @@ def pairwise_figure(matrix: pd.DataFrame) -> go.Figure:
     for row in matrix.itertuples(index=False):
         i, j = index[row.target], index[row.other]
         z[i, j] = PAIR_SEVERITY.get(row.verdict, max(PAIR_SEVERITY.values()))
-        text[i][j] = f"{PAIR_SYMBOLS.get(row.verdict, '?')} {_fmt(row.max_abs)}"
+        text[i][j] = f"{PAIR_SYMBOLS.get(row.verdict, '?')} {hover_number(row.max_abs)}"
         hover[i][j] = (
             f"{plot_text(row.target)} vs {plot_text(row.other)}<br>worst: {plot_text(row.verdict)}"
-            f"<br>max |Δ| {_fmt(row.max_abs)} over {int(row.rows)} rows"
+            f"<br>max |Δ| {hover_number(row.max_abs)} over {int(row.rows)} rows"
         )
     top = max(PAIR_SEVERITY.values())
     # a discrete scale: each severity gets its verdict's colour
@@ -115,8 +115,8 @@ def verdict_counts_figure(counts: pd.DataFrame) -> go.Figure:
                 y=labels,
                 x=n,
                 orientation="h",
-                name=f"{_verdict_symbol(verdict)} {verdict}",
-                marker={"color": _verdict_color(verdict)},
+                name=f"{verdict_symbol(verdict)} {verdict}",
+                marker={"color": verdict_color(verdict)},
                 # Labels only on non-empty segments; a "0" would float over the neighbouring bar.
                 text=[str(v) if v else "" for v in n],
                 textposition="inside",

@@ -315,7 +315,9 @@ class MergeCheck(Check):
             self._add(ctx, out, adapter, "merged", stage, module, weight, before[module], own=ref)
         for name, bias in adapter_keys.loaded_parameters(model, biases).items():
             self._add(ctx, out, adapter, "merged", stage, name, bias)
-        params = {merging._strip(n): p for n, p in model.named_parameters(remove_duplicate=False)}
+        params = {
+            merging.base_parameter_name(n): p for n, p in model.named_parameters(remove_duplicate=False)
+        }
         for finding in tied:
             for partner in merging.tied_partner_modules(finding):
                 weight = params.get(partner + ".weight")

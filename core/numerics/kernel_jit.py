@@ -22,8 +22,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from core.numerics._kernel_parts import (
-    _JIT,
+from core.numerics.kernel_arith import (
     F_DOT,
     F_DOT_E,
     F_MAXABS,
@@ -56,6 +55,7 @@ from core.numerics._kernel_parts import (
     I_TNZF,
     I_WORST,
     INF,
+    JIT_OPTIONS,
     KIND_BF16,
     KIND_F32,
     KIND_F64,
@@ -64,19 +64,19 @@ from core.numerics._kernel_parts import (
     NAN_BITS,
     SAFE_HI_BITS,
     SAFE_LO_BITS,
-    _first_max,
-    _least_atol_block_narrow,
-    _mismatch_bits,
-    _nonfinite_counts,
-    _scaled_terms,
     bits_f64,
     f64_bits,
     first_fold,
+    first_max,
     fold,
     fold_width,
     ldexp,
     least_atol,
+    least_atol_block_narrow,
+    mismatch_bits,
     mismatch_flags,
+    nonfinite_counts,
+    scaled_terms,
     stage32_bits,
     stage64,
 )
@@ -84,7 +84,7 @@ from core.numerics._kernel_parts import (
 # ---------------------------------------------------------------- bitwise pass
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def _cmp_count(a, b, e_mask, m_mask):
     """(OR of a ^ b, NaN count, Inf count of a) for integer views a, b of one float format."""
     acc = 0
@@ -100,7 +100,7 @@ def _cmp_count(a, b, e_mask, m_mask):
     return acc, nn, ni
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def _census_block(raw_t, raw_r, tk, rk, lo, hi, bt, br):
     """(differs, NaN count, Inf count of the target) for one block; bt, br are scratch buffers."""
     if tk == rk:
@@ -135,7 +135,7 @@ def _census_block(raw_t, raw_r, tk, rk, lo, hi, bt, br):
     return acc != 0, np.int64(nn), np.int64(ni)
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def _census_alloc(nblocks, nthreads, scratch):
     return (
         np.zeros(1, np.int64),
@@ -144,7 +144,7 @@ def _census_alloc(nblocks, nthreads, scratch):
     )
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def _census_total(stop, counts):
     nn = 0
     ni = 0
@@ -154,7 +154,7 @@ def _census_total(stop, counts):
     return stop[0] == 0, nn, ni
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def _census_one(s, tid, raw_t, raw_r, tk, rk, n, block, stop, counts, scratch):
     if stop[0] != 0:
         return
@@ -167,7 +167,7 @@ def _census_one(s, tid, raw_t, raw_r, tk, rk, n, block, stop, counts, scratch):
     counts[s, 1] = ni
 
 
-@njit(parallel=True, **_JIT)
+@njit(parallel=True, **JIT_OPTIONS)
 def bitwise_census(raw_t, raw_r, tk, rk, n, block, nthreads):
     """(equal, target NaN count, target Inf count): bits compared after widening to the promoted dtype.
 
@@ -183,7 +183,7 @@ def bitwise_census(raw_t, raw_r, tk, rk, n, block, nthreads):
     return _census_total(stop, counts)
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def bitwise_census_serial(raw_t, raw_r, tk, rk, n, block):
     """`bitwise_census` on the calling thread (small tensors: no thread pool to wake)."""
     nblocks = (n + block - 1) // block
@@ -198,7 +198,7 @@ def bitwise_census_serial(raw_t, raw_r, tk, rk, n, block):
 # ---------------------------------------------------------------- the fused pass
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def _pass1(t, r, flg, key, nvb, rtol, ulp_floor, p):
     """Everything that vectorises over one staged block; per-element keys into the scratch.
 
@@ -251,7 +251,7 @@ def _pass1(t, r, flg, key, nvb, rtol, ulp_floor, p):
     return n_same, n_mis, n_fin, t_nz, r_nz, m_d, m_t, m_r, m_u, m_n
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def _pass2(mode, t, r, lo, key, nvb, aux, flg, m_d, m_n, n_mis, rtol, rtol32, out_i, out_f):
     """The rare, index-bearing results of one block, from the scratch of `_pass1`.
 
@@ -270,7 +270,7 @@ def _pass2(mode, t, r, lo, key, nvb, aux, flg, m_d, m_n, n_mis, rtol, rtol32, ou
     if max_abs == INF:
         out_f[F_MINATOL] = INF
     elif mode != KIND_F64:
-        out_f[F_MINATOL] = _least_atol_block_narrow(mode, t, r, key, nvb, flg, max_abs, top, rtol, rtol32)
+        out_f[F_MINATOL] = least_atol_block_narrow(mode, t, r, key, nvb, flg, max_abs, top, rtol, rtol32)
     elif top > 0.0:
         # Candidates: naive need within 8 ulps of any |d| here of the block's greatest (one
         # predictable comparison per element; non-positive needs have non-positive bits).
@@ -289,16 +289,16 @@ def _pass2(mode, t, r, lo, key, nvb, aux, flg, m_d, m_n, n_mis, rtol, rtol32, ou
     if n_mis > 0:
         # The greatest mismatched difference, as torch.max finds it in assert_close's message:
         # a NaN wins, then the greatest value, ties to the first index (nvb is free by now).
-        _mismatch_bits(mode, t, r, flg, nvb, aux)
-        ma, ia = _first_max(nvb[:n])
-        mr, ir_ = _first_max(aux[:n])
+        mismatch_bits(mode, t, r, flg, nvb, aux)
+        ma, ia = first_max(nvb[:n])
+        mr, ir_ = first_max(aux[:n])
         out_f[F_MISABS] = bits_f64(ma)
         out_i[I_MISABS_IDX] = lo + ia
         out_f[F_MISREL] = bits_f64(mr)
         out_i[I_MISREL_IDX] = lo + ir_
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def _block(raw_t, raw_r, tk, rk, mode, lo, hi, tv, rv, terms, key, nvb, aux, flg, rtol, atol, rtol32, atol32, atolh,
            tol_on, ulp_floor, p, out_i, out_f):  # fmt: skip
     """All per-block work of `fused` for elements lo..hi-1."""
@@ -317,7 +317,7 @@ def _block(raw_t, raw_r, tk, rk, mode, lo, hi, tv, rv, terms, key, nvb, aux, flg
     out_i[I_TNZ] = t_nz
     out_i[I_RNZ] = r_nz
     if n_fin < n:
-        t_nan, t_inf, r_nan, r_inf, new, t_nzf, r_nzf = _nonfinite_counts(t, r)
+        t_nan, t_inf, r_nan, r_inf, new, t_nzf, r_nzf = nonfinite_counts(t, r)
         out_i[I_TNAN] = t_nan
         out_i[I_TINF] = t_inf
         out_i[I_RNAN] = r_nan
@@ -332,7 +332,7 @@ def _block(raw_t, raw_r, tk, rk, mode, lo, hi, tv, rv, terms, key, nvb, aux, flg
     for m in (m_d, m_t, m_r):
         unsafe |= (m > 0) & ((m < SAFE_LO_BITS) | (m > SAFE_HI_BITS))
     if unsafe:
-        e_d, e_t, e_r = _scaled_terms(t, r, m_d, m_t, m_r, terms)
+        e_d, e_t, e_r = scaled_terms(t, r, m_d, m_t, m_r, terms)
         out_f[F_SA_E] = e_d
         out_f[F_QD_E] = e_d
         out_f[F_QT_E] = e_t
@@ -352,7 +352,7 @@ def _block(raw_t, raw_r, tk, rk, mode, lo, hi, tv, rv, terms, key, nvb, aux, flg
         _pass2(mode, t, r, lo, key, nvb, aux, flg, m_d, m_n, n_mis, rtol, rtol32, out_i, out_f)
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def _sketch(lo, hi, key, flg, hist, pmap, pcnt, tk_key, tk_idx, cols, rb, cb, gc):
     """Fold one block into this thread's sketch: histogram, pooled map and mismatches, top-k."""
     n = hi - lo
@@ -420,7 +420,7 @@ def _sketch(lo, hi, key, flg, hist, pmap, pcnt, tk_key, tk_idx, cols, rb, cb, gc
         i = row_end
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def _fused_alloc(nseg, nthreads, block, sketch, cells, k):
     out_i = np.zeros((nseg, N_I), np.int64)
     out_f = np.zeros((nseg, N_F), np.float64)
@@ -441,7 +441,7 @@ def _fused_alloc(nseg, nthreads, block, sketch, cells, k):
     return out_i, out_f, fscr, iscr, flg, hist, pmap, pcnt, tk_key, tk_idx, tscr
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def _fused_one(s, tid, raw_t, raw_r, kinds, n, block, par, sk, bufs):
     """Block s of `fused` on thread tid."""
     tk, rk, mode = kinds
@@ -458,7 +458,7 @@ def _fused_one(s, tid, raw_t, raw_r, kinds, n, block, par, sk, bufs):
                 cols, rb, cb, gc)  # fmt: skip
 
 
-@njit(parallel=True, **_JIT)
+@njit(parallel=True, **JIT_OPTIONS)
 def fused(raw_t, raw_r, kinds, n, block, par, sk, grid_k, nthreads):
     """One pass over both inputs in fixed blocks; per-block partials (fold them with `combine`).
 
@@ -477,7 +477,7 @@ def fused(raw_t, raw_r, kinds, n, block, par, sk, grid_k, nthreads):
     return bufs[0], bufs[1], bufs[5], bufs[6], bufs[7], bufs[8], bufs[9]
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def fused_serial(raw_t, raw_r, kinds, n, block, par, sk, grid_k):
     """`fused` on the calling thread (small tensors: no thread pool to wake). Same results."""
     nseg = (n + block - 1) // block
@@ -490,7 +490,7 @@ def fused_serial(raw_t, raw_r, kinds, n, block, par, sk, grid_k):
 # ---------------------------------------------------------------- combining
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def _lin_add(e1, s1, e2, s2):
     """2^e1 s1 + 2^e2 s2 as (e, s), |s| kept within [2^-600, 2^600]."""
     if s2 == 0.0:
@@ -508,7 +508,7 @@ def _lin_add(e1, s1, e2, s2):
     return e, s
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def _sq_add(e1, q1, e2, q2):
     """4^e1 q1 + 4^e2 q2 as (e, q)."""
     if q2 == 0.0:
@@ -526,7 +526,7 @@ def _sq_add(e1, q1, e2, q2):
     return e, q
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def _nan_first_max(cur, cur_i, cur_nan, v, i):
     """torch.max's rule folded in index order: a NaN wins (the first one), else strictly greater."""
     if v != v:
@@ -537,7 +537,7 @@ def _nan_first_max(cur, cur_i, cur_nan, v, i):
     return cur, cur_i, cur_nan
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def combine(out_i, out_f):
     """Fold the per-block partials, so the result does not depend on threads.
 

@@ -1,7 +1,7 @@
-"""The numba building blocks of `core.numerics._kernel_jit`: format codes, bit casts, exact widening and
+"""The numba building blocks of `core.numerics.kernel_jit`: format codes, bit casts, exact widening and
 rounding, the isclose emulation per format, exact helpers (ldexp, least atol) and the per-block helpers
 of the fused pass. Compiled loops only, imported only where numba is; the exactness rules are those of
-`_kernel_jit`'s module doc (no fast-math flags here: every helper rounds exactly).
+`kernel_jit`'s module doc (no fast-math flags here: every helper rounds exactly).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-_JIT = {"cache": True, "error_model": "numpy", "nogil": True}
+JIT_OPTIONS = {"cache": True, "error_model": "numpy", "nogil": True}
 
 KIND_F64, KIND_F32, KIND_BF16, KIND_F16 = 0, 1, 2, 3
 
@@ -90,7 +90,7 @@ def bits_f32(typingctx, x):
 # ---------------------------------------------------------------- formats
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def half_bits_to_f32_bits(h):
     """float16 bits -> float32 bits (int64), exact; a NaN keeps its payload and gets the quiet bit."""
     u = np.int64(h) & 0xFFFF
@@ -105,7 +105,7 @@ def half_bits_to_f32_bits(h):
     return out | sign
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def round_bf16(x):
     """float32 -> the nearest bfloat16 (ties to even), as float32: c10's rounding."""
     u = f32_bits(x)
@@ -113,7 +113,7 @@ def round_bf16(x):
     return x if x != x else y
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def round_f16(x):
     """float32 -> the nearest float16 (ties to even, gradual underflow), as float32."""
     a = abs(x)
@@ -127,7 +127,7 @@ def round_f16(x):
     return x if x != x else y
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def stage64(raw, kind, lo, hi, out):
     """Elements lo..hi-1 of a raw byte array holding `kind`, widened exactly into out[:hi-lo]."""
     n = hi - lo
@@ -149,7 +149,7 @@ def stage64(raw, kind, lo, hi, out):
             out[i] = np.float64(bits_f32(half_bits_to_f32_bits(sh[i])))
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def stage32_bits(raw, kind, lo, hi, out):
     """Bits of elements lo..hi-1 widened to float32 (kind float32, bfloat16 or float16) into out (int64)."""
     n = hi - lo
@@ -170,7 +170,7 @@ def stage32_bits(raw, kind, lo, hi, out):
 # ---------------------------------------------------------------- the tolerance rule
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def mis64(t, r, rtol, atol, tol_on):
     """not torch.isclose(t, r, rtol, atol, equal_nan=True) in float64."""
     eq = (t == r) | ((t != t) & (r != r))
@@ -179,7 +179,7 @@ def mis64(t, r, rtol, atol, tol_on):
     return not (eq | ((actual < INF) & (actual <= allowed) & tol_on))
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def mis32(a, b, rtol32, atol32, tol_on):
     """The same in float32 (rtol, atol as float32 scalars)."""
     eq = (a == b) | ((a != a) & (b != b))
@@ -188,7 +188,7 @@ def mis32(a, b, rtol32, atol32, tol_on):
     return not (eq | ((actual < INF32) & (actual <= allowed) & tol_on))
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def mis_bf16(a, b, rtol32, atolh, tol_on):
     """The same for bfloat16 tensors: float32 ops, each result rounded to bfloat16."""
     eq = (a == b) | ((a != a) & (b != b))
@@ -197,7 +197,7 @@ def mis_bf16(a, b, rtol32, atolh, tol_on):
     return not (eq | ((actual < INF32) & (actual <= allowed) & tol_on))
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def mis_f16(a, b, rtol32, atolh, tol_on):
     """The same for float16 tensors."""
     eq = (a == b) | ((a != a) & (b != b))
@@ -206,7 +206,7 @@ def mis_f16(a, b, rtol32, atolh, tol_on):
     return not (eq | ((actual < INF32) & (actual <= allowed) & tol_on))
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def mismatch_flags(mode, t, r, rtol, atol, rtol32, atol32, atolh, tol_on, flg):
     """flg[i] = 1 where the pair fails torch.isclose in the promoted dtype `mode` (a KIND_*), else 0."""
     n = t.size
@@ -227,7 +227,7 @@ def mismatch_flags(mode, t, r, rtol, atol, rtol32, atol32, atolh, tol_on, flg):
 # ---------------------------------------------------------------- exact helpers
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def ldexp(x, m):
     """x * 2^m for any int m, in exact power-of-two steps (underflows to 0, overflows to inf)."""
     while m > 900:
@@ -243,7 +243,7 @@ def ldexp(x, m):
     return x * bits_f64(np.int64(m + 1023) << 52)
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def least_atol(ad, rel):
     """The least float64 atol >= 0 with ``ad <= fl(atol + rel)`` (ad finite > 0, rel finite >= 0).
 
@@ -291,8 +291,8 @@ def least_atol(ad, rel):
 # ---------------------------------------------------------------- the fused pass's per-block helpers
 
 
-@njit(**_JIT)
-def _nonfinite_counts(t, r):
+@njit(**JIT_OPTIONS)
+def nonfinite_counts(t, r):
     """Counts that are trivial when every element is finite: NaN/Inf on each side, new non-finites."""
     t_nan = t_inf = r_nan = r_inf = new = t_nzf = r_nzf = 0
     for i in range(t.size):
@@ -314,13 +314,13 @@ def _nonfinite_counts(t, r):
     return t_nan, t_inf, r_nan, r_inf, new, t_nzf, r_nzf
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def _frexp_exp(x):
     return math.frexp(x)[1]
 
 
-@njit(**_JIT)
-def _scaled_terms(t, r, m_d, m_t, m_r, terms):
+@njit(**JIT_OPTIONS)
+def scaled_terms(t, r, m_d, m_t, m_r, terms):
     """The terms of `_pass1`'s sums with power-of-two scales, for blocks whose squares would overflow
     or lose precision to underflow: |d|·2^-E_d, (|d|·2^-E_d)², (t·2^-E_t)², (r·2^-E_r)² and their
     product, -0.0 (the identity of `fold`) where an element is not finite in both. Returns
@@ -351,7 +351,7 @@ def _scaled_terms(t, r, m_d, m_t, m_r, terms):
     return e_d, e_t, e_r
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def _terms_of(tt, rr):
     """|d|, d², t², r², t·r of one element, zero where it is not finite in both (as `_pass1` reads it)."""
     fin = (abs(tt) < INF) & (abs(rr) < INF)
@@ -361,7 +361,7 @@ def _terms_of(tt, rr):
     return abs(d), d * d, tf * tf, rf * rf, tf * rf
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def first_fold(t, r, n, terms):
     """`fold`'s first level over the terms of the block's sums, computed from t and r (no per-element
     store): terms[c, i] = term(i) + term(i + w/2), or term(i) where i + w/2 is past n (adding the
@@ -383,7 +383,7 @@ def first_fold(t, r, n, terms):
     return h
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def fold_width(n):
     """The least power of two >= n (1 for n <= 1): the width `fold` pairs elements over."""
     w = 1
@@ -392,7 +392,7 @@ def fold_width(n):
     return w
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def fold(a, n):
     """Σ a[:n] as a pairwise tree that torch reproduces with whole-tensor adds: padded with -0.0 (which
     adds nothing, so the width does not matter) to a power of two w, then a[i] += a[i + w/2] for every
@@ -409,19 +409,19 @@ def fold(a, n):
     return a[0] if n > 0 else 0.0
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def _canon(x):
     """Bits of a non-negative float or NaN; every NaN as the canonical one (above inf)."""
     return f64_bits(x) if x == x else np.int64(NAN_BITS)
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def _diffs64(t, r):
     ad = abs(t - r)
     return ad, ad / abs(r)
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def _diffs32(t, r):
     a = np.float32(t)
     b = np.float32(r)
@@ -429,7 +429,7 @@ def _diffs32(t, r):
     return np.float64(ad), np.float64(ad / abs(b))
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def _diffs_bf16(t, r):
     a = np.float32(t)
     b = np.float32(r)
@@ -437,7 +437,7 @@ def _diffs_bf16(t, r):
     return np.float64(ad), np.float64(round_bf16(ad / abs(b)))
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def _diffs_f16(t, r):
     a = np.float32(t)
     b = np.float32(r)
@@ -445,8 +445,8 @@ def _diffs_f16(t, r):
     return np.float64(ad), np.float64(round_f16(ad / abs(b)))
 
 
-@njit(**_JIT)
-def _mismatch_bits(mode, t, r, flg, oa, orel):
+@njit(**JIT_OPTIONS)
+def mismatch_bits(mode, t, r, flg, oa, orel):
     """assert_close's abs_diff and rel_diff in the promoted dtype `mode`, zeroed where the element
     matches, as canonical bits (NaN above inf), into oa and orel. One loop per dtype, so each
     vectorises.
@@ -478,8 +478,8 @@ def _mismatch_bits(mode, t, r, flg, oa, orel):
             orel[i] = _canon(rv) if m else np.int64(0)
 
 
-@njit(**_JIT)
-def _first_max(x):
+@njit(**JIT_OPTIONS)
+def first_max(x):
     """(max, first index of it) of an int64 array: torch.max's rule on canonical bits."""
     m = np.int64(0)
     for i in range(x.size):
@@ -490,7 +490,7 @@ def _first_max(x):
     return m, -1
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def passes_narrow(mode, a, b, rtol, rtol32, x):
     """torch.isclose(a, b, rtol, atol=x, equal_nan=True) for a finite pair in the promoted float32,
     bfloat16 or float16 `mode`, with the float64 atol x converted as torch's CPU kernels do (via
@@ -504,7 +504,7 @@ def passes_narrow(mode, a, b, rtol, rtol32, x):
     return not mis_f16(a, b, rtol32, round_f16(x32), tol_on)
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def least_atol_narrow(mode, a, b, rtol, rtol32, lo):
     """The least float64 atol >= lo passing the finite pair (a, b) in `mode`; inf where none does.
 
@@ -533,8 +533,8 @@ _NARROW_TINY = (2.0**-149, 2.0**-133, 2.0**-24)
 _NARROW_OVF = (3.0e38, 3.0e38, 6.0e4)
 
 
-@njit(**_JIT)
-def _least_atol_block_narrow(mode, t, r, key, nvb, flg, max_abs, top, rtol, rtol32):
+@njit(**JIT_OPTIONS)
+def least_atol_block_narrow(mode, t, r, key, nvb, flg, max_abs, top, rtol, rtol32):
     """The block's exact least passing atol under a float32/bfloat16/float16 rule.
 
     The float64 naive need |d| - |rtol r| is within a few units of the narrow dtype of the rule's
