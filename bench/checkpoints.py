@@ -38,8 +38,9 @@ GENERATOR_VERSION = "1"
 
 MANIFEST = "manifest.json"
 
-# Shapes of real small Llamas. "100m" is a SmolLM/Llama-3.2-style model with tied embeddings,
-# "1b" is TinyLlama-1.1B's shape; "tiny" is for tests and smoke runs.
+# Shapes of real Llamas. "100m" is a SmolLM/Llama-3.2-style model with tied embeddings, "1b" is
+# TinyLlama-1.1B's shape, "8b" Llama-3-8B's (16 GB in bfloat16: a GPU machine's size, issue 36.3);
+# "tiny" is for tests and smoke runs.
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {
         "vocab_size": 512,
@@ -77,6 +78,16 @@ SIZES: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 4,
         "tie_word_embeddings": False,
     },
+    "8b": {
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": False,
+        "rope_theta": 500000.0,
+    },
 }
 _COMMON: dict[str, Any] = {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "initializer_range": 0.02}
 
@@ -97,15 +108,32 @@ class CheckpointSpec:
     lora_alpha: int = 32
     lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
     max_shard_bytes: int = 1 << 30
+    # where the random weights are drawn: "cuda" for a size the CPU would take minutes over (its
+    # generator gives other bytes than the CPU's, so the cache key and folder say so)
+    generate_on: str = "cpu"
 
     def config_hash(self) -> str:
-        """sha256 of the generator version and this spec: the cache key."""
-        blob = json.dumps({"generator_version": GENERATOR_VERSION, **asdict(self)}, sort_keys=True)
+        """sha256 of the generator version and this spec: the cache key (a CPU-drawn spec's as before
+        `generate_on` existed)."""
+        fields = asdict(self)
+        if fields["generate_on"] == "cpu":
+            del fields["generate_on"]
+        blob = json.dumps({"generator_version": GENERATOR_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()
 
     @property
     def folder_name(self) -> str:
-        return f"{self.name}-{self.dtype}"
+        where = "" if self.generate_on == "cpu" else f"-{self.generate_on}"
+        return f"{self.name}-{self.dtype}{where}"
+
+
+# sizes drawn on the GPU where one is present: on the CPU their random numbers alone take minutes
+DRAWN_ON_THE_GPU = frozenset({"8b"})
+
+
+def generator_device(size: str) -> str:
+    """Where `size`'s weights are drawn here: "cuda" for a size in DRAWN_ON_THE_GPU when CUDA is present."""
+    return "cuda" if size in DRAWN_ON_THE_GPU and torch.cuda.is_available() else "cpu"
 
 
 def spec_for(size: str, dtype: str = "float32", **overrides: Any) -> CheckpointSpec:
@@ -158,10 +186,12 @@ def tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def synth_tensor(seed: int, name: str, shape: tuple[int, ...], std: float, mean: float = 0.0) -> torch.Tensor:
-    """``mean + std·N(0, 1)`` of `shape` in float32, drawn from the generator of (seed, name)."""
-    g = torch.Generator().manual_seed(tensor_seed(seed, name))
-    t = torch.randn(shape, generator=g, dtype=torch.float32)
+def synth_tensor(
+    seed: int, name: str, shape: tuple[int, ...], std: float, mean: float = 0.0, device: str = "cpu"
+) -> torch.Tensor:
+    """``mean + std·N(0, 1)`` of `shape` in float32, drawn from the generator of (seed, name) on `device`."""
+    g = torch.Generator(device).manual_seed(tensor_seed(seed, name))
+    t = torch.randn(shape, generator=g, dtype=torch.float32, device=device)
     t.mul_(std)
     if mean:
         t.add_(mean)
@@ -169,10 +199,13 @@ def synth_tensor(seed: int, name: str, shape: tuple[int, ...], std: float, mean:
 
 
 def _base_value(spec: CheckpointSpec, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    on = spec.generate_on
     if name.endswith("norm.weight"):
         # Not 1.0 exactly, as after training: ones would be exact in every dtype and hide rounding.
-        return synth_tensor(spec.seed, name, shape, std=0.05, mean=1.0)
-    return synth_tensor(spec.seed, name, shape, std=float(spec.llama.get("initializer_range", 0.02)))
+        return synth_tensor(spec.seed, name, shape, std=0.05, mean=1.0, device=on)
+    return synth_tensor(
+        spec.seed, name, shape, std=float(spec.llama.get("initializer_range", 0.02)), device=on
+    )
 
 
 def _adapter_value(spec: CheckpointSpec, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -245,7 +278,7 @@ def _write_model(spec: CheckpointSpec, folder: Path, progress: Progress) -> tupl
     for k, shard in enumerate(shards, start=1):
         fname = "model.safetensors" if n == 1 else f"model-{k:05d}-of-{n:05d}.safetensors"
         progress(f"{spec.folder_name}: shard {k}/{n} ({len(shard)} tensors)")
-        tensors = {name: _base_value(spec, name, shape).to(dtype) for name, shape in shard}
+        tensors = {name: _base_value(spec, name, shape).to(dtype).cpu() for name, shape in shard}
         save_file(tensors, str(folder / fname), metadata={"format": "pt"})
         del tensors  # one shard in memory at a time
         weight_map.update({name: fname for name, _ in shard})

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.checkpoints import Checkpoint, ensure_checkpoint, spec_for, warm_page_cache
+from bench.checkpoints import Checkpoint, ensure_checkpoint, generator_device, spec_for, warm_page_cache
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TARGETS = ("cpu/float32", "cpu/bfloat16")
@@ -415,7 +415,7 @@ def run_e2e_size(
     say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Generate (or find) the checkpoint of `size`, then measure the baselines and the run."""
-    spec = spec_for(size, storage_dtype)
+    spec = spec_for(size, storage_dtype, generate_on=generator_device(size))
     started = time.perf_counter()
     checkpoint = ensure_checkpoint(spec, cache=cache, progress=lambda m: say(f"  generating {m}"))
     prepared_s = time.perf_counter() - started

@@ -100,6 +100,12 @@ if [ -n "${QUICK:-}" ]; then
     if [ -n "${BENCH_WORKERS:-}" ]; then
         step bench_workers 150 $PY -m bench $BENCH_WORKERS --out "$WORK/bench-workers.json"
     fi
+    if [ -n "${BENCH_8B:-}" ]; then
+        # issue 36.3: Llama-3-8B's shapes in bfloat16 (16 GB, drawn on the GPU and cached), both CUDA
+        # targets against a hand load each, the float64 reference on the host
+        step bench_8b 420 $PY -m bench --sizes 8b --storage-dtype bfloat16 --skip-kernel --skip-dashboard \
+            --skip-cli --targets $CUDA/bfloat16 $CUDA/float32 --out "$WORK/bench-8b.json"
+    fi
     pack
     echo "=== done after $(($(date +%s) - START)) s" >>"$LOG"
     exit 0

@@ -123,6 +123,19 @@ def test_sizes_are_about_what_they_are_called() -> None:
         params, _ = _meta_models(spec_for(size))
         n = sum(math.prod(shape) for _, shape in params)
         assert 0.85 * expected < n < 1.15 * expected, (size, n)
+    # Llama-3-8B's shapes, to the parameter (its model card's 8.03 B), drawn on the GPU where one is
+    params, _ = _meta_models(spec_for("8b", "bfloat16"))
+    assert sum(math.prod(shape) for _, shape in params) == 8_030_261_248
+
+
+def test_a_checkpoint_drawn_on_the_gpu_has_a_key_and_folder_of_its_own() -> None:
+    from bench.checkpoints import generator_device
+
+    cpu, gpu = spec_for("8b", "bfloat16"), spec_for("8b", "bfloat16", generate_on="cuda")
+    assert (cpu.folder_name, gpu.folder_name) == ("8b-bfloat16", "8b-bfloat16-cuda")
+    assert cpu.config_hash() != gpu.config_hash()
+    assert generator_device("100m") == "cpu"  # the small sizes are the CPU's bytes everywhere
+    assert generator_device("8b") == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def test_naive_stats_follow_the_definitions() -> None:
