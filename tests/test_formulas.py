@@ -12,8 +12,9 @@ import torch
 from safetensors.torch import load_file
 from tiny_models import ARCHITECTURES
 
-from core.methods import adapter_keys, formulas
+from core.methods import adapter_keys
 from core.methods.adapter_keys import adapted_modules, adapter_type
+from core.methods.families import orthogonal
 from core.methods.formulas import merged_weights, reference_deltas
 from core.methods.peft_path import peft_delta, peft_delta_source
 
@@ -444,19 +445,19 @@ def test_oft_rotation_matches_peft_and_its_quirks() -> None:
     module = OFTRotationModule(blocks, size * (size - 1) // 2, size, size * blocks).double()
     gen = torch.Generator().manual_seed(0)
     vec = 0.02 * torch.randn(blocks, size * (size - 1) // 2, generator=gen, dtype=torch.float64)
-    skew = formulas._skew_from_upper(vec, size)
+    skew = orthogonal.skew_from_upper(vec, size)
     for terms in range(1, 9):
-        ours = formulas._oft_rotation(skew, True, terms)
+        ours = orthogonal.oft_rotation(skew, True, terms)
         theirs = module._cayley_batch(vec, size, True, terms)
         assert torch.allclose(ours, theirs, rtol=0, atol=1e-15), terms
-    exact = formulas._oft_rotation(skew, False, 0)
+    exact = orthogonal.oft_rotation(skew, False, 0)
     assert torch.allclose(exact, module._cayley_batch(vec, size, False, 5), rtol=0, atol=1e-15)
-    neumann = formulas._oft_rotation(skew, True, 8)
+    neumann = orthogonal.oft_rotation(skew, True, 8)
     # Neumann approximates (I + Q)(I − Q)^-1 = exactᵀ: the two settings rotate opposite ways
     towards, against = (neumann - exact.mT).abs().max().item(), (neumann - exact).abs().max().item()
     assert towards < 1e-6 and against > 0.01, (towards, against)
     # three and four terms are the same series in PEFT 0.21
-    assert torch.equal(formulas._oft_rotation(skew, True, 3), formulas._oft_rotation(skew, True, 4))
+    assert torch.equal(orthogonal.oft_rotation(skew, True, 3), orthogonal.oft_rotation(skew, True, 4))
 
 
 def test_peft_get_delta_weight_mutates_coft_weights_but_peft_delta_does_not(

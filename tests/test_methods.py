@@ -20,7 +20,8 @@ from tiny_models import ARCHITECTURES, quiet
 from core.engine.jobs import Engine
 from core.engine.runners import InProcessRunner
 from core.engine.store import RunRecord
-from core.methods import adapter_keys, formulas, peft_path, projections
+from core.methods import adapter_keys, formulas, peft_path, projections, registry
+from core.methods.families import adalora, lora
 from core.models import merging
 from core.spec import AdapterRef, ModelRef, ProbeInputs, ProbeSpec, Target
 
@@ -802,3 +803,37 @@ def test_projections_peft_drew_otherwise_are_not_covered_not_broken(
         assert list(found.finding) == ["not covered"], findings
         assert "save_projection=False" in found.detail.iloc[0] and "float16" in found.detail.iloc[0]
         assert findings[findings.adapter == "vera"].empty
+
+
+def test_every_family_module_keeps_the_contract_and_the_registry_derives_from_them():
+    """Each family module the registry lists has what `core.methods.families` says a family holds, no adapter
+    type or parameter name is claimed by two, a kind whose ΔW depends on W has its PEFT path, and the lists
+    derived from them keep the order and the key rules the messages and the key split rely on."""
+    kinds, params = [], []
+    for family in registry.FAMILIES:
+        for name in ("FORMULAS", "PARAMS", "SHARED_KEYS", "ADDITIVE", "layer_kind"):
+            assert hasattr(family, name), f"{family.__name__} lacks {name}"
+        assert set(family.ADDITIVE) <= set(family.FORMULAS), family.__name__
+        if set(family.FORMULAS) - set(family.ADDITIVE):
+            assert callable(family.peft_delta) and callable(family.peft_source), family.__name__
+        kinds += family.FORMULAS
+        params += family.PARAMS
+    assert len(kinds) == len(set(kinds)) and len(params) == len(set(params))
+    assert registry.ADAPTER_TYPES == (
+        "lora", "dora", "pissa", "boft", "oft", "ia3", "loha", "lokr", "vera", "adalora", "fourierft", "shira",
+        "hra", "miss", "randlora", "delora",
+    )  # fmt: skip
+    assert registry.FAMILY["pissa"] is lora and registry.FAMILY["adalora"] is adalora
+    assert adapter_keys.adapter_type({"peft_type": "LORA", "use_dora": True}) == "dora"
+    assert (
+        adapter_keys.adapter_type({"peft_type": "PeftType.LORA", "init_lora_weights": "pissa_niter_4"})
+        == "pissa"
+    )
+    assert adapter_keys.adapter_type({"peft_type": "VBLORA"}) == "vblora"
+    # the bias names come after every method's own, so that LoRA's own bias on B is not read as a module's bias
+    assert adapter_keys.split_adapter_key("base_model.model.a.q.lora_B.bias") == ("a.q", "lora_B.bias")
+    assert adapter_keys.split_adapter_key("base_model.model.a.q.base_layer.bias") == (
+        "a.q",
+        "base_layer.bias",
+    )
+    assert adapter_keys.split_adapter_key("base_model.vera_A") is None

@@ -17,7 +17,7 @@ import torch
 
 from core.capture import Capture, TensorKey
 from core.checks.base import CaptureContext, Check, Reference, add_note
-from core.methods import adapter_keys, formulas, peft_path, projections
+from core.methods import adapter_keys, formulas, peft_path, projections, registry
 from core.models import merging
 from core.models.checkpoint import Checkpoint, read_adapter_config, read_checkpoint
 from core.models.conversion import layer_of, read_loaded
@@ -67,7 +67,7 @@ class DeltasCheck(Check):
             self._capture_saved_modules(loaded, config, out)
             self._capture_peft_own(ctx, loaded, out, kind)
             return
-        if kind not in adapter_keys.ADAPTER_TYPES:
+        if kind not in registry.ADAPTER_TYPES:
             if kind in adapter_keys.PROMPT_LEARNING:
                 finding = "does not apply"
                 why = (
@@ -78,7 +78,7 @@ class DeltasCheck(Check):
                 finding = "not covered"
                 why = (
                     f"{adapter} is a {kind} adapter; its ΔW is not covered "
-                    f"(supported: {', '.join(adapter_keys.ADAPTER_TYPES)}); its weights and outputs are"
+                    f"(supported: {', '.join(registry.ADAPTER_TYPES)}); its weights and outputs are"
                 )
             meta.setdefault(FINDINGS, []).append({"adapter": adapter, "finding": finding, "detail": why})
             out.notes.append(f"deltas: {why}")
@@ -200,7 +200,7 @@ class DeltasCheck(Check):
                 continue
             config = read_adapter_config(adapter)
             kind = adapter_keys.adapter_type(config)
-            if kind not in adapter_keys.ADAPTER_TYPES:
+            if kind not in registry.ADAPTER_TYPES:
                 continue
             # Only the wanted modules' tensors are read (and the shared ones, regenerated where unsaved).
             config, adapter_tensors = merging.adapter_files(adapter, spec.base.path, {k.name for k in wanted})

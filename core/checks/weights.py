@@ -11,14 +11,14 @@ import torch
 from core.capture import BASE, Capture, TensorKey
 from core.checks.base import CaptureContext, Check, Reference, add_note, missing_reference_row
 from core.methods.adapter_keys import (
-    BIAS_PARAMS,
     PROMPT_KEY,
     SAVED_MODULE,
     saved_module_names,
     split_adapter_key,
     split_saved_module_key,
 )
-from core.methods.formulas import base_rewrite, rewritten_base
+from core.methods.families.lora import base_rewrite, rewritten_base
+from core.methods.reading import BIAS_PARAMS
 from core.models.checkpoint import (
     NOT_IN_CHECKPOINT,
     Checkpoint,
@@ -37,7 +37,7 @@ FRESH_BUILD = "fresh build (float64)"
 # as `<module>.base_layer.weight` (no `base_model.` prefix, so no saved key can share the name).
 REWRITTEN = "rewritten base"
 _REWRITTEN_SUFFIX = ".base_layer.weight"
-# Its reference: the rewrite recomputed in float64 from the checkpoint's weight (`formulas.rewritten_base`).
+# Its reference: the rewrite recomputed in float64 from the checkpoint's weight (`families.lora.rewritten_base`).
 REWRITE_REFERENCE = "float64 rewrite of the checkpoint"
 
 

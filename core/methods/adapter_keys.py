@@ -1,40 +1,23 @@
 """Adapter checkpoints and configs by name: which adapter type a config is, how checkpoint keys map to
-base-model modules and parameters (PEFT's ``base_model.model.`` prefix, ``modules_to_save`` copies, VeRA's
-shared projections and RandLoRA's bases, prompt learning's virtual tokens), the per-module config values
-the merge rules read, a module's tensors as the formulas read them, and which module of a loaded PEFT
-model holds which adapters. The ΔW math itself is in `formulas` and `formulas_more`.
+base-model modules and parameters (PEFT's ``base_model.model.`` prefix, ``modules_to_save`` copies, the
+shared tensors saved at the top level, prompt learning's virtual tokens, trained biases, replicated layers),
+and which module of a loaded PEFT model holds which adapters: the rules every method shares. Each method's
+own parameter names, config values and ΔW are its family's (`core.methods.families`, listed by
+`core.methods.registry`); the dispatch is `formulas`.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Container, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-ADAPTER_TYPES = (
-    "lora",
-    "dora",
-    "pissa",
-    "boft",
-    "oft",
-    "ia3",
-    "loha",
-    "lokr",
-    "vera",
-    "adalora",
-    "fourierft",
-    "shira",
-    "hra",
-    "miss",
-    "randlora",
-    "delora",
-)
-"""Adapter types `formulas` knows the merge rule of."""
+from core.methods.reading import BIAS_PARAMS, AdapterModule
+from core.methods.registry import ADAPTER_TYPES, PARAMS, SHARED_KEYS, VARIANTS
+
 PROMPT_LEARNING = ("prompt_tuning", "multitask_prompt_tuning", "p_tuning", "prefix_tuning", "cpt")
 """Adapter types whose trained tensors are virtual tokens fed with the input (PEFT's prompt learning):
 they change no weight of the base, so there is no ΔW and nothing to merge."""
@@ -55,76 +38,21 @@ _PEFT_PREFIX = "base_model.model."
 # modules_to_save copies are saved as "base_model.<module path>.<param>".
 _PROMPT_PREFIX = "base_model."
 
-# Parameter names an adapter checkpoint can hold per module, longest first so that
-# "lora_B.bias" is not mistaken for a module named "...lora_B".
+# Parameter names an adapter checkpoint can hold per module: each method's, then those every method may
+# save, the bias last so that "lora_B.bias" is not mistaken for a module named "...lora_B" with a bias.
 _PARAM_NAMES = (
-    "lora_magnitude_vector",
-    "lora_embedding_A",
-    "lora_embedding_B",
-    "lora_A.weight",
-    "lora_B.weight",
-    "lora_B.bias",
+    *PARAMS,
     # a copy of the base embedding PEFT saves with LoRA on embeddings (save_embedding_layers); it is
     # the module's base weight, no part of ΔW
     "base_layer.weight",
-    "oft_R.weight",
-    "boft_R",
-    "boft_s",
-    "ia3_l",
-    # LoHa, LoKr, VeRA and AdaLoRA keep their tensors in ParameterDicts: no ".weight" suffix
-    "hada_w1_a",
-    "hada_w1_b",
-    "hada_w2_a",
-    "hada_w2_b",
-    "hada_t1",
-    "hada_t2",
-    "lokr_w1_a",
-    "lokr_w1_b",
-    "lokr_w2_a",
-    "lokr_w2_b",
-    "lokr_t2",
-    "lokr_w1",
-    "lokr_w2",
-    "vera_lambda_b",
-    "vera_lambda_d",
-    "lora_A",
-    "lora_B",
-    "lora_E",
-    "fourierft_spectrum",
-    "shira_weight",
-    "shira_indices",
-    "hra_u",
-    "miss_block",
-    "randlora_lambda",
-    "randlora_gamma",
-    # RandLoRA's shared random bases: PEFT saves every module's reference to them as well as the top-level pair
-    "randlora_A",
-    "randlora_B",
-    "delora_A",
-    "delora_B",
-    "delora_lambda",
-    # DeLoRA's per-input-column norms of W, taken when the adapter was created and saved with it
-    "delora_w_norm",
     # a trained bias (LoraConfig(bias="all"/"lora_only"), the same option on other tuners): PEFT loads it over
     # the base's; an adapted module's is its base layer's, another module's its own
-    "base_layer.bias",
-    "bias",
+    *BIAS_PARAMS,
 )
-BIAS_PARAMS = ("base_layer.bias", "bias")
-"""The parameter names of a trained bias in an adapter checkpoint (bias="all" or "lora_only")."""
+# The parameter names of the shared tensors each module lists besides its own (VeRA, RandLoRA).
+_SHARED_PARAMS = frozenset(SHARED_KEYS.values())
 BIAS_SUFFIX = ".bias"
 """What a bias change's name adds to its module's path (``model.layers.0.self_attn.q_proj.bias``): Δb."""
-
-# VeRA's random projections and RandLoRA's random bases, one pair shared by every adapted module, saved once
-# at the top level (with save_projection=True, PEFT's default): checkpoint key -> parameter name in each
-# module's keys.
-_SHARED_KEYS = {
-    "base_model.vera_A": "vera_A",
-    "base_model.vera_B": "vera_B",
-    "base_model.randlora_A": "randlora_A",
-    "base_model.randlora_B": "randlora_B",
-}
-
 
 # --------------------------------------------------------------------------------------------------
 # Config helpers
@@ -141,42 +69,8 @@ def adapter_type(adapter_config: Mapping[str, Any]) -> str:
     if not peft_type:
         raise ValueError("adapter config has no 'peft_type'; is this an adapter_config.json?")
     peft_type = str(peft_type).rsplit(".", 1)[-1].upper()  # tolerate "PeftType.LORA"
-    if peft_type == "LORA":
-        if adapter_config.get("use_dora"):
-            return "dora"
-        init = adapter_config.get("init_lora_weights")
-        if isinstance(init, str) and init.lower().startswith("pissa"):
-            return "pissa"
-        return "lora"
-    return peft_type.lower()
-
-
-def _pattern_value(patterns: Mapping[str, Any] | None, module: str, default: Any) -> Any:
-    """Value of the first ``rank_pattern``/``alpha_pattern`` key matching ``module``, else ``default``.
-
-    Same rule as PEFT's ``get_pattern_key``: a key matches when it matches the end of the module
-    path at a dot boundary, as a regular expression; the first matching key in dict order wins.
-    """
-    for key, value in (patterns or {}).items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
-    return default
-
-
-def _lora_rank_and_scaling(config: Mapping[str, Any], module: str) -> tuple[int, float]:
-    """LoRA rank and scaling for one module: ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA)."""
-    r = int(_pattern_value(config.get("rank_pattern"), module, config.get("r", 8)))
-    alpha = float(_pattern_value(config.get("alpha_pattern"), module, config.get("lora_alpha", 8)))
-    scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
-    return r, scaling
-
-
-def _ia3_is_feedforward(config: Mapping[str, Any], module: str) -> bool:
-    """Whether IA3 treats ``module`` as feedforward (scales the input), as PEFT's IA3 model decides."""
-    ff = config.get("feedforward_modules") or []
-    if isinstance(ff, str):
-        return re.fullmatch(ff, module) is not None
-    return any(module.endswith(name) for name in ff)
+    variant = VARIANTS.get(peft_type)
+    return variant(adapter_config) if variant is not None else peft_type.lower()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -184,31 +78,10 @@ def _ia3_is_feedforward(config: Mapping[str, Any], module: str) -> bool:
 # --------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class AdapterModule:
-    """The tensors one adapted module holds in an adapter checkpoint."""
-
-    module: str
-    """Base-model module path, e.g. ``model.layers.0.self_attn.q_proj``."""
-    keys: dict[str, str]
-    """Parameter name (``lora_A.weight``, ``boft_R``, ...) -> key in the checkpoint."""
-
-    @property
-    def bias_key(self) -> str | None:
-        """The checkpoint key of the bias the adapter trained for this module, if it saves one."""
-        return next((self.keys[p] for p in BIAS_PARAMS if p in self.keys), None)
-
-    @property
-    def changes_weight(self) -> bool:
-        """Whether the module has tensors of its own besides a trained bias (a module of bias="all" that
-        is not adapted has only its bias; the shared projections every module lists are not its own)."""
-        return any(p not in BIAS_PARAMS and p not in _SHARED_KEYS.values() for p in self.keys)
-
-
 def split_adapter_key(key: str) -> tuple[str, str] | None:
     """``base_model.model.X.lora_A.weight`` → (``X``, ``lora_A.weight``); None if no adapter parameter (a
     shared projection saved at the top level, ``base_model.vera_A``, belongs to no module)."""
-    if key in _SHARED_KEYS:
+    if key in SHARED_KEYS:
         return None
     path = key[len(_PEFT_PREFIX) :] if key.startswith(_PEFT_PREFIX) else key
     param = next((p for p in _PARAM_NAMES if path.endswith("." + p)), None)
@@ -228,12 +101,6 @@ def base_tensor_names(names: Iterable[str]) -> set[str]:
     none to read), a targeted parameter itself (a module path names no tensor: the base has none by it)."""
     modules = {bias_module(n) or n for n in names}
     return {f"{m}.{p}" for m in modules for p in ("weight", "bias")} | modules
-
-
-PARAMETER_LAYOUT = "weightdrift:target_parameters"
-"""The key under which `core.models.merging.adapter_files` adds to a ``target_parameters`` LoRA's config
-dict the parameters it adapts: parameter path → whether PEFT reads a 3-d one as (experts, out, in), the
-layout of `core.models.conversion.targeted_parameters` (its file's keys renamed to those paths)."""
 
 
 def attention_renames(modules: Iterable[str], base_names: Container[str]) -> dict[str, str]:
@@ -321,9 +188,9 @@ def adapter_module_keys(
     """
     modules: dict[str, dict[str, str]] = {}
     unknown: list[str] = []
-    shared = {_SHARED_KEYS[k]: k for k in adapter_tensors if k in _SHARED_KEYS}
+    shared = {SHARED_KEYS[k]: k for k in adapter_tensors if k in SHARED_KEYS}
     for key in adapter_tensors:
-        if key in _SHARED_KEYS or split_saved_module_key(key, saved_modules) is not None:
+        if key in SHARED_KEYS or split_saved_module_key(key, saved_modules) is not None:
             continue
         split = split_adapter_key(key)
         if split is None:
@@ -340,70 +207,15 @@ def adapter_module_keys(
         )
     # every module reads the shared projections (VeRA, RandLoRA), so each lists their keys as its own (a
     # module's own copy of them, which RandLoRA saves too, first)
-    return {m: AdapterModule(module=m, keys={**shared, **k}) for m, k in sorted(modules.items())}
+    return {
+        m: AdapterModule(module=m, keys={**shared, **k}, shared=_SHARED_PARAMS)
+        for m, k in sorted(modules.items())
+    }
 
 
 # --------------------------------------------------------------------------------------------------
-# A module's tensors, as the float64 formulas (`formulas`, `formulas_more`) read them
+# Loaded PEFT models
 # --------------------------------------------------------------------------------------------------
-
-
-def _need(mod: AdapterModule, param: str, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """The float64 tensor of ``param`` of ``mod``, or a ValueError naming what is missing."""
-    key = mod.keys.get(param)
-    if key is None:
-        raise ValueError(
-            f"module {mod.module}: adapter checkpoint lacks '{param}' (has: {', '.join(sorted(mod.keys))})"
-        )
-    return tensors[key].detach().to(device="cpu", dtype=torch.float64)
-
-
-def _need_projections(mod: AdapterModule, method: str) -> None:
-    """VeRA's and RandLoRA's shared random pair (`{method}_A`, `{method}_B`) must be among the module's
-    tensors: saved in the file, or added by the regeneration."""
-    if f"{method}_A" not in mod.keys or f"{method}_B" not in mod.keys:
-        raise ValueError(
-            f"module {mod.module}: the adapter file holds no {method}_A/{method}_B (saved with "
-            "save_projection=False: PEFT regenerates them from projection_prng_key); add them with "
-            "core.methods.projections.regenerate (core.models.merging.adapter_files does)"
-        )
-
-
-def _base_weight(mod: AdapterModule, base_weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """The float64 base weight of ``mod``, or a ValueError saying the adapter does not fit this base."""
-    key = mod.module + ".weight"
-    if key not in base_weights and mod.module in base_weights:  # a parameter LoRA targets (target_parameters)
-        key = mod.module
-    if key not in base_weights:
-        example = next(iter(base_weights), "<empty>")
-        raise ValueError(
-            f"module {mod.module}: base weights have no '{key}' (e.g. they have '{example}'); "
-            "was this adapter made for a different base model?"
-        )
-    return base_weights[key].detach().to(device="cpu", dtype=torch.float64)
-
-
-def _check_shape(
-    mod: AdapterModule, what: str, got: torch.Size | tuple[int, ...], want: tuple[int, ...]
-) -> None:
-    """ValueError naming the module when a tensor shape disagrees with the base weight."""
-    if tuple(got) != tuple(want):
-        raise ValueError(
-            f"module {mod.module}: {what} has shape {tuple(got)} but the base weight needs {tuple(want)}; "
-            "was this adapter made for a different base model?"
-        )
-
-
-def _t(x: torch.Tensor, fan_in_fan_out: bool) -> torch.Tensor:
-    """Transpose when the base stores its weight as (in, out) (GPT-2 style Conv1D)."""
-    return x.T if fan_in_fan_out else x
-
-
-def _no_fan_in_fan_out(config: Mapping[str, Any], mod: AdapterModule, kind: str) -> None:
-    if config.get("fan_in_fan_out"):
-        raise ValueError(
-            f"module {mod.module}: {kind} with fan_in_fan_out is not supported by reference_deltas"
-        )
 
 
 def _adapter_names(layer: nn.Module) -> list[str]:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from core.methods import adapter_keys, formulas, projections
+from core.methods.families import lora
 from core.models import targets
 from core.models.checkpoint import Checkpoint, adapters_task_type, read_adapter_config, read_checkpoint
 from core.models.conversion import attention_modules, loaded_shapes, targeted_parameters
@@ -587,7 +588,7 @@ def adapter_files(
     attention = attention_modules(base, config, names, set(paths))
     index = adapter_keys.rename_modules(names, {**paths, **attention})
     twice = [new for old, new in attention.items() if ".base_layer.out_proj" in old]
-    extra = {adapter_keys.PARAMETER_LAYOUT: dict(layout.values()), adapter_keys.MERGED_TWICE: twice}
+    extra = {lora.PARAMETER_LAYOUT: dict(layout.values()), adapter_keys.MERGED_TWICE: twice}
     config = {**config, **{k: v for k, v in extra.items() if v}}
     kind = adapter_keys.adapter_type(config)
     shared: dict[str, torch.Tensor] = {}
@@ -646,7 +647,7 @@ def not_for_subset(adapter: AdapterRef) -> str:
     kind = adapter_keys.adapter_type(config)
     if kind != "lora":
         return kind
-    if formulas.base_rewriting_init(config) == "olora":  # its merge starts from its own residual of W
+    if lora.base_rewriting_init(config) == "olora":  # its merge starts from its own residual of W
         return "olora (init_lora_weights='olora' rewrites the base weight on load)"
     saved = adapter_keys.saved_module_names(config)
     if saved:

@@ -76,12 +76,12 @@ def validate_model(model: ModelRef) -> dict[str, tuple[int, ...]] | None:
 def validate_adapter(adapter: AdapterRef, base_shapes: dict[str, tuple[int, ...]] | None, base: str) -> None:
     """The adapter folder is intact and its modules exist in the base with fitting shapes."""
     from core.methods.adapter_keys import (
-        BIAS_PARAMS,
         attention_renames,
         replicated_layers,
         split_adapter_key,
         unreplicated,
     )
+    from core.methods.reading import BIAS_PARAMS
 
     config = check_adapter_config(adapter)
     shapes = weight_shapes(Path(adapter.path).expanduser(), prefix="adapter_model")

@@ -65,7 +65,7 @@ from core.checks.merge.tables import (
     subset_label,
 )
 from core.checks.outputs import forward_output, nonfinite_output
-from core.methods import adapter_keys, formulas, peft_path, projections
+from core.methods import adapter_keys, formulas, peft_path, projections, registry
 from core.models import merging
 from core.models.checkpoint import keeps_tensors, read_adapter_config, read_checkpoint
 from core.models.conversion import layer_of
@@ -111,7 +111,7 @@ class MergeCheck(Check):
                     'layers when base model layers are replicated"); its ΔW is compared (deltas check)'
                 )
                 out.notes.append(f"merge: {meta['does_not_apply']}")
-            elif kind in adapter_keys.ADAPTER_TYPES or kind in peft_path.PEFT_ADDITIVE:
+            elif kind in registry.ADAPTER_TYPES or kind in peft_path.PEFT_ADDITIVE:
                 self._capture_adapter(ctx, loaded, out, meta)
             elif kind in adapter_keys.PROMPT_LEARNING:  # said in a note and a finding row (`findings_table`)
                 meta["does_not_apply"] = (
@@ -121,7 +121,7 @@ class MergeCheck(Check):
             else:  # said in a note and a finding row (`findings_table`)
                 meta["not_covered"] = (
                     f"{adapter} is a {kind} adapter; its merge rule is not covered "
-                    f"(supported: {', '.join(adapter_keys.ADAPTER_TYPES)})"
+                    f"(supported: {', '.join(registry.ADAPTER_TYPES)})"
                 )
                 out.notes.append(f"merge: {meta['not_covered']}")
             # the adapters merged together are the run's, whatever kind the last one is
