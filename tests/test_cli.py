@@ -420,7 +420,7 @@ def hook(event, args):
 
 sys.addaudithook(hook)
 """
-# `python -m core` where tasks are spawned, not forked, as on a machine with a GPU (`gpu_visible`)
+# `python -m core` as on a machine with a GPU (`gpu_visible`): quantized targets' tasks are spawned
 AS_ON_A_GPU_MACHINE = (
     "import core.engine.runners as r; r.gpu_visible = lambda *a, **k: True; "
     "from core.__main__ import entry; entry()"
@@ -459,10 +459,12 @@ def test_json_is_one_document_whatever_a_library_prints(tmp_path):
     inputs = ["--base", manifest["models"]["tiny-llama"], "--adapter", manifest["adapters"]["lora"]["path"]]
     inputs += ["--target", "cpu/float32", "--check", "weights", "--no-peers"]
 
-    # the GPU machine's case: the library talks inside spawned workers, while they import and load
-    run = json.loads(command("run", *inputs, "--json", python=("-c", AS_ON_A_GPU_MACHINE)).stdout)
+    # the GPU machine's case: there a quantized target's task is spawned (the fork server imports no
+    # bitsandbytes), and the library talks inside that worker while it imports and loads
+    quantized = [*inputs[:4], "--target", "cpu/nf4", *inputs[6:]]
+    run = json.loads(command("run", *quantized, "--json", python=("-c", AS_ON_A_GPU_MACHINE)).stdout)
     assert run["status"] == "succeeded" and run["verdicts"]["identical"] > 0
-    capture_log = Path(run["run_dir"], "logs", "cpu_float32.log").read_text()
+    capture_log = Path(run["run_dir"], "logs", "cpu_nf4.log").read_text()
     assert _chatter(capture_log, "at import") == _chatter(capture_log, "at load") == {"print", "fd1", "child"}
 
     # tasks forked by the fork server (which imported peft: its chatter is in its own error file)

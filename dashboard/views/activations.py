@@ -23,7 +23,7 @@ from dashboard.figures.common import (
 )
 from dashboard.pages import page
 from dashboard.state import bound_select, metrics_table, set_view, view
-from dashboard.text import inert, literal
+from dashboard.text import inert, literal, trusted
 from dashboard.ui import (
     check_not_run,
     clickable_heatmap,
@@ -39,7 +39,7 @@ DRIFTS = {
     LOCAL_DRIFT: "local (each module alone, on the reference's input)",
 }
 
-st.title(page("activations").title)
+st.title(trusted(page("activations").title))
 record = finished_run(NAME, "activations")
 table = metrics_table(record)
 rows = table[table["check"] == NAME] if len(table) else table

@@ -26,7 +26,7 @@ from dashboard.ui import (
     scenario_buttons,
 )
 
-st.title(page("adapters").title)
+st.title(trusted(page("adapters").title))
 record = finished_run("adapters", "adapters")
 table = metrics_table(record)
 rows = table[table["check"] == "adapters"] if len(table) else table

@@ -23,7 +23,7 @@ from dashboard.figures.common import (
 )
 from dashboard.pages import page
 from dashboard.state import bound_select, metrics_table, set_view, view
-from dashboard.text import literal
+from dashboard.text import literal, trusted
 from dashboard.ui import (
     clickable_heatmap,
     downloads,
@@ -33,7 +33,7 @@ from dashboard.ui import (
     verdict_box,
 )
 
-st.title(page("drift").title)
+st.title(trusted(page("drift").title))
 record = finished_run()
 table = metrics_table(record)
 per_tensor = drift_checks(table)

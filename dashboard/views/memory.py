@@ -21,10 +21,10 @@ from dashboard.figures.memory import (
 )
 from dashboard.pages import page
 from dashboard.state import bound_select, metrics_table, run_table
-from dashboard.text import inert, literal
+from dashboard.text import inert, literal, trusted
 from dashboard.ui import check_not_run, csv_download, downloads, finished_run, scenario_buttons
 
-st.title(page("memory").title)
+st.title(trusted(page("memory").title))
 record = finished_run("memory", "memory")
 timeline = run_table(record, "memory_timeline")
 placement = run_table(record, "placement")

@@ -33,7 +33,7 @@ from dashboard.ui import (
     verdict_box,
 )
 
-st.title(page("merge").title)
+st.title(trusted(page("merge").title))
 record = finished_run("merge", "merge")
 table = metrics_table(record)
 rows = table[table["check"] == "merge"] if len(table) else table

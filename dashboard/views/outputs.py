@@ -8,7 +8,7 @@ import streamlit as st
 from dashboard.figures.outputs import generations_side_by_side, kl_position_figure, outputs_figure
 from dashboard.pages import page
 from dashboard.state import metrics_table, run_table
-from dashboard.text import inert, literal
+from dashboard.text import inert, literal, trusted
 from dashboard.ui import (
     METRIC_COLUMN_CONFIG,
     check_not_run,
@@ -25,7 +25,7 @@ HEALTH = {
     "health_identical_rows": "identical rows",
 }
 
-st.title(page("outputs").title)
+st.title(trusted(page("outputs").title))
 record = finished_run("outputs", "outputs")
 table = metrics_table(record)
 rows = table[table["check"] == "outputs"] if len(table) else table

@@ -15,7 +15,7 @@ from dashboard.state import metrics_table, run_table, view_query
 from dashboard.text import inert, literal, trusted
 from dashboard.ui import METRIC_COLUMN_CONFIG, csv_download, downloads, finished_run
 
-st.title(page("overview").title)
+st.title(trusted(page("overview").title))
 record = finished_run()
 table = metrics_table(record)
 if table.empty:

@@ -14,13 +14,13 @@ from core.spec import SpecError
 from dashboard.figures.common import environment_table, highlight_differences
 from dashboard.pages import OVERVIEW, page
 from dashboard.state import set_view, start_comparison, store
-from dashboard.text import literal
+from dashboard.text import literal, trusted
 from dashboard.ui import csv_download
 
 # Snapshots made on real GPUs that ship with a checkout (none in an installed package)
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
-st.title(page("runs").title)
+st.title(trusted(page("runs").title))
 
 with st.expander("Compare snapshots from other machines", icon=":material/upload_file:"):
     st.caption(
