@@ -1,11 +1,11 @@
 """Jobs: background threads that drive worker processes, with progress and cancel.
 
-A job is one run. Its driver thread starts one capture task per target (plus the cpu/float64
-reference where a check needs it), then one compare task that writes the metrics table.
-Targets on different devices run in parallel; work on one device is serialised by a lock per
-device that all jobs share. A small base's checks are captured in passes, and each group of checks
-is compared as soon as its captures are in (`capture_passes`, partial compares), so pages fill
-while the run goes on. The runner (`core.engine.runners`) decides where a task runs.
+A job is one run. Its driver thread runs its capture tasks (one per target and pass, plus the
+cpu/float64 reference where a check needs it, `Captures`), then one compare task that writes the
+metrics table. Which tasks run at once, in which order and which waits for which is the run's
+`core.engine.schedule.Schedule`; work on one device is serialised by a lock per device that all jobs
+share. Each group of checks is compared as soon as its captures are in (partial compares), so pages
+fill while the run goes on. The runner (`core.engine.runners`) decides where a task runs.
 
 Worker threads never touch a UI: the dashboard polls `Job.snapshot()` or the store.
 """
