@@ -171,6 +171,25 @@ class Job:
             }
 
 
+class TaskEvents:
+    """What a runner calls with each event of one task: the first calls `on_start` (its worker is at
+    work), a progress event updates the task's progress and joins the job's events."""
+
+    def __init__(self, job: Job, label: str, progress: TaskProgress, on_start: Callable[[], None] | None):
+        self.job, self.label, self.progress, self.on_start = job, label, progress, on_start
+        self.started = threading.Event()
+
+    def __call__(self, event: dict) -> None:
+        if self.on_start is not None and not self.started.is_set():
+            self.started.set()
+            self.on_start()
+        if event.get("type") == "progress":
+            job, progress = self.job, self.progress
+            with job.lock:
+                progress.stage, progress.step, progress.of = event["stage"], event["step"], event["of"]
+                job.events.append({**event, "task": self.label, "time": time.time()})
+
+
 class Engine:
     """Accepts specs, runs them as jobs in background threads, keeps them in the store."""
 
@@ -329,17 +348,7 @@ class Engine:
 
     def _run_task(self, job: Job, task: Task, on_start: Callable[[], None] | None = None) -> Outcome:
         progress = job.tasks[task.label]
-        started = threading.Event()
-
-        def on_event(event: dict) -> None:
-            if on_start is not None and not started.is_set():
-                started.set()
-                on_start()
-            if event.get("type") == "progress":
-                with job.lock:
-                    progress.stage, progress.step, progress.of = event["stage"], event["step"], event["of"]
-                    job.events.append({**event, "task": task.label, "time": time.time()})
-
+        on_event = TaskEvents(job, task.label, progress, on_start)
         with job.lock:
             progress.state, progress.started = "running", time.time()
         task = replace(task, timeout_s=job.time_limit_s)
