@@ -59,7 +59,7 @@ def _overlap(a, b):
 def test_devices_run_in_parallel_and_one_device_is_serialised(tmp_path, demo_workspace, monkeypatch, small):
     """Devices run at once; a device's targets one after the other, but a small model's CPU targets, each
     in a process of its own, at once."""
-    monkeypatch.setattr("core.engine.jobs.small_base", lambda spec: small)
+    monkeypatch.setattr("core.engine.schedule.small_base", lambda spec: small)
     runner = RecordingRunner()
     engine = Engine(tmp_path, runner=runner, devices=FAKE_DEVICES)
     base = demo_workspace["models"]["tiny-llama"]
@@ -78,7 +78,7 @@ def test_a_small_models_lanes(demo_workspace):
     first pass and the passes that wait for the reference, memory timelines in lanes of their own (each
     lane's first after the first pass too);
     on a GPU, one lane; not small: one lane per device."""
-    from core.engine.jobs import task_lanes
+    from core.engine.schedule import task_lanes
     from core.engine.tasks import Task
 
     spec = _spec(demo_workspace["models"]["tiny-llama"], ["cpu/float32", "cpu/bfloat16"])

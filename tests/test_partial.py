@@ -15,8 +15,9 @@ from apptest import make_app, no_exceptions, texts
 
 import core.spec
 from core.checks import CHECKS, get_checks
-from core.engine.jobs import Engine, capture_passes
+from core.engine.jobs import Engine
 from core.engine.runners import InProcessRunner
+from core.engine.schedule import capture_passes
 from core.engine.store import PARTIAL_DIR, Store
 from core.spec import AdapterRef, ModelRef, ProbeSpec, Target
 

@@ -125,6 +125,9 @@ class Check(ABC):
     # A check that loads models its own way (load strategies, a memory timeline) runs in a fresh
     # worker process of its own per target and variant; the shared load loop leaves it out.
     own_worker: ClassVar[bool] = False
+    # An own-worker check that measures its process from its start (a memory timeline: what the imports
+    # cost) runs in a fresh interpreter, never one forked from a process that imported the libraries.
+    fresh_interpreter: ClassVar[bool] = False
     # A check whose capture changes the loaded model (merging) runs after the other checks on it.
     mutates_model: ClassVar[bool] = False
     # A check whose reference the worker can read itself, one tensor at a time (the checkpoint, a

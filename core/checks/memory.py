@@ -69,6 +69,7 @@ class MemoryCheck(Check):
     judged = False
     description = "memory per device index at each load stage; where every parameter and buffer lives"
     own_worker = True
+    fresh_interpreter = True
 
     def variants(self, spec: ProbeSpec, target: Target) -> tuple[str, ...]:
         if not spec.adapters:

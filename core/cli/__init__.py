@@ -320,7 +320,8 @@ def execute(args, answer: TextIO, plan=None, after=None) -> int:
     from core.engine.runners import FRESH_SPARES, InProcessRunner
 
     runner = InProcessRunner() if args.in_process else make_runner(args.runner, args.ray_address)
-    # workers import the libraries while this process reads the inputs (memory timelines' too)
+    # workers import the libraries while this process reads the inputs (memory timelines' too). By the
+    # check's name: its class (`Check.fresh_interpreter`) would import torch here before they start.
     runner.warm(FRESH_SPARES if "memory" in (getattr(args, "check", None) or ()) else 0)
     try:
         return _run_and_report(args, answer, Engine, runner, plan, after)

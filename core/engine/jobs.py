@@ -1,11 +1,11 @@
 """Jobs: background threads that drive worker processes, with progress and cancel.
 
-A job is one run. Its driver thread starts one capture task per target (plus the cpu/float64
-reference where a check needs it), then one compare task that writes the metrics table.
-Targets on different devices run in parallel; work on one device is serialised by a lock per
-device that all jobs share. A small base's checks are captured in passes, and each group of checks
-is compared as soon as its captures are in (`capture_passes`, partial compares), so pages fill
-while the run goes on. The runner (`core.engine.runners`) decides where a task runs.
+A job is one run. Its driver thread runs its capture tasks (one per target and pass, plus the
+cpu/float64 reference where a check needs it, `Captures`), then one compare task that writes the
+metrics table. Which tasks run at once, in which order and which waits for which is the run's
+`core.engine.schedule.Schedule`; work on one device is serialised by a lock per device that all jobs
+share. Each group of checks is compared as soon as its captures are in (partial compares), so pages
+fill while the run goes on. The runner (`core.engine.runners`) decides where a task runs.
 
 Worker threads never touch a UI: the dashboard polls `Job.snapshot()` or the store.
 """
@@ -13,6 +13,7 @@ Worker threads never touch a UI: the dashboard polls `Job.snapshot()` or the sto
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import time
@@ -22,33 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from core.engine.runners import Outcome, ProcessRunner, Runner
+from core.engine.schedule import CompareGroup, Schedule, capture_tasks, plan
 from core.engine.store import Store, StoreError, write_reference_fallback, write_timed_out
-from core.engine.tasks import BACKGROUND_NICENESS, Task
+from core.engine.tasks import Task
 from core.spec import ProbeSpec, SpecError, Target, next_best_reference
-
-
-def capture_passes(spec: ProbeSpec, checks: list) -> list[tuple[str, ...]]:
-    """The shared load loop's checks, per pass over the loaded models (each pass a worker per target).
-
-    A small base (up to CAPTURE_PASSES_UP_TO) is loaded twice: first for the checks compared against
-    the checkpoint files (no forward pass, no reference target), whose rows come first, then for the
-    others. A larger one is loaded once, for all of them.
-    """
-    shared = [c for c in checks if not c.own_worker]
-    first = tuple(c.name for c in shared if not c.needs_reference_target)
-    rest = tuple(c.name for c in shared if c.needs_reference_target)
-    if not first or not rest:
-        return [first or rest] if shared else []
-    return [first, rest] if small_base(spec) else [first + rest]
-
-
-def small_base(spec: ProbeSpec) -> bool:
-    """Whether the run's base checkpoint holds at most CAPTURE_PASSES_UP_TO bytes (unknown: large)."""
-    from core.models.checkpoint import base_bytes
-    from core.spec import CAPTURE_PASSES_UP_TO
-
-    size = base_bytes(spec)
-    return size is not None and size <= CAPTURE_PASSES_UP_TO
 
 
 def task_time_limit(spec: ProbeSpec) -> float:
@@ -63,53 +41,38 @@ def task_time_limit(spec: ProbeSpec) -> float:
     return round(600 + 120 * gib * max(1, len(spec.checks)))
 
 
-def task_lanes(
-    tasks: list[Task], spec: ProbeSpec, small: bool, cpus: int, first_compare: str | None = None
-) -> tuple[dict[str, list[Task]], dict[str, list[str]]]:
-    """The capture tasks by lane (each lane's in order, the lanes at once), and the labels a task waits
-    for before it starts beyond its lane's order (docs/workers.md, "Which tasks run at once").
+def log_path(job: Job, task: Task) -> Path:
+    """Where `task`'s worker writes its stderr: `logs/<capture folder or compare>.log` in the run folder."""
+    # core.capture imports torch: not when this module is imported (the CLI starts a worker first)
+    from core.capture import capture_folder_name
 
-    A lane is a device (cuda:0 of two Ray nodes are two devices): one model in its memory at a time. A
-    small model's (`small`) CPU tasks: a lane per target (its first pass, its own-worker tasks once the
-    first pass's compare `first_compare` is in, its later passes), the reference's task after the first
-    pass, the memory timelines in `cpus` lanes of their own after the first pass and its compare; all
-    but the first pass's at `BACKGROUND_NICENESS` (`Task.niceness`): the first page gets the CPU first.
-    """
-    lanes: dict[str, list[Task]] = {}
-    after: dict[str, list[str]] = {}
-    first_pass = [t.label for t in tasks if t.variant is None and t.part and t.checks == tasks[0].checks]
-    fresh = 0
-    target_lanes: set[str] = set()  # a small model's lanes of one target each, on the CPU
-    for task in tasks:
-        target = Target.parse(task.target)
-        lane = target.device if target.node is None else f"{target.node}/{target.device}"
-        if small and target.node is None and target.device == "cpu":
-            if task.fresh_process:
-                lane, fresh = f"cpu · fresh {fresh % cpus}", fresh + 1
-                if fresh <= cpus and first_pass:  # a lane's first: the others follow it
-                    after[task.label] = first_pass + ([first_compare] if first_compare else [])
-            else:
-                lane = f"cpu · {task.target}"
-                target_lanes.add(lane)
-                if task.target == str(spec.reference) and spec.reference not in spec.targets:
-                    after[task.label] = first_pass
-                if first_pass and task.label not in first_pass:
-                    task = replace(task, niceness=BACKGROUND_NICENESS)
-                if first_compare and task.variant is not None:
-                    after[task.label] = [first_compare]
-        lanes.setdefault(lane, []).append(task)
-    for lane in target_lanes:
-        lanes[lane].sort(key=lambda t: 0 if t.label in first_pass else 1 if t.variant is not None else 2)
-    return lanes, after
+    if task.target:
+        folder = capture_folder_name(Target.parse(task.target).slug, task.own_check or "", task.variant or "")
+        folder += f"-{'+'.join(task.checks)}" if task.part else ""
+    else:
+        folder = "compare" + (f"-{'+'.join(task.checks)}" if task.checks else "")
+    return job.run_dir / "logs" / f"{folder}.log"
 
 
-@dataclass
-class _Group:
-    """Checks compared together before the run ends, once every capture task they read has succeeded."""
+def fails_run(spec: ProbeSpec, task: Task, outcome: Outcome) -> bool:
+    """Whether a capture task's outcome fails the run: not the reference's alone nor an `is_finding`."""
+    harmless = outcome.ok or outcome.cancelled or reference_only(spec, task)
+    return not harmless and not is_finding(spec, task, outcome)
 
-    needs: frozenset[str]  # labels of those capture tasks
-    task: Task  # the partial compare task (`Task.partial`)
-    started: bool = False
+
+def is_finding(spec: ProbeSpec, task: Task, outcome: Outcome) -> bool:
+    """Whether `outcome` is a finding about `task`'s target, its rows `broken`, while the run goes on:
+    a capture task killed at its time limit, but the reference's where other targets need it."""
+    from core.checks import get_checks
+
+    if not outcome.timed_out or task.kind != "capture" or task.target != str(spec.reference):
+        return outcome.timed_out and task.kind == "capture"
+    return not any(c.needs_reference_target for c in get_checks(task.checks))
+
+
+def reference_only(spec: ProbeSpec, task: Task) -> bool:
+    """Whether `task` captures only the reference (a target the user did not ask for)."""
+    return task.variant is None and task.target == str(spec.reference) and spec.reference not in spec.targets
 
 
 @dataclass
@@ -206,6 +169,25 @@ class Job:
                 "tasks": {k: {**asdict(v), "elapsed_s": v.elapsed_s} for k, v in self.tasks.items()},
                 "compared": list(self.compared),
             }
+
+
+class TaskEvents:
+    """What a runner calls with each event of one task: the first calls `on_start` (its worker is at
+    work), a progress event updates the task's progress and joins the job's events."""
+
+    def __init__(self, job: Job, label: str, progress: TaskProgress, on_start: Callable[[], None] | None):
+        self.job, self.label, self.progress, self.on_start = job, label, progress, on_start
+        self.started = threading.Event()
+
+    def __call__(self, event: dict) -> None:
+        if self.on_start is not None and not self.started.is_set():
+            self.started.set()
+            self.on_start()
+        if event.get("type") == "progress":
+            job, progress = self.job, self.progress
+            with job.lock:
+                progress.stage, progress.step, progress.of = event["stage"], event["step"], event["of"]
+                job.events.append({**event, "task": self.label, "time": time.time()})
 
 
 class Engine:
@@ -309,7 +291,7 @@ class Engine:
                 raise
         job = Job(record.run_id, record.run_dir, spec, runner=runner or self.runner)
         job.time_limit_s = task_time_limit(spec)
-        for task in self._capture_tasks(job):
+        for task in capture_tasks(spec, str(job.run_dir)):
             job.tasks[task.label] = TaskProgress(name=task.label)
         job.tasks["compare"] = TaskProgress(name="compare")  # a partial compare's is added when it starts
         self._jobs[job.run_id] = job
@@ -322,63 +304,6 @@ class Engine:
     def jobs(self) -> list[Job]:
         """Jobs started by this engine, newest first."""
         return sorted(self._jobs.values(), key=lambda j: j.created, reverse=True)
-
-    def _capture_tasks(self, job: Job) -> list[Task]:
-        """Every capture task of the job, in the order each device runs them: the shared load loop's
-        passes (`capture_passes`), each with the reference first where its checks need it, then the
-        own-worker checks' tasks."""
-        from core.checks import get_checks
-
-        spec = job.spec
-        checks = get_checks(spec.checks)
-
-        def task(target: Target, names: tuple[str, ...], variant: str | None = None, part=False) -> Task:
-            return Task(
-                kind="capture",
-                run_dir=str(job.run_dir),
-                spec=spec.to_dict(),
-                target=str(target),
-                checks=names,
-                variant=variant,
-                part=part,
-            )
-
-        by_name = {c.name: c for c in checks}
-        passes = capture_passes(spec, checks)
-        # a target imported from a snapshot has its captures in the run folder already
-        local = [t for t in spec.targets if t.machine is None]
-        tasks: list[Task] = []
-        for names in passes:
-            part = len(passes) > 1
-            ref_names = tuple(n for n in names if by_name[n].needs_reference_target)
-            ordered = sorted(local, key=lambda t: t != spec.reference)  # the reference first
-            if ref_names and spec.reference not in spec.targets and spec.reference.machine is None:
-                # the reference (not a target) has one pass only, the one whose checks need it: its
-                # label stays `cpu/float64`
-                tasks.append(task(spec.reference, ref_names))
-            tasks += [task(t, names, part=part) for t in ordered]
-        # Checks that load models their own way get a fresh worker per target and variant.
-        tasks += [
-            task(t, (c.name,), v) for c in checks if c.own_worker for t in local for v in c.variants(spec, t)
-        ]
-        return tasks
-
-    def _compare_groups(self, job: Job, tasks: list[Task]) -> list[_Group]:
-        """The run's checks grouped by the capture tasks their rows need (the reference's too), each
-        group compared as soon as those have succeeded."""
-        spec = job.spec
-        needs = {c: frozenset(t.label for t in tasks if c in t.checks) for c in spec.checks}
-        groups: dict[frozenset[str], list[str]] = {}
-        for name, labels in needs.items():
-            groups.setdefault(labels, []).append(name)
-        return [
-            _Group(
-                needs=labels,
-                task=Task(kind="compare", run_dir=str(job.run_dir), spec=spec.to_dict(), checks=tuple(names)),
-            )
-            for labels, names in groups.items()
-            if labels  # imported from snapshots only: nothing to wait for, the final compare has it
-        ]
 
     def _device_lock(self, device: str) -> threading.Lock:
         with self._locks_guard:
@@ -423,27 +348,17 @@ class Engine:
 
     def _run_task(self, job: Job, task: Task, on_start: Callable[[], None] | None = None) -> Outcome:
         progress = job.tasks[task.label]
-        started = threading.Event()
-
-        def on_event(event: dict) -> None:
-            if on_start is not None and not started.is_set():
-                started.set()
-                on_start()
-            if event.get("type") == "progress":
-                with job.lock:
-                    progress.stage, progress.step, progress.of = event["stage"], event["step"], event["of"]
-                    job.events.append({**event, "task": task.label, "time": time.time()})
-
+        on_event = TaskEvents(job, task.label, progress, on_start)
         with job.lock:
             progress.state, progress.started = "running", time.time()
         task = replace(task, timeout_s=job.time_limit_s)
-        outcome = job.runner.run(task, on_event, job.cancel_event, self._log_path(job, task))
+        outcome = job.runner.run(task, on_event, job.cancel_event, log_path(job, task))
         with job.lock:
             progress.finished = time.time()
             progress.state = "succeeded" if outcome.ok else "cancelled" if outcome.cancelled else "failed"
             if outcome.timed_out:  # "timed out after N s in stage S": its rows' finding, or the run's end
                 outcome.error = f"{outcome.error} in stage {progress.stage or 'start'!r}"
-                if self._finding(job, task, outcome):
+                if is_finding(job.spec, task, outcome):
                     write_timed_out(job.run_dir, task.target or "", task.checks, task.variant, outcome.error)
             if outcome.error is not None:
                 # one place words every failure: which task, what, and where it stopped
@@ -457,32 +372,21 @@ class Engine:
         self._persist(job)
         return outcome
 
-    @staticmethod
-    def _log_path(job: Job, task: Task) -> Path:
-        # core.capture imports torch: not when this module is imported (the CLI starts a worker first)
-        from core.capture import capture_folder_name
-
-        if task.target:
-            folder = capture_folder_name(
-                Target.parse(task.target).slug, task.own_check or "", task.variant or ""
-            )
-            folder += f"-{'+'.join(task.checks)}" if task.part else ""
-        else:
-            folder = "compare" + (f"-{'+'.join(task.checks)}" if task.checks else "")
-        return job.run_dir / "logs" / f"{folder}.log"
-
     def _drive(self, job: Job) -> None:
         try:
             with job.lock:
                 job.state, job.started = "running", time.time()
             self._persist(job)
             compare = Task(kind="compare", run_dir=str(job.run_dir), spec=job.spec.to_dict())
-            ran, partial = self._run_captures(job, compare)
+            schedule = plan(job.spec, str(job.run_dir), job.runner.concurrent, os.cpu_count() or 1)
+            captures = Captures(self, job, schedule, compare)
+            captures.run()
+            ran, partial = captures.outcomes, captures.partial_outcomes
             outcomes = [o for _, o in ran] + partial
-            failed = [o for t, o in ran if self._fails_run(job, t, o)]
+            failed = [o for t, o in ran if fails_run(job.spec, t, o)]
             failed += [o for o in partial if not o.ok and not o.cancelled]
             reference_failed = [
-                o for t, o in ran if not (o.ok or o.cancelled) and self._reference_only(job, t)
+                o for t, o in ran if not (o.ok or o.cancelled) and reference_only(job.spec, t)
             ]
             if reference_failed and not failed:
                 # the other targets' captures stand: compare them against the next-best reference
@@ -509,174 +413,6 @@ class Engine:
         except Exception as e:  # the engine must outlive any job
             self._finish(job, "failed", f"engine error: {type(e).__name__}: {e}")
 
-    def _fails_run(self, job: Job, task: Task, outcome: Outcome) -> bool:
-        """Whether a capture task's outcome fails the run: not the reference's alone nor a `_finding`."""
-        harmless = outcome.ok or outcome.cancelled or self._reference_only(job, task)
-        return not harmless and not self._finding(job, task, outcome)
-
-    @staticmethod
-    def _finding(job: Job, task: Task, outcome: Outcome) -> bool:
-        """Whether `outcome` is a finding about `task`'s target, its rows `broken`, while the run goes on:
-        a capture task killed at its time limit, but the reference's where other targets need it."""
-        from core.checks import get_checks
-
-        if not outcome.timed_out or task.kind != "capture" or task.target != str(job.spec.reference):
-            return outcome.timed_out and task.kind == "capture"
-        return not any(c.needs_reference_target for c in get_checks(task.checks))
-
-    @staticmethod
-    def _reference_only(job: Job, task: Task) -> bool:
-        """Whether `task` captures only the reference (a target the user did not ask for)."""
-        spec = job.spec
-        return (
-            task.variant is None and task.target == str(spec.reference) and spec.reference not in spec.targets
-        )
-
-    def _run_captures(self, job: Job, compare: Task) -> tuple[list[tuple[Task, Outcome]], list[Outcome]]:
-        """Run every capture task, each device's in order and the devices in parallel, and each group
-        of checks' partial compare as soon as its captures are in while others still run; returns the
-        capture tasks' outcomes and the partial compares'."""
-        from core.checks import get_checks
-
-        tasks = self._capture_tasks(job)
-        groups = self._compare_groups(job, tasks)
-        reference = str(job.spec.reference)
-        small = job.runner.concurrent and small_base(job.spec)
-        first_compare = None
-        if small and tasks and tasks[0].part:  # as the tasks: the first page's compare first
-            for group in groups:
-                if set(group.task.checks) == set(tasks[0].checks):
-                    first_compare = group.task.label
-                else:
-                    group.task = replace(group.task, niceness=BACKGROUND_NICENESS)
-        by_device, after = task_lanes(tasks, job.spec, small, os.cpu_count() or 1, first_compare)
-        outcomes: list[tuple[Task, Outcome]] = []
-        ended: dict[str, threading.Event] = {t.label: threading.Event() for t in tasks}
-        # a partial compare's end (run, or given up), which a task may wait for (`first_compare`)
-        compared: dict[str, threading.Event] = {g.task.label: threading.Event() for g in groups}
-        succeeded: set[str] = set()
-        partial_outcomes: list[Outcome] = []
-        partial_threads: list[threading.Thread] = []
-        groups_lock = threading.Lock()
-        first_checks = {c.name for c in get_checks(job.spec.checks) if c.reference_first}
-
-        def waits_for(task: Task) -> list[str]:
-            """What `task_lanes` says `task` waits for, and the reference's task with a check whose targets
-            read the reference's capture while they capture (activations)."""
-            wanted = first_checks.intersection(task.checks)
-            if not wanted or task.target == reference:
-                return after.get(task.label, [])
-            return after.get(task.label, []) + [
-                t.label for t in tasks if t.target == reference and wanted.intersection(t.checks)
-            ]
-
-        def ready(group: _Group, also: str | None = None) -> bool:
-            return all(label in succeeded or label == also for label in group.needs)
-
-        def starting(task: Task) -> None:
-            """`task` is at work: a partial compare that waits for it alone gets its worker ready."""
-            with groups_lock:
-                due = [g for g in groups if not g.started and task.label in g.needs and ready(g, task.label)]
-            for group in due:
-                if not job.cancel_event.is_set():
-                    job.runner.prepare(group.task, self._log_path(job, group.task))
-
-        def ended_ok(task: Task) -> None:
-            """After a capture task succeeded: start the partial compares now due, unless no capture
-            task is left (the final compare then does their checks)."""
-            with groups_lock:
-                succeeded.add(task.label)
-                left = any(not e.is_set() for label, e in ended.items() if label != task.label)
-                due = [g for g in groups if not g.started and ready(g)]
-                for group in due:
-                    group.started = True
-            for group in due:
-                if not left or job.cancel_event.is_set():
-                    job.runner.discard(group.task)
-                    compared[group.task.label].set()
-                    continue
-
-                def partial(g=group) -> None:
-                    try:
-                        partial_outcomes.append(self._run_partial(job, g.task))
-                    finally:
-                        compared[g.task.label].set()
-
-                thread = threading.Thread(
-                    target=partial,
-                    daemon=True,
-                    name=f"{job.run_id}-{group.task.label}",
-                )
-                partial_threads.append(thread)
-                thread.start()
-
-        def device_queue(device: str, tasks: list[Task]) -> None:
-            for i, task in enumerate(tasks):
-                for label in waits_for(task):
-                    event = ended.get(label) or compared[label]
-                    while not event.wait(0.1) and not job.cancel_event.is_set():
-                        pass
-                with self._device_lock(device):
-                    if job.cancel_event.is_set():
-                        with job.lock:
-                            job.tasks[task.label].state = "cancelled"
-                        outcomes.append((task, Outcome(ok=False, cancelled=True)))
-                        ended[task.label].set()
-                        continue
-                    # Once this task's worker is at work, the next one (or, after the last, the compare
-                    # task's) is started, so its imports overlap this task (a memory timeline's fresh
-                    # interpreter imports what its task would before its samples: `preimport_fresh`).
-                    following = tasks[i + 1] if i + 1 < len(tasks) else compare
-
-                    def prepare(task=task, following=following) -> None:
-                        starting(task)  # first: a partial compare due now brings a page its rows
-                        if not job.cancel_event.is_set():
-                            job.runner.prepare(following, self._log_path(job, following))
-
-                    outcome = self._run_task(job, task, on_start=prepare)
-                outcomes.append((task, outcome))
-                if outcome.ok:
-                    ended_ok(task)
-                elif self._fails_run(job, task, outcome):
-                    job.cancel_event.set()  # one failed target fails the job: stop the others early
-                ended[task.label].set()
-                if job.cancel_event.is_set():
-                    job.runner.discard(following)
-
-        threads = [
-            threading.Thread(target=device_queue, args=(d, ts), daemon=True, name=f"{job.run_id}-{d}")
-            for d, ts in by_device.items()
-            if ts
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        for t in list(partial_threads):
-            t.join()
-        return outcomes, partial_outcomes
-
-    def _run_partial(self, job: Job, task: Task) -> Outcome:
-        """One group's partial compare; its checks join `job.compared` when it succeeds."""
-        with job.lock:
-            final = job.tasks.pop("compare", None)
-            job.tasks[task.label] = TaskProgress(name=task.label)
-            if final is not None:
-                job.tasks["compare"] = final  # listed last, as it runs last
-        if job.cancel_event.is_set():
-            job.runner.discard(task)
-            with job.lock:
-                job.tasks[task.label].state = "cancelled"
-            return Outcome(ok=False, cancelled=True)
-        outcome = self._run_task(job, task)
-        if outcome.ok:
-            with job.lock:
-                job.compared.extend(c for c in task.checks if c not in job.compared)
-            job.rows_stored()
-        elif not outcome.cancelled:
-            job.cancel_event.set()  # a compare that fails now would fail at the end too: stop early
-        return outcome
-
     def _finish(self, job: Job, state: str, error: str | None) -> None:
         with job.lock:
             if job.store_error is not None:
@@ -698,3 +434,137 @@ class Engine:
                     self.runner.warm(self.fresh)  # a fork server that stopped starts again, for the next job
             job.done_event.set()
             job.rows_stored()
+
+
+class Captures:
+    """One job's capture tasks at work, as its `Schedule` says: a thread per lane, each task once those
+    it waits for have ended, and each group's partial compare in a thread of its own as soon as its
+    captures are in while others still run. `run` returns once all have ended, their outcomes in
+    `outcomes` (capture tasks) and `partial_outcomes`."""
+
+    def __init__(self, engine: Engine, job: Job, schedule: Schedule, compare: Task):
+        """`compare`: the run's final compare task, whose worker the last task of a lane gets ready."""
+        self.engine, self.job, self.schedule, self.compare = engine, job, schedule, compare
+        self.outcomes: list[tuple[Task, Outcome]] = []
+        self.partial_outcomes: list[Outcome] = []
+        self.ended: dict[str, threading.Event] = {t.label: threading.Event() for t in schedule.tasks}
+        # a partial compare's end (run, or given up), which a task may wait for (`first_compare`)
+        self.compared: dict[str, threading.Event] = {g.task.label: threading.Event() for g in schedule.groups}
+        self.succeeded: set[str] = set()
+        self.started: set[str] = set()  # the partial compares started (or given up), by label
+        self.partial_threads: list[threading.Thread] = []
+        self.lock = threading.Lock()  # guards `succeeded` and `started`
+
+    def run(self) -> None:
+        """Run every lane at once, and wait for them and for the partial compares they started."""
+        job = self.job
+        threads = [
+            threading.Thread(target=self._lane, args=(d, ts), daemon=True, name=f"{job.run_id}-{d}")
+            for d, ts in self.schedule.lanes.items()
+            if ts
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for t in list(self.partial_threads):
+            t.join()
+
+    def _ready(self, group: CompareGroup, also: str | None = None) -> bool:
+        return all(label in self.succeeded or label == also for label in group.needs)
+
+    def _lane(self, device: str, tasks: list[Task]) -> None:
+        """One lane's tasks in order, each under its device's lock once what it waits for has ended."""
+        job, engine = self.job, self.engine
+        for i, task in enumerate(tasks):
+            for label in self.schedule.waits_for(task.label):
+                event = self.ended.get(label) or self.compared[label]
+                while not event.wait(0.1) and not job.cancel_event.is_set():
+                    pass
+            with engine._device_lock(device):
+                if job.cancel_event.is_set():
+                    with job.lock:
+                        job.tasks[task.label].state = "cancelled"
+                    self.outcomes.append((task, Outcome(ok=False, cancelled=True)))
+                    self.ended[task.label].set()
+                    continue
+                # Once this task's worker is at work, the next one (or, after the last, the compare
+                # task's) is started, so its imports overlap this task (a memory timeline's fresh
+                # interpreter imports what its task would before its samples: `preimport_fresh`).
+                following = tasks[i + 1] if i + 1 < len(tasks) else self.compare
+                outcome = engine._run_task(
+                    job, task, on_start=functools.partial(self._at_work, task, following)
+                )
+            self.outcomes.append((task, outcome))
+            if outcome.ok:
+                self._ended_ok(task)
+            elif fails_run(job.spec, task, outcome):
+                job.cancel_event.set()  # one failed target fails the job: stop the others early
+            self.ended[task.label].set()
+            if job.cancel_event.is_set():
+                job.runner.discard(following)
+
+    def _at_work(self, task: Task, following: Task) -> None:
+        """`task` is at work: a partial compare that waits for it alone gets its worker ready (first: it
+        brings a page its rows), then the task after it in its lane (`following`)."""
+        job = self.job
+        with self.lock:
+            due = [
+                g
+                for g in self.schedule.groups
+                if g.task.label not in self.started and task.label in g.needs and self._ready(g, task.label)
+            ]
+        for group in due:
+            if not job.cancel_event.is_set():
+                job.runner.prepare(group.task, log_path(job, group.task))
+        if not job.cancel_event.is_set():
+            job.runner.prepare(following, log_path(job, following))
+
+    def _ended_ok(self, task: Task) -> None:
+        """After a capture task succeeded: start the partial compares now due, unless no capture task is
+        left (the final compare then does their checks)."""
+        job = self.job
+        with self.lock:
+            self.succeeded.add(task.label)
+            left = any(not e.is_set() for label, e in self.ended.items() if label != task.label)
+            due = [g for g in self.schedule.groups if g.task.label not in self.started and self._ready(g)]
+            self.started.update(g.task.label for g in due)
+        for group in due:
+            if not left or job.cancel_event.is_set():
+                job.runner.discard(group.task)
+                self.compared[group.task.label].set()
+                continue
+            thread = threading.Thread(
+                target=self._partial, args=(group.task,), daemon=True, name=f"{job.run_id}-{group.task.label}"
+            )
+            self.partial_threads.append(thread)
+            thread.start()
+
+    def _partial(self, task: Task) -> None:
+        """One group's partial compare (its thread); its end is told to the tasks that wait for it."""
+        try:
+            self.partial_outcomes.append(self._run_partial(task))
+        finally:
+            self.compared[task.label].set()
+
+    def _run_partial(self, task: Task) -> Outcome:
+        """One group's partial compare; its checks join `job.compared` when it succeeds."""
+        job = self.job
+        with job.lock:
+            final = job.tasks.pop("compare", None)
+            job.tasks[task.label] = TaskProgress(name=task.label)
+            if final is not None:
+                job.tasks["compare"] = final  # listed last, as it runs last
+        if job.cancel_event.is_set():
+            job.runner.discard(task)
+            with job.lock:
+                job.tasks[task.label].state = "cancelled"
+            return Outcome(ok=False, cancelled=True)
+        outcome = self.engine._run_task(job, task)
+        if outcome.ok:
+            with job.lock:
+                job.compared.extend(c for c in task.checks if c not in job.compared)
+            job.rows_stored()
+        elif not outcome.cancelled:
+            job.cancel_event.set()  # a compare that fails now would fail at the end too: stop early
+        return outcome

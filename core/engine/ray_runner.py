@@ -196,22 +196,7 @@ def remote_task(
     so that events leave while it works; an interrupt from `ray.cancel` stops it at its next stage.
     """
     ray = import_ray()
-    ray_set = restore_process_env(os.environ, initial_environ())  # before torch reads them
-    from core.models.memory import sample_process
-
-    # the memory timeline's first stages, as a local worker takes them (this process has Ray imported)
-    sample_process("process start")
-    import torch  # noqa: F401
-
-    sample_process("import torch")
-    ctx = ray.get_runtime_context()
-    info = {
-        "node_id": ctx.get_node_id(),
-        "hostname": socket.gethostname(),
-        "pid": os.getpid(),
-        "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-        "ray_env": ray_set,
-    }
+    info = _start_worker(ray)
     yield {"type": "worker", **info}
     if gates is not None:
         from core.engine.worker import preimport
@@ -231,29 +216,44 @@ def remote_task(
         scratch, run_dir = None, Path(task.run_dir)
     log_path = run_dir / "logs" / log_name
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {}
+    yield from _run_logged(task, log_path, result)
+    final = result.get("final", {"type": "error", "message": "the task ended without a result"})
+    try:
+        if scratch is not None:
+            yield from _shipped(scratch, run_dir, final, info)
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    yield final
+
+
+def _start_worker(ray: Any) -> dict[str, Any]:
+    """Set this Ray worker process up as a local worker starts (its environment restored before torch
+    reads it, the memory timeline's first stages) and say where it runs: the `worker` event's fields."""
+    ray_set = restore_process_env(os.environ, initial_environ())  # before torch reads them
+    from core.models.memory import sample_process
+
+    # the memory timeline's first stages, as a local worker takes them (this process has Ray imported)
+    sample_process("process start")
+    import torch  # noqa: F401
+
+    sample_process("import torch")
+    ctx = ray.get_runtime_context()
+    return {
+        "node_id": ctx.get_node_id(),
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+        "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+        "ray_env": ray_set,
+    }
+
+
+def _run_logged(task: Task, log_path: Path, result: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Run `task` in a thread with this process's output going to `log_path`, yielding its events as
+    they come; its final event is left in `result["final"]`."""
     events: queue.Queue = queue.Queue()
     cancel = threading.Event()
-    result: dict[str, Any] = {}
-
-    def work() -> None:
-        from core.engine.tasks import run_task
-        from core.models.checkpoint import LoadError
-
-        try:
-            run_task(task, events.put, cancel.is_set)
-            result["final"] = {"type": "done"}
-        except Cancelled as e:
-            result["final"] = {"type": "cancelled", "message": str(e)}
-        except (LoadError, SpecError, ValueError) as e:  # the local worker's "user error"
-            result["final"] = {"type": "error", "message": str(e), "error_type": type(e).__name__}
-        except BaseException as e:
-            import traceback
-
-            traceback.print_exc()
-            result["final"] = {"type": "error", "message": f"{type(e).__name__}: {e}", "crash": True}
-        finally:
-            events.put(None)
-
     # What libraries print goes to the task's log (sent back with the capture), as in a local worker;
     # this process serves one task only (max_calls=1), so redirecting its descriptors is harmless.
     sys.stdout.flush()
@@ -262,7 +262,9 @@ def remote_task(
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    thread = threading.Thread(target=work, daemon=True, name="weightdrift-task")
+    thread = threading.Thread(
+        target=_work, args=(task, events, cancel, result), daemon=True, name="weightdrift-task"
+    )
     thread.start()
     try:
         while True:
@@ -278,24 +280,43 @@ def remote_task(
         cancel.set()
         raise
     thread.join()
-    final = result.get("final", {"type": "error", "message": "the task ended without a result"})
+
+
+def _work(task: Task, events: queue.Queue, cancel: threading.Event, result: dict[str, Any]) -> None:
+    """The task's thread: run it, its events into `events` (then None), its final event into `result`."""
+    from core.engine.tasks import run_task
+    from core.models.checkpoint import LoadError
+
     try:
-        if scratch is not None:
-            if final["type"] == "done":
-                _annotate_captures(run_dir, info)
-            else:  # only the log is worth sending back: a capture that did not finish is no capture
-                for child in run_dir.iterdir():
-                    if child.name != "logs":
-                        shutil.rmtree(child, ignore_errors=True)
-            archive = scratch / "task.zip"
-            pack_tree(run_dir, archive)
-            with open(archive, "rb") as f:
-                while data := f.read(CHUNK_BYTES):
-                    yield {"type": "chunk", "data": data}
+        run_task(task, events.put, cancel.is_set)
+        result["final"] = {"type": "done"}
+    except Cancelled as e:
+        result["final"] = {"type": "cancelled", "message": str(e)}
+    except (LoadError, SpecError, ValueError) as e:  # the local worker's "user error"
+        result["final"] = {"type": "error", "message": str(e), "error_type": type(e).__name__}
+    except BaseException as e:
+        import traceback
+
+        traceback.print_exc()
+        result["final"] = {"type": "error", "message": f"{type(e).__name__}: {e}", "crash": True}
     finally:
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
-    yield final
+        events.put(None)
+
+
+def _shipped(scratch: Path, run_dir: Path, final: dict[str, Any], info: dict[str, Any]) -> Iterator[dict]:
+    """The `chunk` events carrying what the task wrote in `run_dir` (a zip archive made in `scratch`):
+    its captures where it succeeded, else its log alone (a capture that did not finish is no capture)."""
+    if final["type"] == "done":
+        _annotate_captures(run_dir, info)
+    else:
+        for child in run_dir.iterdir():
+            if child.name != "logs":
+                shutil.rmtree(child, ignore_errors=True)
+    archive = scratch / "task.zip"
+    pack_tree(run_dir, archive)
+    with open(archive, "rb") as f:
+        while data := f.read(CHUNK_BYTES):
+            yield {"type": "chunk", "data": data}
 
 
 # --- the driver side -------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ Event = dict[str, Any]
 Emit = Callable[[Event], None]
 # How much lower a memory timeline's CPU priority is than other tasks' (nice(2) steps: 10 of 19)
 MEMORY_TIMELINE_NICENESS = 10
-# A small model's tasks that do not fill the first page (`core.engine.jobs.task_lanes`): below the
+# A small model's tasks that do not fill the first page (`core.engine.schedule.task_lanes`): below the
 # first page's tasks and the dashboard that draws it, above the memory timelines
 BACKGROUND_NICENESS = 5
 
@@ -36,7 +36,7 @@ class Task:
     checks: tuple[str, ...] = ()
     variant: str | None = None  # set for an own-worker check's task (then `checks` is that one check)
     # A shared-loop task that captures part of the run's checks (a small model's are captured in
-    # passes, `core.engine.capture_passes`): its checks, named in its label. A compare task with
+    # passes, `core.engine.schedule.capture_passes`): its checks, named in its label. A compare task with
     # `checks` compares those alone, before the run ends (`partial`).
     part: bool = False
     # Its process's niceness (nice(2); raised to it, never lowered), where the engine runs tasks beside
@@ -53,8 +53,13 @@ class Task:
     @property
     def fresh_process(self) -> bool:
         """Whether it runs in a fresh interpreter of its own, not forked from one that imported the
-        libraries: a memory timeline's, which measures what those imports cost from its process's start."""
-        return self.own_check == "memory"
+        libraries: its check's `fresh_interpreter` (a memory timeline's, which measures what those imports
+        cost from its process's start)."""
+        if self.own_check is None:
+            return False
+        from core.checks import CHECKS  # imports torch: only for an own-worker check's task
+
+        return CHECKS[self.own_check].fresh_interpreter
 
     @property
     def partial(self) -> bool:
