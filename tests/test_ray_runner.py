@@ -183,9 +183,9 @@ def test_cancel_stops_the_ray_task(ray_engine, demo_workspace):
     _wait_for(lambda: job.events, 60, "the first progress event")
     worker = ray_engine.runner.workers.get(f"{job.run_id}:cpu/float32")
     job.cancel()
-    asked = time.monotonic()
     assert job.wait(30)
-    assert time.monotonic() - asked < ray_engine.runner.grace_s  # it stopped when asked, not killed
+    # it stopped when asked, not killed past the grace period (however long a loaded machine took)
+    assert f"{job.run_id}:cpu/float32" not in ray_engine.runner.forced
     assert job.state == "cancelled"
     assert ray_engine.store.open(job.run_id).status == "cancelled"
     if worker is not None:  # a fresh worker per task: it goes away with its task

@@ -339,6 +339,8 @@ class RayRunner(Runner):
         # "RUN_ID:LABEL" → what the task's `worker` event said (pid, node, GPUs) while it runs: for
         # messages, and for tests that kill a worker
         self.workers: dict[str, dict[str, Any]] = {}
+        # "RUN_ID:LABEL" of every task cancelled by killing its worker, past `grace_s` (not by stopping)
+        self.forced: set[str] = set()
         self._generators: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._local: ProcessRunner | None = None  # the compare task when the driver is no node
@@ -510,6 +512,8 @@ class RayRunner(Runner):
                         ray.cancel(gen, force=False)  # interrupts the task: it stops at its next stage
                     elif not killed and time.monotonic() - cancelled_at > self.grace_s:
                         killed = True
+                        with self._lock:
+                            self.forced.add(_key(task))
                         ray.cancel(gen, force=True)  # kills its worker process
                 ready, _ = ray.wait([gen], timeout=0.1)
                 if not ready:
