@@ -9,6 +9,7 @@ core writes broadcasts), so that both have to agree with PEFT and with each othe
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from pathlib import Path
 
@@ -837,3 +838,37 @@ def test_every_family_module_keeps_the_contract_and_the_registry_derives_from_th
         "base_layer.bias",
     )
     assert adapter_keys.split_adapter_key("base_model.vera_A") is None
+
+
+def test_dora_and_ia3_deltas_where_bitsandbytes_is_hidden(tmp_path: Path) -> None:
+    """The GPU machines' fork server imports PEFT with bitsandbytes hidden (its import makes a CUDA
+    context): a DoRA and an IA3 layer's ΔW are still taken there, as they are with it installed."""
+    import subprocess
+    import sys
+
+    script = """
+import sys
+sys.modules["bitsandbytes"] = None  # as core.engine.worker.serve_forks does on the GPU path
+import torch
+from peft import IA3Config, LoraConfig, get_peft_model
+from tiny_models import ARCHITECTURES
+from core.methods import peft_path
+from core.methods.reading import bnb_layers
+
+assert bnb_layers("lora") == () == bnb_layers("ia3")
+for config in (LoraConfig(r=4, use_dora=True, init_lora_weights=False, target_modules=["q_proj"]),
+               IA3Config(target_modules=["q_proj", "down_proj"], feedforward_modules=["down_proj"],
+                         init_ia3_weights=False)):
+    torch.manual_seed(0)
+    model = get_peft_model(ARCHITECTURES["llama"].build(), config)
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    delta = peft_path.peft_delta(layer, "default")
+    assert delta.shape == layer.weight.shape and delta.abs().max() > 0, type(config).__name__
+print("ok")
+"""
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)])}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]

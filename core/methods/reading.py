@@ -154,6 +154,10 @@ def require_linear(layer: nn.Module, kind: str, linear: tuple[type, ...]) -> str
 
 
 def bnb_layers(tuner: str) -> tuple[type, ...]:
-    """PEFT's bitsandbytes Linear layers of `tuner` (lora, ia3): those this install has."""
-    module = importlib.import_module(f"peft.tuners.{tuner}.bnb")
+    """PEFT's bitsandbytes Linear layers of `tuner` (lora, ia3): those this install has; none where
+    bitsandbytes is absent, or hidden (the GPU machines' fork server imports no bitsandbytes)."""
+    try:
+        module = importlib.import_module(f"peft.tuners.{tuner}.bnb")
+    except ImportError:  # its module imports bitsandbytes first thing
+        return ()
     return tuple(getattr(module, name) for name in ("Linear8bitLt", "Linear4bit") if hasattr(module, name))
