@@ -11,7 +11,7 @@ import torch
 
 from core import checks as checks_module
 from core.capture import Capture, TensorKey, capture_folder_name
-from core.checks.base import Check, Reference
+from core.checks.base import OWN_WORKER, Check, Reference
 from core.demo.scenarios import SCENARIOS, scenario_spec
 from core.engine.jobs import Engine
 from core.engine.runners import InProcessRunner
@@ -24,7 +24,7 @@ class VariantCheck(Check):
 
     name = "variant_probe"
     description = "test double"
-    own_worker = True
+    loads = OWN_WORKER
 
     def variants(self, spec, target):
         return ("a", "b") if target.dtype == "float32" else ("a",)

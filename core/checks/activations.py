@@ -9,7 +9,7 @@
   drift jumps and local drift is small, the error was inherited; where local drift is large, that
   module is the cause.
 
-The reference target runs first (`Check.reference_first`): it keeps every recorded output and the tensors
+The reference target runs first (`Check.against`: `REFERENCE_TARGET_FIRST`): it keeps every recorded output and the tensors
 among each leaf call's arguments. A target's worker then reads those back one tensor at a time (`safe_open`) and
 compares each output as its hook sees it, so no worker ever holds the whole model's activations:
 its capture keeps a metric row and a bounded sketch per module output (the tensors too on a small
@@ -34,7 +34,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from core.capture import BASE, Capture, TensorKey
-from core.checks.base import CaptureContext, Check, Reference, tolerance
+from core.checks.base import REFERENCE_TARGET_FIRST, CaptureContext, Check, Reference, tolerance
 from core.checks.outputs import forward_output
 from core.models.conversion import LAYER_RE, layer_of
 from core.models.loading import Loaded
@@ -289,8 +289,7 @@ class ActivationsCheck(Check):
         "every module's output in the forward pass against cpu/float64: accumulated and local drift, "
         "and the first module where a target parts"
     )
-    needs_reference_target = True
-    reference_first = True
+    against = REFERENCE_TARGET_FIRST
 
     def capture(self, ctx: CaptureContext, loaded: Loaded, out: Capture) -> None:
         from core.models.checkpoint import keeps_tensors

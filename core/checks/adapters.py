@@ -34,6 +34,7 @@ import torch
 
 from core.capture import BASE, Capture, TensorKey
 from core.checks.base import (
+    OWN_WORKER,
     CaptureContext,
     Check,
     Reference,
@@ -58,9 +59,9 @@ EXTRA_COLUMNS = ("strategy", "reason", "argmax_agree", "topk_agree", "stacked", 
 
 class AdaptersCheck(Check):
     name = "adapters"
-    judged = False
+    judged = None
     description = "load strategies side by side against isolated: predictions, base mutation, structure"
-    own_worker = True
+    loads = OWN_WORKER
 
     # --- capture (own worker) -------------------------------------------------------------------
 

@@ -115,38 +115,83 @@ def tolerance(spec: ProbeSpec, role: str, dtype: torch.dtype) -> metrics.Toleran
     )
 
 
+# How a check loads its models (`Check.loads`).
+SHARED = "shared"  # the shared load loop: each target loaded once for all such checks
+SHARED_LAST = "shared, last"  # the shared loop, after the others: its capture changes the model (merging)
+OWN_WORKER = "own worker"  # a worker process of its own per target and variant (`variants`, `run`)
+# an own worker that measures its process from its start (a memory timeline: what the imports cost): a
+# fresh interpreter, never one forked from a process that imported the libraries
+FRESH_INTERPRETER = "fresh interpreter"
+
+# What a check's rows are measured against (`Check.against`).
+CHECKPOINT = "checkpoint"  # the checkpoint's tensors, or a formula of them (`reference`)
+REFERENCE_TARGET = "reference target"  # the capture of the run's reference target (cpu/float64)
+# the reference target's capture, read while the other targets capture (activations re-run each module
+# on the reference's inputs): the reference target runs first
+REFERENCE_TARGET_FIRST = "reference target, first"
+
+# How `core.judgement` sets a check's rows against a peer's on the same tensor (`Check.judged`).
+COMPUTED = "computed"  # computed tensors: the peer's error is floored at its dtype's eps
+LOADED = "loaded"  # loaded tensors that should be bitwise the file: a peer exact there makes any error ∞
+
+
 class Check(ABC):
-    """One kind of measurement. Subclasses set `name` and implement capture and reference."""
+    """One kind of measurement.
+
+    A check sets `name` and `description`, implements `capture` and `reference`, and says in five
+    attributes how it runs: `loads`, `against`, `judged`, `compares_in_worker` and `redraws_rounding`. The
+    hooks below have defaults that fit most checks: an own-worker check adds `variants`, `run_stages` and
+    `run`; a check labels its rows with `describe` (and `role_of`), adds columns with `extra_columns` or
+    rewrites them in `rows`, compares captures together in `compare` (and `compare_steps`), stores
+    tables of its own with `tables`, and reads one tensor's reference cheaply with `reference_for`.
+    What the engine does with a check (`measure`, `measured_row`, `row_labels`) is in this module's functions.
+    """
 
     name: ClassVar[str]
     description: ClassVar[str]
-    # True when the reference is the capture of the cpu/float64 target (not the checkpoint).
-    needs_reference_target: ClassVar[bool] = False
-    # A check that loads models its own way (load strategies, a memory timeline) runs in a fresh
-    # worker process of its own per target and variant; the shared load loop leaves it out.
-    own_worker: ClassVar[bool] = False
-    # An own-worker check that measures its process from its start (a memory timeline: what the imports
-    # cost) runs in a fresh interpreter, never one forked from a process that imported the libraries.
-    fresh_interpreter: ClassVar[bool] = False
-    # A check whose capture changes the loaded model (merging) runs after the other checks on it.
-    mutates_model: ClassVar[bool] = False
-    # A check whose reference the worker can read itself, one tensor at a time (the checkpoint, a
-    # formula of it): the worker compares each tensor where it is, while it is there (`measure`),
-    # and keeps its row and sketch rather than the tensor.
+    loads: ClassVar[str] = SHARED  # SHARED, SHARED_LAST, OWN_WORKER or FRESH_INTERPRETER
+    against: ClassVar[str] = CHECKPOINT  # CHECKPOINT, REFERENCE_TARGET or REFERENCE_TARGET_FIRST
+    # COMPUTED or LOADED; None: its rows compare a target with itself (load strategies, a timeline), or
+    # have no error to set against a peer's (generated tokens)
+    judged: ClassVar[str | None] = COMPUTED
+    # Its reference (the checkpoint, a formula of it) can be read one tensor at a time: the worker compares
+    # each tensor where it is, while it is there (`measure`), and keeps its row and sketch, not the tensor.
     compares_in_worker: ClassVar[bool] = False
     # A `compares_in_worker` check whose tensor, where it is exactly its reference rounded to the
     # target's dtype (a bfloat16 load of a float32 checkpoint), keeps no sketch: the drill-down draws it
     # again from the reference (`redraw_rounding`), and a run folder holds no map of plain rounding.
     redraws_rounding: ClassVar[bool] = False
-    # A check whose targets read the reference's capture while they capture (activations: the
-    # reference's module inputs, to re-run each module on them): the reference runs first.
-    reference_first: ClassVar[bool] = False
-    # Its rows are set against the peer's on the same tensor (`core.judgement`): checks whose rows
-    # measure a target against the reference; not those comparing a target with itself.
-    judged: ClassVar[bool] = True
-    # A judged check whose rows are loaded tensors that should be bitwise the file: a peer exact
-    # there makes any error ∞. Computed tensors instead floor the peer's error at their dtype's eps.
-    loads_exactly: ClassVar[bool] = False
+
+    # What the engine reads of those attributes.
+    @property
+    def own_worker(self) -> bool:
+        """It loads models its own way in a worker of its own per target and variant (`run`)."""
+        return self.loads in (OWN_WORKER, FRESH_INTERPRETER)
+
+    @property
+    def fresh_interpreter(self) -> bool:
+        """Its worker is a fresh interpreter, never forked from one that imported the libraries."""
+        return self.loads == FRESH_INTERPRETER
+
+    @property
+    def mutates_model(self) -> bool:
+        """Its capture changes the loaded model: it runs after the shared loop's other checks."""
+        return self.loads == SHARED_LAST
+
+    @property
+    def needs_reference_target(self) -> bool:
+        """Its reference is the reference target's capture (cpu/float64), not the checkpoint."""
+        return self.against in (REFERENCE_TARGET, REFERENCE_TARGET_FIRST)
+
+    @property
+    def reference_first(self) -> bool:
+        """Its targets read the reference target's capture while they capture: the reference runs first."""
+        return self.against == REFERENCE_TARGET_FIRST
+
+    @property
+    def loads_exactly(self) -> bool:
+        """Its judged rows are loaded tensors: a peer exact there makes any error infinite."""
+        return self.judged == LOADED
 
     @abstractmethod
     def capture(self, ctx: CaptureContext, loaded: Loaded, out: Capture) -> None:
@@ -214,44 +259,6 @@ class Check(ABC):
         """
         return self.reference(spec, [key], reference_capture)
 
-    def measure(self, spec: ProbeSpec, target: Target, key: TensorKey, tensor: torch.Tensor) -> Measured:
-        """Compare one captured tensor with its reference where it is (`compares_in_worker` checks).
-
-        The reference is read lazily (`reference_for`: one tensor of the checkpoint, or one module's
-        formula), so a worker holds one tensor's reference at a time.
-        """
-        reference = self.reference_for(spec, key, None, scratch=True)
-        ref = reference.tensors.get(key.encode())
-        return self.measure_against(
-            spec, target, key, tensor, ref, reference.label, reference.notes.get(key.encode(), "")
-        )
-
-    def measure_against(
-        self,
-        spec: ProbeSpec,
-        target: Target,
-        key: TensorKey,
-        tensor: torch.Tensor,
-        ref: torch.Tensor | None,
-        label: str,
-        note: str = "",
-    ) -> Measured:
-        """Compare one captured tensor with `ref` (labelled `label`) where it is: its row, sketch and hash;
-        a `broken` key-mismatch row where `ref` is None."""
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        if ref is None:
-            return Measured(label, note, dtype, missing_reference_row(tensor), None, content_hash(tensor))
-        tol = tolerance(spec, self.role_of(spec, key), getattr(torch, target.float_dtype))
-        # compared where the tensor is (a GPU's tensor never crosses to the host): its reference moved there
-        ref_there = ref.to(tensor.device)
-        stats, sketch = metrics.measure(tensor, ref_there, tol)
-        row = metrics.stats_to_row(stats)
-        # the same bits hash alike: hash the reference where it is already on the host
-        same = stats.bitwise_equal and ref.dtype == tensor.dtype
-        digest = content_hash(ref if same else tensor)
-        rounding = sketch is not None and self.redraws_rounding and is_rounding_of(tensor, ref_there)
-        return Measured(label, note, dtype, row, None if rounding else sketch, digest, rounding)
-
     def role_of(self, spec: ProbeSpec, key: TensorKey) -> str:
         """The role a tensor's row has and its tolerance is looked up by: `describe`'s, unless the check
         labels the row from more than the key (the weights check: the adapter's modules_to_save)."""
@@ -270,11 +277,11 @@ class Check(ABC):
         for key in capture.keys(self.name):
             measured = capture.result(key)
             if measured is not None:  # compared in the worker: its row as measured there
-                rows.append(self.measured_row(key, capture.target, measured))
+                rows.append(measured_row(self, key, capture.target, measured))
                 continue
             tensor = capture.get(key)
             ref = reference.tensors.get(key.encode())
-            row = self.row_labels(key, capture.target, reference)
+            row = row_labels(self, key, capture.target, reference)
             row["dtype"] = str(tensor.dtype).removeprefix("torch.")
             if ref is None:
                 row.update(missing_reference_row(tensor))
@@ -285,29 +292,71 @@ class Check(ABC):
             rows.append(row)
         return rows
 
-    def measured_row(self, key: TensorKey, target: str, measured: dict[str, Any]) -> dict[str, Any]:
-        """The metrics row of a tensor the worker compared itself (`Measured.as_dict`)."""
-        reference = Reference(label=measured["reference"], tensors={}, notes={key.encode(): measured["note"]})
-        row = self.row_labels(key, target, reference)
-        row["dtype"] = measured["dtype"]
-        row.update(measured["row"])
-        return row
-
-    def row_labels(self, key: TensorKey, target: str, reference: Reference) -> dict[str, Any]:
-        """The columns that say what a row is about: check, target, reference, tensor, labels, note."""
-        return {
-            "check": self.name,
-            "target": target,
-            "reference": reference.label,
-            "adapter": None if key.adapter == BASE else key.adapter,
-            "tensor": key.name,
-            **self.describe(key),
-            "note": reference.notes.get(key.encode(), ""),
-        }
-
     def extra_columns(self, key: TensorKey, tensor: torch.Tensor, ref: torch.Tensor | None) -> dict[str, Any]:
         """Check-specific columns for one row (none by default)."""
         return {}
+
+
+def measure(check: Check, spec: ProbeSpec, target: Target, key: TensorKey, tensor: torch.Tensor) -> Measured:
+    """Compare one captured tensor with its reference where it is (`compares_in_worker` checks).
+
+    The reference is read lazily (`reference_for`: one tensor of the checkpoint, or one module's
+    formula), so a worker holds one tensor's reference at a time.
+    """
+    reference = check.reference_for(spec, key, None, scratch=True)
+    ref = reference.tensors.get(key.encode())
+    return measure_against(
+        check, spec, target, key, tensor, ref, reference.label, reference.notes.get(key.encode(), "")
+    )
+
+
+def measure_against(
+    check: Check,
+    spec: ProbeSpec,
+    target: Target,
+    key: TensorKey,
+    tensor: torch.Tensor,
+    ref: torch.Tensor | None,
+    label: str,
+    note: str = "",
+) -> Measured:
+    """Compare one captured tensor with `ref` (labelled `label`) where it is: its row, sketch and hash;
+    a `broken` key-mismatch row where `ref` is None."""
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    if ref is None:
+        return Measured(label, note, dtype, missing_reference_row(tensor), None, content_hash(tensor))
+    tol = tolerance(spec, check.role_of(spec, key), getattr(torch, target.float_dtype))
+    # compared where the tensor is (a GPU's tensor never crosses to the host): its reference moved there
+    ref_there = ref.to(tensor.device)
+    stats, sketch = metrics.measure(tensor, ref_there, tol)
+    row = metrics.stats_to_row(stats)
+    # the same bits hash alike: hash the reference where it is already on the host
+    same = stats.bitwise_equal and ref.dtype == tensor.dtype
+    digest = content_hash(ref if same else tensor)
+    rounding = sketch is not None and check.redraws_rounding and is_rounding_of(tensor, ref_there)
+    return Measured(label, note, dtype, row, None if rounding else sketch, digest, rounding)
+
+
+def measured_row(check: Check, key: TensorKey, target: str, measured: dict[str, Any]) -> dict[str, Any]:
+    """The metrics row of a tensor the worker compared itself (`Measured.as_dict`)."""
+    reference = Reference(label=measured["reference"], tensors={}, notes={key.encode(): measured["note"]})
+    row = row_labels(check, key, target, reference)
+    row["dtype"] = measured["dtype"]
+    row.update(measured["row"])
+    return row
+
+
+def row_labels(check: Check, key: TensorKey, target: str, reference: Reference) -> dict[str, Any]:
+    """The columns that say what a row is about: check, target, reference, tensor, labels, note."""
+    return {
+        "check": check.name,
+        "target": target,
+        "reference": reference.label,
+        "adapter": None if key.adapter == BASE else key.adapter,
+        "tensor": key.name,
+        **check.describe(key),
+        "note": reference.notes.get(key.encode(), ""),
+    }
 
 
 def is_rounding_of(tensor: torch.Tensor, ref: torch.Tensor) -> bool:

@@ -16,7 +16,7 @@ import pandas as pd
 import torch
 
 from core.capture import Capture, TensorKey
-from core.checks.base import CaptureContext, Check, Reference, add_note
+from core.checks.base import CaptureContext, Check, Reference, add_note, measure_against
 from core.methods import adapter_keys, formulas, peft_path, projections, registry
 from core.models import merging
 from core.models.checkpoint import Checkpoint, read_adapter_config, read_checkpoint
@@ -131,8 +131,8 @@ class DeltasCheck(Check):
                 delta = layer.get_delta_weight(adapter)
                 ref = peft_path.float64_peft_delta(layer, adapter)
                 note = f"{kind} ΔW: {peft_path.PEFT_OWN} (no float64 formula of the method here)"
-                measured = self.measure_against(
-                    ctx.spec, ctx.target, key, delta, ref, peft_path.PEFT_OWN, note
+                measured = measure_against(
+                    self, ctx.spec, ctx.target, key, delta, ref, peft_path.PEFT_OWN, note
                 )
                 out.results[key.encode()] = measured.as_dict()
                 if measured.sketch is not None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from core.capture import BASE, Capture, TensorKey
-from core.checks.base import CaptureContext, Check, Reference
+from core.checks.base import REFERENCE_TARGET, CaptureContext, Check, Reference
 from core.models.loading import FLOAT64_FORWARD, Loaded, float32_fallbacks, float64_forward
 from core.models.probes import load_tokenizer, prompt_rows
 from core.spec import ProbeSpec
@@ -186,8 +186,8 @@ class GenerateCheck(Check):
     description = (
         "greedy decoding per target and adapter; where each target's text parts from the reference's"
     )
-    needs_reference_target = True
-    judged = False  # token agreement, no rel_l2 to set against a peer's
+    against = REFERENCE_TARGET
+    judged = None  # token agreement, no rel_l2 to set against a peer's
 
     def capture(self, ctx: CaptureContext, loaded: Loaded, out: Capture) -> None:
         adapter = BASE if loaded.adapter is None else loaded.adapter.name

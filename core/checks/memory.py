@@ -1,6 +1,6 @@
 """`memory`: memory per device index at every load stage, and where each parameter lives.
 
-Runs in a fresh worker process of its own per target and load variant (`own_worker`), so that
+Runs in a fresh worker process of its own per target and load variant (`Check.loads`: `FRESH_INTERPRETER`), so that
 what it sees is caused by the load itself. Variants (load strategies for the adapters):
 
 - `torch_device`: `PeftModel.from_pretrained(..., torch_device=target.device)`, then
@@ -30,7 +30,7 @@ from typing import Any
 import pandas as pd
 
 from core.capture import Capture, TensorKey
-from core.checks.base import CaptureContext, Check, Reference
+from core.checks.base import FRESH_INTERPRETER, CaptureContext, Check, Reference
 from core.methods import adapter_keys
 from core.models import memory
 from core.models.conversion import layer_of
@@ -66,10 +66,9 @@ def requested_devices(target: Target, variant: str) -> list[str]:
 
 class MemoryCheck(Check):
     name = "memory"
-    judged = False
+    judged = None
     description = "memory per device index at each load stage; where every parameter and buffer lives"
-    own_worker = True
-    fresh_interpreter = True
+    loads = FRESH_INTERPRETER
 
     def variants(self, spec: ProbeSpec, target: Target) -> tuple[str, ...]:
         if not spec.adapters:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from core.capture import BASE, Capture, TensorKey
-from core.checks.base import CaptureContext, Check, Reference, add_note
+from core.checks.base import REFERENCE_TARGET, CaptureContext, Check, Reference, add_note
 from core.models.loading import FLOAT64_FORWARD, Loaded, float32_fallbacks, float64_forward
 from core.numerics import metrics
 from core.numerics.behaviour import Behaviour, next_token_behaviour
@@ -79,7 +79,7 @@ _HIDDEN = re.compile(r"hidden_states?$")
 class OutputsCheck(Check):
     name = "outputs"
     description = "model outputs on the probe inputs against cpu/float64, with health flags"
-    needs_reference_target = True
+    against = REFERENCE_TARGET
 
     def capture(self, ctx: CaptureContext, loaded: Loaded, out: Capture) -> None:
         adapter = BASE if loaded.adapter is None else loaded.adapter.name

@@ -9,7 +9,16 @@ from typing import Any
 import torch
 
 from core.capture import BASE, Capture, TensorKey
-from core.checks.base import CaptureContext, Check, Reference, add_note, missing_reference_row
+from core.checks.base import (
+    LOADED,
+    CaptureContext,
+    Check,
+    Reference,
+    add_note,
+    measure_against,
+    missing_reference_row,
+    row_labels,
+)
 from core.methods.adapter_keys import (
     PROMPT_KEY,
     SAVED_MODULE,
@@ -50,7 +59,7 @@ def rewritten_module(name: str) -> str | None:
 
 class WeightsCheck(Check):
     name = "weights"
-    loads_exactly = True
+    judged = LOADED
     description = "loaded tensors (base and adapter) against the checkpoint file"
     compares_in_worker = True
     redraws_rounding = True
@@ -125,7 +134,7 @@ class WeightsCheck(Check):
             # Computed when the model is built and never saved (Marian's sinusoidal position embeddings):
             # the file has nothing to say about it, a fresh build of it has.
             built[name] = type(model.get_submodule(name.rpartition(".")[0])).__name__
-            measured = self.measure_against(ctx.spec, ctx.target, key, tensor, fresh, FRESH_BUILD)
+            measured = measure_against(self, ctx.spec, ctx.target, key, tensor, fresh, FRESH_BUILD)
             out.results[key.encode()] = measured.as_dict()
             if measured.sketch is not None:
                 out.sketches[key.encode()] = measured.sketch
@@ -299,7 +308,7 @@ class WeightsCheck(Check):
                 rows.append(self._unused_row(key, shape, capture, label, meta))
             else:
                 row = {
-                    **self.row_labels(key, capture.target, label),
+                    **row_labels(self, key, capture.target, label),
                     "dtype": None,
                     **missing_reference_row(shape),
                     "explanation": "key mismatch: in the checkpoint but not loaded on the target",
@@ -375,7 +384,7 @@ class WeightsCheck(Check):
         "identical", which would claim a bitwise comparison that never happened).
         """
         row = {
-            **self.row_labels(key, capture.target, reference),
+            **row_labels(self, key, capture.target, reference),
             "dtype": None,
             "shape": "x".join(map(str, shape)),
             "numel": math.prod(shape),

@@ -321,7 +321,8 @@ def execute(args, answer: TextIO, plan=None, after=None) -> int:
 
     runner = InProcessRunner() if args.in_process else make_runner(args.runner, args.ray_address)
     # workers import the libraries while this process reads the inputs (memory timelines' too). By the
-    # check's name: its class (`Check.fresh_interpreter`) would import torch here before they start.
+    # check's name, the one place outside its class: asking the class (`Check.loads`) imports torch here,
+    # 3-4 s before the workers could start.
     runner.warm(FRESH_SPARES if "memory" in (getattr(args, "check", None) or ()) else 0)
     try:
         return _run_and_report(args, answer, Engine, runner, plan, after)

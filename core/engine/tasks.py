@@ -210,6 +210,7 @@ def _raised_in(e: BaseException) -> str:
 
 def _comparator(spec, target, checks) -> Callable:
     """`Capture.comparator` for the shared load loop: `compares_in_worker` checks measure each tensor now."""
+    from core.checks.base import measure
     from core.models.checkpoint import keeps_tensors
 
     by_name = {c.name: c for c in checks if c.compares_in_worker}
@@ -219,7 +220,7 @@ def _comparator(spec, target, checks) -> Callable:
         check = by_name.get(key.check)
         if check is None:
             return None
-        measured = check.measure(spec, target, key, tensor)
+        measured = measure(check, spec, target, key, tensor)
         capture.results[key.encode()] = measured.as_dict()
         if measured.sketch is not None:
             capture.sketches[key.encode()] = measured.sketch

@@ -42,7 +42,19 @@ import pandas as pd
 import torch
 
 from core.capture import Capture, TensorKey
-from core.checks.base import CaptureContext, Check, Measured, Reference, add_note, tolerance
+from core.checks.base import (
+    REFERENCE_TARGET,
+    SHARED_LAST,
+    CaptureContext,
+    Check,
+    Measured,
+    Reference,
+    add_note,
+    measure_against,
+    measured_row,
+    row_labels,
+    tolerance,
+)
 from core.checks.merge.keys import (
     ROUNDTRIP_NOTE,
     SAVED_NOTE,
@@ -80,8 +92,8 @@ from core.spec import AdapterRef, ProbeSpec, Target
 class MergeCheck(Check):
     name = "merge"
     description = "merged weights vs W + ΔW in float64, merged vs unmerged outputs, save round trip"
-    needs_reference_target = True
-    mutates_model = True
+    against = REFERENCE_TARGET
+    loads = SHARED_LAST
 
     # ------------------------------------------------------------------------------------------
     # capture
@@ -166,7 +178,7 @@ class MergeCheck(Check):
             dtype = str(t.dtype).removeprefix("torch.")
             measured = Measured(label, note, dtype, no_reference(t, label, note), None, content_hash(t))
         else:
-            measured = self.measure_against(ctx.spec, ctx.target, key, t, ref, label, note)
+            measured = measure_against(self, ctx.spec, ctx.target, key, t, ref, label, note)
             if role == "merged":
                 before = None if before is None else before.detach().cpu()
                 measured.row["scale_ulp"] = scale_ulp(t.detach().cpu(), ref, before, dtype_of(ctx.target))
@@ -500,7 +512,7 @@ class MergeCheck(Check):
             kind = info.get("kind", "lora")
             measured = capture.result(key)
             if measured is not None and role != "output":  # measured in the worker (`_add`): its row
-                row = self.measured_row(key, capture.target, measured)
+                row = measured_row(self, key, capture.target, measured)
                 if role == "roundtrip":
                     add_note(row, ROUNDTRIP_NOTE)
                 self._weight_findings(row, role, stage, name, info, target)
@@ -541,7 +553,7 @@ class MergeCheck(Check):
         note: str,
         dtype: torch.dtype,
     ) -> dict[str, Any]:
-        row = self.row_labels(key, capture.target, Reference(label=label, tensors={}, notes={}))
+        row = row_labels(self, key, capture.target, Reference(label=label, tensors={}, notes={}))
         row["note"] = note
         row["dtype"] = str(tensor.dtype).removeprefix("torch.")
         if ref is None:
