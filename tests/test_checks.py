@@ -363,3 +363,13 @@ def test_old_bert_checkpoint_with_position_ids_and_an_unused_head(tmp_path):
     assert len(rest) == 23 and (rest.verdict == "identical").all()
     assert report.exit_code(table.reset_index()) == 1  # the position ids differ; nothing is broken
     assert report.exit_code(table.drop("embeddings.position_ids").reset_index()) == 0
+
+
+def test_the_runners_fresh_interpreter_checks_are_the_classes():
+    """The CLI and the API warm fresh interpreters by check name before they import the checks: the names
+    are the checks whose class says so, and only a run of one of them gets spares."""
+    from core.engine.runners import FRESH_INTERPRETER_CHECKS, FRESH_SPARES, fresh_spares
+
+    assert set(FRESH_INTERPRETER_CHECKS) == {name for name, c in CHECKS.items() if c.fresh_interpreter}
+    assert fresh_spares(["weights", "memory"]) == FRESH_SPARES
+    assert fresh_spares(["weights", "deltas"]) == fresh_spares(None) == 0

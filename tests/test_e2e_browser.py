@@ -591,11 +591,11 @@ def _run_scenario(
     assert status.get("status") == "succeeded", f"{scenario}: {status.get('error')}"
     page.locator(f"{MAIN} {CHART}").first.wait_for(state="visible", timeout=STEP_TIMEOUT_S * 1000)
     elapsed = time.monotonic() - t_click
-    _settle_url(page)
+    # the page drawn with the run's end: its result text, no rerun in progress (not a quiet period)
+    _wait_for(lambda: expect in _main_text(page), STEP_TIMEOUT_S, f"/{path} to show {expect!r}", page)
     wait_idle(page)
     _no_exception(page, f"/{path} after {scenario}")
     assert query_params(page.url).get("run") == run_id, page.url
-    assert expect in _main_text(page), f"/{path} after {scenario} should show {expect!r}"
     page.mouse.move(5, 5)  # no button tooltip over the result
     # Fold the scenario buttons away so the screenshot opens on the result.
     if button.is_visible():

@@ -313,11 +313,11 @@ def compare(
 def _execute(home: Path, plan, progress: bool) -> Run:
     """Submit `plan(home)`'s spec (and what installs imported captures) and wait for its end."""
     from core.engine.jobs import Engine
-    from core.engine.runners import FRESH_SPARES, ProcessRunner
+    from core.engine.runners import ProcessRunner, fresh_spares
 
     spec, install = plan(home)
     runner = ProcessRunner()
-    runner.warm(FRESH_SPARES if "memory" in spec.checks else 0)
+    runner.warm(fresh_spares(spec.checks))
     engine = Engine(home, runner=runner)
     try:
         job = engine.submit(spec, install=install)

@@ -317,13 +317,11 @@ def execute(args, answer: TextIO, plan=None, after=None) -> int:
     once the run succeeded and returns what to add to the report."""
     from core.engine.jobs import Engine
     from core.engine.ray_runner import make_runner
-    from core.engine.runners import FRESH_SPARES, InProcessRunner
+    from core.engine.runners import InProcessRunner, fresh_spares
 
     runner = InProcessRunner() if args.in_process else make_runner(args.runner, args.ray_address)
-    # workers import the libraries while this process reads the inputs (memory timelines' too). By the
-    # check's name, the one place outside its class: asking the class (`Check.loads`) imports torch here,
-    # 3-4 s before the workers could start.
-    runner.warm(FRESH_SPARES if "memory" in (getattr(args, "check", None) or ()) else 0)
+    # workers import the libraries while this process reads the inputs (memory timelines' too)
+    runner.warm(fresh_spares(getattr(args, "check", None)))
     try:
         return _run_and_report(args, answer, Engine, runner, plan, after)
     finally:

@@ -41,6 +41,15 @@ from core.spec import SpecError, Target
 # first two (the demo's two CPU targets, or two lanes of a 2-core machine) start imported; others
 # start their own, ahead of their task. Each idle one holds its imports' memory (0.54 GB RSS here).
 FRESH_SPARES = 2
+# The checks that run in a fresh interpreter (`Check.loads` FRESH_INTERPRETER), by name: the CLI and the API
+# warm their runner before they import the checks (core.checks imports torch, 3-4 s), and a test holds
+# this equal to the classes' attribute.
+FRESH_INTERPRETER_CHECKS = ("memory",)
+
+
+def fresh_spares(checks) -> int:
+    """How many fresh interpreters to start ahead for a run of the checks named `checks`."""
+    return FRESH_SPARES if any(c in FRESH_INTERPRETER_CHECKS for c in checks or ()) else 0
 
 
 # `gpu` or `cpu`: makes the process runner act as where a GPU is visible, or as where none is (`worker_path`)
