@@ -57,6 +57,37 @@ class SpecError(ValueError):
     """A spec, target string or option that cannot be used, with a message for the user."""
 
 
+class InputError(SpecError):
+    """An input file or folder that cannot be used, with the reason."""
+
+
+def model_folder(model: ModelRef) -> Path | None:
+    """The base model's local folder, a folder with a config.json; None for a hub id (the worker resolves
+    it). InputError naming what is wrong. Reads no library: a wrong path is answered before any import."""
+    path = Path(model.path).expanduser()
+    if not path.exists():
+        if model.path.startswith(("/", ".", "~")) or model.path.count("/") != 1:
+            raise InputError(f"base model {model.path}: no such folder")
+        return None
+    if not path.is_dir():
+        raise InputError(f"base model {model.path}: not a folder")
+    if not (path / "config.json").exists():
+        raise InputError(f"base model {model.path}: not a model folder (no config.json)")
+    return path
+
+
+def adapter_folder(adapter: AdapterRef) -> Path:
+    """The adapter's folder, a folder with an adapter_config.json; InputError naming what is wrong."""
+    path = Path(adapter.path).expanduser()
+    if not path.is_dir():
+        raise InputError(f"adapter {adapter.name}: no such folder {adapter.path}")
+    if not (path / "adapter_config.json").exists():
+        raise InputError(
+            f"adapter {adapter.name}: not an adapter folder (no adapter_config.json in {adapter.path})"
+        )
+    return path
+
+
 @dataclass(frozen=True)
 class ModelRef:
     """A base model: a local folder, or a hub id (works only where the hub or its cache is reachable)."""

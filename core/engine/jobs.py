@@ -26,7 +26,7 @@ from core.engine.runners import Outcome, ProcessRunner, Runner
 from core.engine.schedule import CompareGroup, Schedule, capture_tasks, plan
 from core.engine.store import Store, StoreError, write_reference_fallback, write_timed_out
 from core.engine.tasks import Task
-from core.spec import ProbeSpec, SpecError, Target, next_best_reference
+from core.spec import ProbeSpec, SpecError, Target, adapter_folder, model_folder, next_best_reference
 
 
 def task_time_limit(spec: ProbeSpec) -> float:
@@ -252,10 +252,15 @@ class Engine:
                 f"target {placed} names node {placed.node}: only the Ray runner places targets on nodes "
                 "(--runner ray); the local runner runs every target on this machine"
             )
-        if any(t.machine is None for t in spec.targets) and not runner.validate_inputs(spec):
-            from core.models.validate import validate_inputs
+        if any(t.machine is None for t in spec.targets):
+            # a wrong path is said at once, not after the worker's imports (7 s here) that the rest needs
+            model_folder(spec.base)
+            for adapter in spec.adapters:
+                adapter_folder(adapter)
+            if not runner.validate_inputs(spec):
+                from core.models.validate import validate_inputs
 
-            validate_inputs(spec)
+                validate_inputs(spec)
 
     def submit(
         self, spec: ProbeSpec, install: Callable[[Path], None] | None = None, runner: Runner | None = None

@@ -31,7 +31,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from core.spec import AdapterRef, ModelRef, SpecError
+from core.spec import AdapterRef, InputError, ModelRef, adapter_folder
 
 __all__ = ["Checkpoint", "CheckpointError", "TensorInfo", "SAFETENSORS_DTYPES", "read_header"]
 
@@ -495,10 +495,6 @@ def float64_offload_dtype(model: ModelRef) -> torch.dtype | None:
     return max((t.dtype for t in floating), key=lambda d: d.itemsize)
 
 
-class InputError(SpecError):
-    """An input file or folder that cannot be used, with the reason."""
-
-
 # What a JSON value is called in a message ("holds a JSON list"), by its Python type.
 _JSON_KINDS = {
     list: "list",
@@ -540,14 +536,7 @@ def check_adapter_config(adapter: AdapterRef) -> dict[str, Any]:
 
     PEFT looks `peft_type` up as written (`LORA`, not `lora`), so the same spelling is required here.
     """
-    path = Path(adapter.path).expanduser()
-    if not path.is_dir():
-        raise InputError(f"adapter {adapter.name}: no such folder {adapter.path}")
-    config_path = path / "adapter_config.json"
-    if not config_path.exists():
-        raise InputError(
-            f"adapter {adapter.name}: not an adapter folder (no adapter_config.json in {adapter.path})"
-        )
+    config_path = adapter_folder(adapter) / "adapter_config.json"
     owner = f"adapter {adapter.name} ({adapter.path})"
     config = read_json_object(config_path, owner, "the adapter's settings, as PEFT saves them")
     known = peft_types()

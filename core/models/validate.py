@@ -20,7 +20,7 @@ from core.models.checkpoint import (
     load_config,
     read_json_object,
 )
-from core.spec import AdapterRef, ModelRef, ProbeSpec, ToleranceOverride
+from core.spec import AdapterRef, ModelRef, ProbeSpec, ToleranceOverride, model_folder
 
 # Input embeddings that a tied `lm_head` shares its storage with (Llama/Mistral, GPT-2, BERT, GPT-NeoX).
 TIED_EMBEDDING_NAMES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
@@ -52,15 +52,9 @@ def loaded_shapes(folder: Path, file_shapes: dict[str, tuple[int, ...]]) -> dict
 
 def validate_model(model: ModelRef) -> dict[str, tuple[int, ...]] | None:
     """A local base model folder must exist, have config.json and intact weights."""
-    path = Path(model.path).expanduser()
-    if not path.exists():
-        if model.path.startswith(("/", ".", "~")) or model.path.count("/") != 1:
-            raise InputError(f"base model {model.path}: no such folder")
+    path = model_folder(model)
+    if path is None:
         return None  # a hub id: resolved by the worker, where the hub or its cache is reachable
-    if not path.is_dir():
-        raise InputError(f"base model {model.path}: not a folder")
-    if not (path / "config.json").exists():
-        raise InputError(f"base model {model.path}: not a model folder (no config.json)")
     config = read_json_object(
         path / "config.json", f"base model {model.path}", "the model's settings, as transformers saves them"
     )
