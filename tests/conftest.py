@@ -4,31 +4,45 @@ from __future__ import annotations
 
 import pytest
 
-# The test files that take longest, longest first (seconds on the 2-core development machine, two
-# workers, 2026-11-28): the workers take whole files in this order, then the rest in collection order,
-# so that the last file to start is a short one and both workers end together.
-LONGEST_FIRST = (
+# The test files whose tests start processes of their own (worker processes, the fork server, a Streamlit
+# server and Chromium, Ray, the CLI, a notebook kernel), longest first (seconds on the 2-core development
+# machine, 2026-11-28). pytest-xdist gives them to one worker as one unit, one after another, while the
+# other worker takes the in-process files: two of them at once oversubscribe the 2 cores (both ran up to
+# 40 % slower so), and each is paired with in-process work instead.
+PROCESS_FILES = (
     "test_e2e_browser.py",  # 166
     "test_cli.py",  # 128
-    "test_families.py",  # 124
     "test_fork_server.py",  # 106
     "test_ray_runner.py",  # 72
-    "test_app.py",  # 43
     "test_task_timeout.py",  # 42
-    "test_kernel.py",  # 41
     "test_api.py",  # 38
-    "test_memory.py",  # 35
-    "test_engine.py",  # 34
-    "test_report.py",  # 26
-    "test_methods.py",  # 20
 )
+# The slowest in-process files, first among the rest, so that the last file to start is a short one.
+LONGEST_FIRST = ("test_families.py", "test_app.py", "test_memory.py", "test_engine.py", "test_report.py")
+PROCESSES = "processes"  # the work unit of PROCESS_FILES
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The test files in LONGEST_FIRST's order, ahead of the others (pyproject's --no-loadscope-reorder
-    keeps it for pytest-xdist); the tests of a file in their own order."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    """PROCESS_FILES first, then LONGEST_FIRST, then the rest in collection order (pyproject's
+    --no-loadscope-reorder keeps it for pytest-xdist); the tests of a file in their own order."""
+    order = (*PROCESS_FILES, *LONGEST_FIRST)
+    rank = {name: i for i, name in enumerate(order)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """pytest-xdist's loadfile scheduling, with PROCESS_FILES as one unit (`PROCESSES`)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ProcessFilesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return PROCESSES if scope.rpartition("/")[2] in PROCESS_FILES else scope
+
+    return ProcessFilesTogether(config, log)
 
 
 @pytest.fixture(scope="session")
