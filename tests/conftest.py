@@ -4,45 +4,51 @@ from __future__ import annotations
 
 import pytest
 
-# The test files whose tests start processes of their own (worker processes, the fork server, a Streamlit
-# server and Chromium, Ray, the CLI, a notebook kernel), longest first (seconds on the 2-core development
-# machine, 2026-11-28). pytest-xdist gives them to one worker as one unit, one after another, while the
-# other worker takes the in-process files: two of them at once oversubscribe the 2 cores (both ran up to
-# 40 % slower so), and each is paired with in-process work instead.
-PROCESS_FILES = (
-    "test_e2e_browser.py",  # 166
-    "test_cli.py",  # 128
-    "test_fork_server.py",  # 106
-    "test_ray_runner.py",  # 72
+# The test files whose tests wait on processes of their own against a clock (the browser's steps on a
+# Streamlit server and its workers, a task's time limit, the fork server's forks): pytest-xdist gives them
+# to one worker as one unit, one after another, so that no two of them share the 2 cores. Seconds on the
+# 2-core development machine, 2026-11-28.
+TIMED_FILES = (
+    "test_e2e_browser.py",  # 166-205
+    "test_fork_server.py",  # 106-128
     "test_task_timeout.py",  # 42
-    "test_api.py",  # 38
 )
-# The slowest in-process files, first among the rest, so that the last file to start is a short one.
-LONGEST_FIRST = ("test_families.py", "test_app.py", "test_memory.py", "test_engine.py", "test_report.py")
-PROCESSES = "processes"  # the work unit of PROCESS_FILES
+# Then the other files, slowest first (the CLI's, Ray's and the notebook's start processes too, untimed),
+# so that the last file to start is a short one; the rest in collection order.
+LONGEST_FIRST = (
+    "test_families.py",  # 121-128
+    "test_cli.py",  # 124-184
+    "test_ray_runner.py",  # 72-99
+    "test_app.py",  # 43-62
+    "test_api.py",  # 37
+    "test_report.py",  # 26-41
+    "test_engine.py",  # 34
+    "test_memory.py",  # 26-35
+)
+TIMED = "timed"  # the work unit of TIMED_FILES
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """PROCESS_FILES first, then LONGEST_FIRST, then the rest in collection order (pyproject's
+    """TIMED_FILES first, then LONGEST_FIRST, then the rest in collection order (pyproject's
     --no-loadscope-reorder keeps it for pytest-xdist); the tests of a file in their own order."""
-    order = (*PROCESS_FILES, *LONGEST_FIRST)
+    order = (*TIMED_FILES, *LONGEST_FIRST)
     rank = {name: i for i, name in enumerate(order)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """pytest-xdist's loadfile scheduling, with PROCESS_FILES as one unit (`PROCESSES`)."""
+    """pytest-xdist's loadfile scheduling, with TIMED_FILES as one unit (`TIMED`)."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    class ProcessFilesTogether(LoadFileScheduling):
+    class TimedFilesTogether(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             scope = super()._split_scope(nodeid)
-            return PROCESSES if scope.rpartition("/")[2] in PROCESS_FILES else scope
+            return TIMED if scope.rpartition("/")[2] in TIMED_FILES else scope
 
-    return ProcessFilesTogether(config, log)
+    return TimedFilesTogether(config, log)
 
 
 @pytest.fixture(scope="session")
