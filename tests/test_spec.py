@@ -107,3 +107,25 @@ def test_an_adapter_path_may_hold_an_equals_sign(tmp_path):
         AdapterRef.parse(str(folder))  # exists: not split, and its folder name is no adapter name
     assert AdapterRef.parse(f"{folder}=best") == AdapterRef(str(folder), "best")
     assert AdapterRef.parse(str(tmp_path / "gone=best")) == AdapterRef(str(tmp_path / "gone"), "best")
+
+
+def test_input_folders_are_checked_without_a_library(tmp_path):
+    """A wrong base or adapter path is refused in one line before any worker imports the libraries; a hub
+    id (owner/name, no such folder here) is left to the worker."""
+    from core.spec import AdapterRef, InputError, ModelRef, adapter_folder, model_folder
+
+    assert model_folder(ModelRef("someone/some-model")) is None
+    file = tmp_path / "weights.bin"
+    file.write_bytes(b"")
+    with pytest.raises(InputError, match=rf"^base model {file}: not a folder$"):
+        model_folder(ModelRef(str(file)))
+    with pytest.raises(InputError, match=rf"^base model {tmp_path}: not a model folder \(no config.json\)$"):
+        model_folder(ModelRef(str(tmp_path)))
+    (tmp_path / "config.json").write_text("{}")
+    assert model_folder(ModelRef(str(tmp_path))) == tmp_path
+    with pytest.raises(
+        InputError, match=rf"^adapter a: not an adapter folder \(no adapter_config.json in {tmp_path}\)$"
+    ):
+        adapter_folder(AdapterRef(str(tmp_path), "a"))
+    with pytest.raises(InputError, match=rf"^adapter a: no such folder {tmp_path / 'nope'}$"):
+        adapter_folder(AdapterRef(str(tmp_path / "nope"), "a"))
