@@ -20,7 +20,7 @@ import tempfile
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,7 +47,7 @@ FRESH_SPARES = 2
 FRESH_INTERPRETER_CHECKS = ("memory",)
 
 
-def fresh_spares(checks) -> int:
+def fresh_spares(checks: Iterable[str] | None) -> int:
     """How many fresh interpreters to start ahead for a run of the checks named `checks`."""
     return FRESH_SPARES if any(c in FRESH_INTERPRETER_CHECKS for c in checks or ()) else 0
 
