@@ -218,9 +218,11 @@ def test_bad_inputs_exit_2_with_one_line(demo_workspace, tmp_path):
 
 
 def test_demo_json_and_devices(demo_workspace, tmp_path):
-    proc = cli("demo", "--json", home=tmp_path)
+    # the session's demo home: `demo` finds its workspace (test_json_is_one_document… builds one by the CLI)
+    proc = cli("demo", "--json", home=Path(demo_workspace["models"]["tiny-llama"]).parents[2])
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
+    assert out == {key: json.loads(json.dumps(demo_workspace[key])) for key in out}  # what the build made
     assert set(out["models"]) == {"tiny-llama", "tiny-bert"}
     assert out["adapters"]["boft"]["type"] == "boft" and out["adapters"]["boft"]["base"] == "tiny-llama"
     assert Path(out["adapters"]["pissa"]["path"]).is_dir()
