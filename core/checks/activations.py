@@ -10,10 +10,10 @@
   module is the cause.
 
 The reference target runs first (`Check.against`: `REFERENCE_TARGET_FIRST`): it keeps every recorded
-output and the tensors among each leaf call's arguments. A target's worker then reads those back one tensor at a time (`safe_open`) and
-compares each output as its hook sees it, so no worker ever holds the whole model's activations:
-its capture keeps a metric row and a bounded sketch per module output (the tensors too on a small
-model, `checkpoint.keeps_tensors`).
+output and the tensors among each leaf call's arguments. A target's worker then reads those back one
+tensor at a time (`safe_open`) and compares each output as its hook sees it, so no worker ever holds the
+whole model's activations: its capture keeps a metric row and a bounded sketch per module output (the
+tensors too on a small model, `checkpoint.keeps_tensors`).
 
 Rows carry `order` (execution order of the outputs, per adapter), `drift` (accumulated or local),
 `call` (0 for a module's first call, 1 for a second call of a shared module, …), `module_path`,

@@ -1,7 +1,8 @@
 """`memory`: memory per device index at every load stage, and where each parameter lives.
 
 Runs in a fresh worker process of its own per target and load variant (`Check.loads`:
-`FRESH_INTERPRETER`), so that what it sees is caused by the load itself. Variants (load strategies for the adapters):
+`FRESH_INTERPRETER`), so that what it sees is caused by the load itself. Variants (load strategies for
+the adapters):
 
 - `torch_device`: `PeftModel.from_pretrained(..., torch_device=target.device)`, then
   `load_adapter(..., torch_device=target.device)` for each later adapter;
