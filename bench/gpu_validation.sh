@@ -80,23 +80,27 @@ print(sys.version); print(torch.__version__, torch.version.cuda, torch.cuda.get_
 print(\"transformers\", transformers.__version__, \"peft\", peft.__version__, \"bnb\", bitsandbytes.__version__, \"numba\", numba.__version__)'"
 step devices 60 $PY -m core devices
 if [ -n "${QUICK:-}" ]; then
-    # What one lent machine's minutes hold (issues 35 and 36): the demo with every check on the four
-    # targets of the H200 tables and the quantized path side by side; then, alone (their numbers are
-    # memory or time), the GPU-marked tests, the memory scenario and the bench's worker ratio.
+    # What one lent machine's minutes hold (issues 35 and 36): the GPU-marked tests, the quantized path,
+    # the memory tests and scenario, and the demo with every check on the four targets of the H200 tables.
     QUICK_CHECKS="weights deltas outputs merge activations generate"
     # the device comparison's GPU-marked parity tests (issue 36.2) beside tests/test_gpu.py
     GPU_TESTS=${GPU_TESTS:-tests/test_kernel.py tests/test_metrics.py}
     step demo_build 90 $PY -m core demo --json  # PEFT tries to build BOFT's CUDA kernel here (nvcc)
-    # the import unit the demo's wall time is set against (bench/cli_demo.py's BARE_IMPORT)
-    step bare_import 60 bash -c "TIMEFORMAT='bare import wall %R s'; time $PY -c 'import torch, transformers, peft'"
-    step demo_all 270 $PY -m core run --demo --check $QUICK_CHECKS --json \
-        --target cpu/float32 $CUDA/float32 $CUDA/float32+tf32 $CUDA/bfloat16 &
+    # the GPU-marked tests first (unreached in two calls): a test per xdist worker (the image has
+    # pytest-xdist; pyproject's loadfile would run test_gpu.py's tests one after another), beside the
+    # quantized run; then, alone (their numbers are memory or time), the memory tests and scenario,
+    # and the demo's wall time in import units
+    step pytest_gpu 240 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py $GPU_TESTS \
+        --timeout 220 -n 8 --dist load &
     step quantized 200 $PY -m core run --scenario qlora-served-elsewhere --check weights outputs merge --json \
         --target cpu/nf4 cpu/nf4+portable $CUDA/nf4 $CUDA/int8 &
     wait
-    step pytest_gpu 200 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py $GPU_TESTS --timeout 180
     step pytest_gpu_memory 120 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_memory_gpu.py --timeout 100
-    step memory 60 $PY -m core run --scenario memory-placement --target $CUDA/float32 --json
+    step memory 90 $PY -m core run --scenario memory-placement --target $CUDA/float32 --json
+    # the import unit the demo's wall time is set against (bench/cli_demo.py's BARE_IMPORT)
+    step bare_import 60 bash -c "TIMEFORMAT='bare import wall %R s'; time $PY -c 'import torch, transformers, peft'"
+    step demo_all 240 $PY -m core run --demo --check $QUICK_CHECKS --json \
+        --target cpu/float32 $CUDA/float32 $CUDA/float32+tf32 $CUDA/bfloat16
     if [ -n "${BENCH_WORKERS:-}" ]; then
         step bench_workers 150 $PY -m bench $BENCH_WORKERS --out "$WORK/bench-workers.json"
     fi
