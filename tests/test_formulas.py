@@ -433,6 +433,71 @@ def test_boft_without_extension_ignores_the_butterfly_factor(llama: str, tmp_pat
     assert not next(iter(adapted_modules(model).values()))[0].fbd_cuda_available
 
 
+def test_a_failing_fbd_cuda_build_is_attempted_once_per_machine(
+    llama: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PEFT retries its failing fbd_cuda build at every BOFT layer (5.7–8.7 s per adapter load on an H200
+    machine); `remember_fbd_cuda_failure` keeps the first failure in the process and, keyed, on disk.
+    A build that succeeds, or a changed toolchain, is PEFT's as before."""
+    from peft import get_peft_model
+    from peft.tuners.boft import layer as boft_layer
+
+    attempts: list[int] = []
+
+    def failing_build():  # PEFT's get_fbd_cuda when the build fails: None, its cache left at None
+        if boft_layer._FBD_CUDA is not None:
+            return boft_layer._FBD_CUDA
+        attempts.append(1)
+        return None
+
+    def as_imported() -> None:  # a new process: PEFT's module as imported
+        monkeypatch.setattr(boft_layer, "_FBD_CUDA", None)
+        monkeypatch.setattr(boft_layer, "get_fbd_cuda", failing_build)
+
+    def boft_layers() -> list:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = get_peft_model(_base(llama, torch.float32), _boft(boft_block_size=4))
+        return [layer for layer, _ in adapted_modules(model).values()]
+
+    markers = tmp_path / "markers"
+    as_imported()
+    plain = boft_layers()
+    assert len(attempts) == len(plain) == 8  # q_proj and down_proj of the demo's four layers: a build each
+    attempts.clear()
+    orthogonal.remember_fbd_cuda_failure(markers)
+    remembered = boft_layers()
+    assert len(attempts) == 1
+    assert [m.name for m in markers.iterdir()] == [f"{orthogonal.fbd_cuda_build_key()}.failed"]
+    assert [layer.fbd_cuda_available for layer in remembered] == [False] * 8
+    shapes = [[p.shape for p in layer.boft_R.values()] for layer in plain]
+    assert [[p.shape for p in layer.boft_R.values()] for layer in remembered] == shapes
+
+    as_imported()
+    orthogonal.remember_fbd_cuda_failure(markers)
+    assert [layer.fbd_cuda_available for layer in boft_layers()] == [False] * 8
+    assert len(attempts) == 1  # the marker: no build in this process
+
+    as_imported()
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")  # another toolchain setting: another key
+    orthogonal.remember_fbd_cuda_failure(markers)
+    boft_layers()
+    assert len(attempts) == 2 and len(list(markers.iterdir())) == 2
+
+    extension = object()
+
+    def working_build():
+        boft_layer._FBD_CUDA = extension
+        return extension
+
+    monkeypatch.setattr(boft_layer, "_FBD_CUDA", None)
+    monkeypatch.setattr(boft_layer, "get_fbd_cuda", working_build)
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    orthogonal.remember_fbd_cuda_failure(markers)
+    assert boft_layer.get_fbd_cuda() is extension and boft_layer.get_fbd_cuda() is extension
+    assert len(list(markers.iterdir())) == 2
+
+
 # --------------------------------------------------------------------------------------------------
 # OFT rotation quirks, against PEFT's own function
 # --------------------------------------------------------------------------------------------------

@@ -195,6 +195,7 @@ def _build_into(tmp: Path, final: Path, progress: Progress | None) -> dict:
     from peft import BOFTConfig, IA3Config, LoraConfig, OFTConfig
 
     from core.methods.adapter_keys import adapter_type
+    from core.methods.families.orthogonal import remember_fbd_cuda_failure
 
     _quiet()
     total = len(_ARTIFACTS)
@@ -255,6 +256,7 @@ def _build_into(tmp: Path, final: Path, progress: Progress | None) -> dict:
         record("pissa_lora", "tiny-llama")
 
         start("adapter boft")
+        remember_fbd_cuda_failure()
         # Butterfly factor 1: without PEFT's fbd_cuda extension (every CPU-only install) PEFT builds
         # factor 1 whatever the config says, and a config saying 2 would then fail to load (tensor
         # shape mismatch) wherever the extension does compile.

@@ -119,6 +119,7 @@ def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
     from core.capture import BASE, Capture, capture_folder_name
     from core.checks import get_checks
     from core.checks.base import FAILED, REFUSED, CaptureContext, adapter_finding
+    from core.methods.families.orthogonal import remember_fbd_cuda_failure
     from core.models.checkpoint import adapters_task_type, load_config, release_scratch
     from core.models.loading import STRATEGIES, float32_fallback_notes, model_class
     from core.models.probes import probe_inputs
@@ -142,6 +143,7 @@ def run_capture(task: Task, emit: Emit, should_cancel: Callable[[], bool]) -> No
 
     progress("apply flags")
     apply_flags(target)
+    remember_fbd_cuda_failure()  # else each BOFT layer retries PEFT's failing nvcc build (~1 s on a GPU)
     capture = Capture(
         target=str(target),
         environment=environment(target.device),

@@ -5,8 +5,15 @@ they save, and how PEFT's layers give their rotations.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
+import shutil
+import sys
+import sysconfig
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -213,3 +220,91 @@ def peft_source(layer: nn.Module, adapter: str, kind: str) -> str:
         how = "exact Cayley (linalg.solve)"
     coft = ", coft projection" if module.coft else ""
     return f"oft.get_delta_weight rotation ({how}{coft}) applied to W"
+
+
+# --------------------------------------------------------------------------------------------------
+# PEFT's fbd_cuda build: attempted once per machine while it fails
+# --------------------------------------------------------------------------------------------------
+
+FBD_CUDA_SOURCES = ("fbd/fbd_cuda.cpp", "fbd/fbd_cuda_kernel.cu")
+"""PEFT's sources of the extension, under ``peft/tuners/boft/``."""
+
+
+def fbd_cuda_build_key() -> str:
+    """sha256 of what decides whether PEFT's ``fbd_cuda`` JIT build succeeds: torch, CUDA and PEFT
+    versions, the extension's sources, the Python headers, and the compilers and ninja torch would
+    find (path, size, mtime), with the environment variables torch's build reads."""
+    import peft.tuners.boft.layer as boft_layer
+
+    def stat(path: str | None) -> list[Any] | None:
+        try:
+            st = os.stat(path) if path else None
+        except OSError:
+            return None
+        return None if st is None else [os.path.realpath(path), st.st_size, st.st_mtime_ns]
+
+    # where torch's cpp_extension looks for nvcc (its _find_cuda_home)
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    nvcc = os.path.join(cuda_home, "bin", "nvcc") if cuda_home else shutil.which("nvcc")
+    nvcc = nvcc or "/usr/local/cuda/bin/nvcc"
+    here = Path(boft_layer.__file__).parent
+    sources = [
+        hashlib.sha256((here / s).read_bytes()).hexdigest() if (here / s).is_file() else None
+        for s in FBD_CUDA_SOURCES
+    ]
+    env = ("TORCH_CUDA_ARCH_LIST", "TORCH_EXTENSIONS_DIR", "TORCH_DONT_CHECK_COMPILER_ABI", "MAX_JOBS")
+    blob = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "peft": getattr(sys.modules.get("peft"), "__version__", None),
+        "python": sysconfig.get_paths().get("include"),
+        "sources": sources,
+        "nvcc": stat(nvcc),
+        "gcc": stat(shutil.which("gcc")),
+        "ninja": stat(shutil.which("ninja")),
+        "env": {k: os.environ.get(k) for k in env},
+    }
+    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()
+
+
+FBD_CUDA_MARKERS = Path("~/.cache/weightdrift/fbd_cuda")
+"""Where `remember_fbd_cuda_failure` keeps its markers (beside the kernel's numba cache)."""
+
+
+def remember_fbd_cuda_failure(marker_dir: Path | None = None) -> None:
+    """Let PEFT attempt its ``fbd_cuda`` build once per machine while it fails, not once per BOFT layer.
+
+    Each BOFT layer PEFT builds calls ``get_fbd_cuda()``; a failed build leaves PEFT's cache at None,
+    so the next layer compiles again (on an H200 machine whose nvcc rejects PEFT 0.21.2's kernel under
+    torch 2.11: 5.7–8.7 s per BOFT adapter load, in every task). Here the first failure in a process is
+    kept as PEFT's cache (False: the same ``torch.block_diag`` path for every later layer) and written
+    as a marker under ``marker_dir`` keyed by `fbd_cuda_build_key`; a process that finds its key's
+    marker takes that path without compiling. A build that succeeds is PEFT's as before. Idempotent."""
+    import peft.tuners.boft.layer as boft_layer
+
+    if boft_layer._FBD_CUDA is not None or getattr(boft_layer.get_fbd_cuda, "remembers_failure", False):
+        return
+    directory = (marker_dir or FBD_CUDA_MARKERS).expanduser()
+    marker = directory / f"{fbd_cuda_build_key()}.failed"
+    if marker.is_file():
+        boft_layer._FBD_CUDA = False
+        return
+    attempt = boft_layer.get_fbd_cuda
+
+    def get_fbd_cuda():
+        if boft_layer._FBD_CUDA is not None:
+            return boft_layer._FBD_CUDA
+        extension = attempt()
+        if extension is None:  # PEFT's build failed (it warned why): keep the answer
+            boft_layer._FBD_CUDA = False
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+                tmp = marker.with_suffix(f".{os.getpid()}")
+                tmp.write_text("PEFT's fbd_cuda build failed for this key; delete to build again\n")
+                tmp.replace(marker)
+            except OSError:
+                pass  # a read-only cache: every process attempts once
+        return extension
+
+    get_fbd_cuda.remembers_failure = True
+    boft_layer.get_fbd_cuda = get_fbd_cuda
