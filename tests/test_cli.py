@@ -217,6 +217,31 @@ def test_bad_inputs_exit_2_with_one_line(demo_workspace, tmp_path):
     _one_line_error(cli("run", "--target", "cpu/float32", home=tmp_path), "--base is required")
 
 
+def test_a_wrong_path_or_argument_is_answered_before_any_worker_starts(
+    demo_workspace, tmp_path, monkeypatch, capsys
+):
+    """What the arguments and the folders alone show: no runner is made, no interpreter imports."""
+    from core import cli
+    from core.engine import ray_runner
+
+    def no_runner(*args, **kwargs):
+        raise AssertionError("a runner was made for arguments that cannot run")
+
+    monkeypatch.setattr(ray_runner, "make_runner", no_runner)
+    base = demo_workspace["models"]["tiny-llama"]
+    gone = f"{tmp_path / 'gone'}=gone"
+    cases = [
+        (["--base", str(tmp_path / "nope"), "--target", "cpu/float32"], "no such folder"),
+        (["--base", base, "--adapter", gone, "--target", "cpu/float32"], "no such folder"),
+        (["--base", base, "--target", "cpu/int4"], "unknown dtype"),
+        (["--target", "cpu/float32"], "--base is required"),
+    ]
+    for argv, fragment in cases:
+        assert cli.main(["run", *argv, "--home", str(tmp_path)]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error:") and fragment in err, err
+
+
 def test_demo_json_and_devices(demo_workspace, tmp_path):
     # the session's demo home: `demo` finds its workspace (test_json_is_one_document… builds one by the CLI)
     proc = cli("demo", "--json", home=Path(demo_workspace["models"]["tiny-llama"]).parents[2])

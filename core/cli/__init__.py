@@ -30,6 +30,8 @@ from core.spec import (
     SpecError,
     Target,
     ToleranceOverride,
+    adapter_folder,
+    model_folder,
     weightdrift_home,
 )
 
@@ -313,11 +315,22 @@ def cmd_compare(args, answer: TextIO) -> int:
 def execute(args, answer: TextIO, plan=None, after=None) -> int:
     """Run a spec as a job with progress on stderr, its summary (or JSON) to `answer`; the exit code.
     `plan(home)` gives the spec and what installs imported captures into its run folder (`Engine.submit`),
-    by default `run`'s from the arguments, called once the workers start importing. `after(record)` runs
-    once the run succeeded and returns what to add to the report."""
+    by default `run`'s from the arguments: read, and its folders looked at, before any worker starts; the
+    demo's and a scenario's (built first) once the workers start importing. `after(record)` runs once the
+    run succeeded and returns what to add to the report."""
     from core.engine.jobs import Engine
     from core.engine.ray_runner import make_runner
     from core.engine.runners import InProcessRunner, fresh_spares
+
+    if plan is None and not (args.demo or args.scenario):
+        # given paths, not the demo's: a typo or a wrong folder is answered before a worker starts
+        given = spec_from_args(args, weightdrift_home(args.home))
+        model_folder(given.base)
+        for adapter in given.adapters:
+            adapter_folder(adapter)
+
+        def plan(home: Path):
+            return given, None
 
     runner = InProcessRunner() if args.in_process else make_runner(args.runner, args.ray_address)
     # workers import the libraries while this process reads the inputs (memory timelines' too)
