@@ -484,6 +484,13 @@ def test_a_failing_fbd_cuda_build_is_attempted_once_per_machine(
     boft_layers()
     assert len(attempts) == 2 and len(list(markers.iterdir())) == 2
 
+    as_imported()
+    blocked = tmp_path / "a-file"  # a cache that cannot hold markers: remembered in the process alone
+    blocked.write_text("")
+    orthogonal.remember_fbd_cuda_failure(blocked)
+    assert [layer.fbd_cuda_available for layer in boft_layers()] == [False] * 8
+    assert len(attempts) == 3 and blocked.read_text() == ""
+
     extension = object()
 
     def working_build():

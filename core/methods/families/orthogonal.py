@@ -284,11 +284,14 @@ def remember_fbd_cuda_failure(marker_dir: Path | None = None) -> None:
 
     if boft_layer._FBD_CUDA is not None or getattr(boft_layer.get_fbd_cuda, "remembers_failure", False):
         return
-    directory = (marker_dir or FBD_CUDA_MARKERS).expanduser()
-    marker = directory / f"{fbd_cuda_build_key()}.failed"
-    if marker.is_file():
-        boft_layer._FBD_CUDA = False
-        return
+    try:
+        directory = (marker_dir or FBD_CUDA_MARKERS).expanduser()
+        marker: Path | None = directory / f"{fbd_cuda_build_key()}.failed"
+        if marker.is_file():
+            boft_layer._FBD_CUDA = False
+            return
+    except (OSError, RuntimeError):  # no home, or a cache it may not read: remembered in this process only
+        marker = None
     attempt = boft_layer.get_fbd_cuda
 
     def get_fbd_cuda():
@@ -297,13 +300,14 @@ def remember_fbd_cuda_failure(marker_dir: Path | None = None) -> None:
         extension = attempt()
         if extension is None:  # PEFT's build failed (it warned why): keep the answer
             boft_layer._FBD_CUDA = False
-            try:
-                directory.mkdir(parents=True, exist_ok=True)
-                tmp = marker.with_suffix(f".{os.getpid()}")
-                tmp.write_text("PEFT's fbd_cuda build failed for this key; delete to build again\n")
-                tmp.replace(marker)
-            except OSError:
-                pass  # a read-only cache: every process attempts once
+            if marker is not None:
+                try:
+                    marker.parent.mkdir(parents=True, exist_ok=True)
+                    tmp = marker.with_suffix(f".{os.getpid()}")
+                    tmp.write_text("PEFT's fbd_cuda build failed for this key; delete to build again\n")
+                    tmp.replace(marker)
+                except OSError:
+                    pass  # a read-only cache: every process attempts once
         return extension
 
     get_fbd_cuda.remembers_failure = True
