@@ -88,6 +88,14 @@ def adapter_folder(adapter: AdapterRef) -> Path:
     return path
 
 
+def input_folders(spec: ProbeSpec) -> None:
+    """`model_folder` of the base and `adapter_folder` of each adapter: InputError for the first wrong one.
+    Reads no library."""
+    model_folder(spec.base)
+    for adapter in spec.adapters:
+        adapter_folder(adapter)
+
+
 @dataclass(frozen=True)
 class ModelRef:
     """A base model: a local folder, or a hub id (works only where the hub or its cache is reachable)."""

@@ -30,8 +30,7 @@ from core.spec import (
     SpecError,
     Target,
     ToleranceOverride,
-    adapter_folder,
-    model_folder,
+    input_folders,
     weightdrift_home,
 )
 
@@ -325,9 +324,7 @@ def execute(args, answer: TextIO, plan=None, after=None) -> int:
     if plan is None and not (args.demo or args.scenario):
         # given paths, not the demo's: a typo or a wrong folder is answered before a worker starts
         given = spec_from_args(args, weightdrift_home(args.home))
-        model_folder(given.base)
-        for adapter in given.adapters:
-            adapter_folder(adapter)
+        input_folders(given)
 
         def plan(home: Path):
             return given, None

@@ -26,7 +26,7 @@ from core.engine.runners import Outcome, ProcessRunner, Runner
 from core.engine.schedule import CompareGroup, Schedule, capture_tasks, plan
 from core.engine.store import Store, StoreError, write_reference_fallback, write_timed_out
 from core.engine.tasks import Task
-from core.spec import ProbeSpec, SpecError, Target, adapter_folder, model_folder, next_best_reference
+from core.spec import ProbeSpec, SpecError, Target, input_folders, next_best_reference
 
 
 def task_time_limit(spec: ProbeSpec) -> float:
@@ -254,9 +254,7 @@ class Engine:
             )
         if any(t.machine is None for t in spec.targets):
             # a wrong path is said at once, not after the worker's imports (7 s here) that the rest needs
-            model_folder(spec.base)
-            for adapter in spec.adapters:
-                adapter_folder(adapter)
+            input_folders(spec)
             if not runner.validate_inputs(spec):
                 from core.models.validate import validate_inputs
 
