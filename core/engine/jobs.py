@@ -441,9 +441,10 @@ class Engine:
 
 class Captures:
     """One job's capture tasks at work, as its `Schedule` says: a thread per lane, each task once those
-    it waits for have ended, and each group's partial compare in a thread of its own as soon as its
-    captures are in while others still run. `run` returns once all have ended, their outcomes in
-    `outcomes` (capture tasks) and `partial_outcomes`."""
+    it waits for have ended, and each group's partial compare as soon as its captures are in while others
+    still run (in a thread of its own; in the lane's, before its next task, on a runner of one task at
+    a time). `run` returns once all have ended, their outcomes in `outcomes` (capture tasks) and
+    `partial_outcomes`."""
 
     def __init__(self, engine: Engine, job: Job, schedule: Schedule, compare: Task):
         """`compare`: the run's final compare task, whose worker the last task of a lane gets ready."""
@@ -524,8 +525,9 @@ class Captures:
             job.runner.prepare(following, log_path(job, following))
 
     def _ended_ok(self, task: Task) -> None:
-        """After a capture task succeeded: start the partial compares now due, unless no capture task is
-        left (the final compare then does their checks)."""
+        """After a capture task succeeded: start the partial compares now due, each in a thread of its own
+        (in this lane's thread, before its next task, on a runner of one task at a time), unless no
+        capture task is left (the final compare then does their checks)."""
         job = self.job
         with self.lock:
             self.succeeded.add(task.label)
@@ -536,6 +538,11 @@ class Captures:
             if not left or job.cancel_event.is_set():
                 job.runner.discard(group.task)
                 self.compared[group.task.label].set()
+                continue
+            if not job.runner.concurrent:
+                # a runner of one task at a time (in-process): the compare before this lane's next task,
+                # so the first page's rows come before the reference's capture, not racing it
+                self._partial(group.task)
                 continue
             thread = threading.Thread(
                 target=self._partial, args=(group.task,), daemon=True, name=f"{job.run_id}-{group.task.label}"
