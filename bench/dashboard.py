@@ -190,6 +190,7 @@ def wait_idle(page, timeout_s: float = STEP_TIMEOUT_S) -> None:
     page.wait_for_function(
         """() => !document.querySelector('[data-testid="stStatusWidget"]')
                  && !document.querySelector('[data-stale="true"]')""",
+        polling=100,  # not every animation frame (the default), which keeps the renderer drawing
         timeout=timeout_s * 1000,
     )
 
