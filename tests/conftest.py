@@ -26,14 +26,24 @@ LONGEST_FIRST = (
     "test_memory.py",  # 26-35
 )
 TIMED = "timed"  # the work unit of TIMED_FILES
-# This package's code, compiled to bytecode once before the tests: the suite starts a hundred interpreters
-# (CLIs, fork servers, memory timelines, Streamlit, Ray, a kernel), and where PYTHONDONTWRITEBYTECODE is
-# set (this box's environment) each compiled core/ anew, ~1 s of CPU apiece. Reading .pyc is still on.
+# This package's code, compiled to bytecode once before the tests (no two processes compile it at once).
 COMPILED = ("core", "dashboard", "bench")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Compile COMPILED once, in the controller (xdist's workers start after it)."""
+    """Let every interpreter of the run write bytecode, and compile COMPILED once, in the controller
+    (xdist's workers start after it, with its environment).
+
+    The suite starts a hundred interpreters (CLIs, fork servers, memory timelines, Streamlit, Ray, a
+    kernel). README's test command installs with pip's --no-compile: compiling all 21,000 files of the
+    dependencies took 58 s of a 124 s install here, and a run imports a fraction of them. Where
+    PYTHONDONTWRITEBYTECODE is set (this box's environment) nothing would then be cached, and each
+    interpreter would compile torch and the rest anew: here the first to import a module writes it."""
+    import os
+    import sys
+
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    sys.dont_write_bytecode = False
     if hasattr(config, "workerinput"):
         return
     import compileall
