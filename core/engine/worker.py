@@ -211,10 +211,8 @@ def lower_priority(niceness: int, pid: int = 0) -> None:
     value and its session's. Linux schedules each session as a group (autogroup, on by default) and
     every worker has a session of its own, so a nice value alone only ranks a process among its own
     session's, not against other tasks, the dashboard or the browser: the session's nice value does
-    (/proc/PID/autogroup). Either is left as it is where the system refuses."""
-    with contextlib.suppress(OSError):
-        if niceness > os.getpriority(os.PRIO_PROCESS, pid):
-            os.setpriority(os.PRIO_PROCESS, pid, niceness)
+    (/proc/PID/autogroup). Either is left as it is where the system refuses. The session's goes first,
+    so whoever sees the process at `niceness` sees its session there too."""
     group = f"/proc/{pid or 'self'}/autogroup"
     with contextlib.suppress(OSError, ValueError, IndexError):
         with open(group) as f:
@@ -222,6 +220,9 @@ def lower_priority(niceness: int, pid: int = 0) -> None:
         if niceness > current:
             with open(group, "w") as f:
                 f.write(str(niceness))
+    with contextlib.suppress(OSError):
+        if niceness > os.getpriority(os.PRIO_PROCESS, pid):
+            os.setpriority(os.PRIO_PROCESS, pid, niceness)
 
 
 def threads(settle_s: float = 0.0) -> int:
