@@ -31,8 +31,8 @@ COMPILED = ("core", "dashboard", "bench")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Let every interpreter of the run write bytecode, and compile COMPILED once, in the controller
-    (xdist's workers start after it, with its environment).
+    """Let every interpreter of the run write bytecode, compile COMPILED once and fill numba's cache of the
+    comparison kernel, in the controller (xdist's workers start after it, with its environment).
 
     The suite starts a hundred interpreters (CLIs, fork servers, memory timelines, Streamlit, Ray, a
     kernel). README's test command installs with pip's --no-compile: compiling all 21,000 files of the
@@ -47,11 +47,24 @@ def pytest_configure(config: pytest.Config) -> None:
     if hasattr(config, "workerinput"):
         return
     import compileall
+    import subprocess
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
     for package in COMPILED:
         compileall.compile_dir(root / package, quiet=1)
+    # numba's cache of the comparison kernel, keyed by the checkout's path: empty in a fresh clone, where
+    # every process that compares before one has written it compiles the kernel itself (~32 CPU-s each).
+    # Filled here, once, the serial and the parallel passes side by side; where it is full, a load.
+    loads = [
+        subprocess.Popen(
+            [sys.executable, "-c", f"from core.engine.worker import load_kernels; load_kernels({passes!r})"],
+            cwd=root,
+        )
+        for passes in ("serial", "parallel")
+    ]
+    for load in loads:
+        load.wait()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -191,19 +191,32 @@ def preimport(fork_safe: bool = False) -> None:
     sees only tensors too small for its OpenMP pool."""
     preimport_fresh()  # the libraries and the capture's modules
     import core.engine.store  # noqa: F401  (a compare's)
+
+    load_kernels("serial")
+    if not fork_safe:
+        load_kernels("parallel")
+
+
+def load_kernels(passes: str) -> None:
+    """Load the comparison kernel's compiled passes from numba's disk cache, compiling (and caching)
+    the ones it lacks (~20 CPU-s for the serial ones, ~12 for the parallel ones): "serial", the passes on
+    the calling thread, plain and with the sketch (all a fork server may load: it must start no thread
+    pool), or "parallel", the passes large tensors take, compiled functions of their own."""
     from core.numerics import kernel, metrics
 
-    if kernel.available():
-        import torch
+    if not kernel.available():
+        return
+    import torch
 
-        a = torch.arange(8, dtype=torch.float32)
-        metrics.measure(a.to(torch.bfloat16), a, metrics.Tolerance(1e-2, 1e-5))  # serial passes, sketch
-        if fork_safe:
-            kernel.compare_cpu(a + 0.5, a, 0.0, 0.0, parallel=False, sketch=True)
-            return
-        # the parallel passes large tensors take are compiled functions of their own
+    a = torch.arange(8, dtype=torch.float32)
+    if passes == "serial":
+        metrics.measure(a.to(torch.bfloat16), a, metrics.Tolerance(1e-2, 1e-5))  # the bitwise pass
+        kernel.compare_cpu(a + 0.5, a, 0.0, 0.0, parallel=False, sketch=True)
+    elif passes == "parallel":
         kernel.compare_cpu(a, a, 0.0, 0.0, parallel=True)
         kernel.compare_cpu(a + 0.5, a, 0.0, 0.0, parallel=True, sketch=True)
+    else:
+        raise ValueError(f"passes {passes!r}: give serial or parallel")
 
 
 def lower_priority(niceness: int, pid: int = 0) -> None:
