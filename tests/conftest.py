@@ -54,7 +54,7 @@ def pytest_configure(config: pytest.Config) -> None:
     for package in COMPILED:
         compileall.compile_dir(root / package, quiet=1)
     # numba's cache of the comparison kernel, keyed by the checkout's path: empty in a fresh clone, where
-    # every process that compares before one has written it compiles the kernel itself (~32 CPU-s each).
+    # every process that compares before one has written it compiles what it uses itself (up to ~32 CPU-s).
     # Filled here, once, the serial and the parallel passes side by side; where it is full, a load.
     loads = [
         subprocess.Popen(
