@@ -336,6 +336,24 @@ def test_forked_and_spawned_tasks_give_the_same_metrics_bit_for_bit_and_a_dead_s
     assert gpu_engine.store.open(on_gpu_path.run_id).info["workers"] == "gpu"
 
 
+def test_load_kernels_loads_the_serial_or_the_parallel_passes_and_no_other_name():
+    """What a fork server loads ("serial": it must start no thread pool) and what a spawned worker and the
+    suite's conftest add ("parallel"): numba's compiled functions, each with a compiled signature after."""
+    from core.engine.worker import load_kernels
+    from core.numerics import kernel
+
+    if not kernel.available():
+        pytest.skip("numba is not importable here")
+    from core.numerics import kernel_jit
+
+    load_kernels("serial")
+    assert kernel_jit.fused_serial.signatures and kernel_jit.bitwise_census_serial.signatures
+    load_kernels("parallel")
+    assert kernel_jit.fused.signatures
+    with pytest.raises(ValueError, match="give serial or parallel"):
+        load_kernels("both")
+
+
 VALIDATE_IN_WORKER = r"""
 import json, sys
 from pathlib import Path
