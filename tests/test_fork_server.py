@@ -249,6 +249,21 @@ def assert_same_rows(a, b, run_a, run_b) -> None:
     assert_frame_equal(a, b, check_exact=True)
 
 
+# A sitecustomize that says in a process's log when it imports transformers (loaded by every interpreter
+# started with its folder on PYTHONPATH).
+SAYS_TRANSFORMERS = """
+import sys
+
+
+def hook(event, args):
+    if event == "import" and args[0] == "transformers":
+        sys.stderr.write("imported transformers\\n")
+
+
+sys.addaudithook(hook)
+"""
+
+
 class RecordingRunner(ProcessRunner):
     """Keeps every task process it starts."""
 
@@ -281,7 +296,14 @@ def test_forked_and_spawned_tasks_give_the_same_metrics_bit_for_bit_and_a_dead_s
     # the server had one thread at every fork (a process given up before its fork reads None)
     assert {p.threads for p in runner.started if p.pid is not None} == {1}
 
-    # The server dies: every task of the next job spawns its own worker, and its log says why.
+    # The server dies: every task of the next job spawns its own worker, and its log says why. A
+    # capture's worker imports transformers; a compare's does not (these checks' compares read no
+    # loaded names), yet its rows are the same, bit for bit.
+    (tmp_path / "says").mkdir()
+    (tmp_path / "says" / "sitecustomize.py").write_text(SAYS_TRANSFORMERS)
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(tmp_path / "says"), os.environ.get("PYTHONPATH", "")])
+    )
     runner.started.clear()
     os.kill(runner._server.proc.pid, signal.SIGKILL)
     runner._server.proc.wait(60)
@@ -294,6 +316,15 @@ def test_forked_and_spawned_tasks_give_the_same_metrics_bit_for_bit_and_a_dead_s
         in log.read_text()
         for log in logs
     )
+    imported = {log.stem: "imported transformers" in log.read_text() for log in logs}
+    assert imported == {
+        "cpu_float64": True,
+        "cpu_bfloat16-weights": True,
+        "cpu_bfloat16-outputs+activations": True,
+        "compare-weights": False,
+        "compare-outputs+activations": False,
+        "compare": False,
+    }
     engine.shutdown("test over")
 
     def table(job):

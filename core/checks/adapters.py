@@ -62,6 +62,7 @@ class AdaptersCheck(Check):
     judged = None
     description = "load strategies side by side against isolated: predictions, base mutation, structure"
     loads = OWN_WORKER
+    reads_loaded_names = True
 
     # --- capture (own worker) -------------------------------------------------------------------
 

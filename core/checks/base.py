@@ -138,8 +138,9 @@ LOADED = "loaded"  # loaded tensors that should be bitwise the file: a peer exac
 class Check(ABC):
     """One kind of measurement.
 
-    A check sets `name` and `description`, implements `capture` and `reference`, and says in five
-    attributes how it runs: `loads`, `against`, `judged`, `compares_in_worker` and `redraws_rounding`. The
+    A check sets `name` and `description`, implements `capture` and `reference`, and says in six
+    attributes how it runs: `loads`, `against`, `judged`, `compares_in_worker`, `redraws_rounding` and
+    `reads_loaded_names`. The
     hooks below have defaults that fit most checks: an own-worker check adds `variants`, `run_stages` and
     `run`; a check labels its rows with `describe` (and `role_of`), adds columns with `extra_columns` or
     rewrites them in `rows`, compares captures together in `compare` (and `compare_steps`), stores
@@ -161,6 +162,9 @@ class Check(ABC):
     # target's dtype (a bfloat16 load of a float32 checkpoint), keeps no sketch: the drill-down draws it
     # again from the reference (`redraw_rounding`), and a run folder holds no map of plain rounding.
     redraws_rounding: ClassVar[bool] = False
+    # Its compare reads the base checkpoint under the names tensors take on load (`read_loaded`, which asks
+    # transformers): its compare task imports transformers and PEFT; any other compare imports neither.
+    reads_loaded_names: ClassVar[bool] = False
 
     # What the engine reads of those attributes.
     @property

@@ -360,7 +360,7 @@ class WeightsCheck(Check):
         if key.adapter == BASE or adapter is None:
             return None
         try:
-            config = read_adapter_config(adapter)
+            config = read_adapter_config(adapter, known_to_peft=False)
         except LoadError:  # moved or gone since the capture: its rows keep the roles their keys give
             return None
         return split_saved_module_key(key.name, saved_module_names(config))

@@ -198,14 +198,14 @@ def remote_task(
     ray = import_ray()
     info = _start_worker(ray)
     yield {"type": "worker", **info}
+    task = Task(**fields)
     if gates is not None:
-        from core.engine.worker import preimport
+        from core.engine.worker import preimport, preimport_compare
 
-        preimport()
+        preimport() if task.needs_libraries else preimport_compare()
         if not ray.get(gates.wait.remote(gate_key)):
             yield {"type": "discarded"}
             return
-    task = Task(**fields)
     if ship:
         # the task writes into a folder of its own on this node, named like the run's
         scratch = Path(tempfile.mkdtemp(prefix="weightdrift-ray-"))

@@ -339,15 +339,21 @@ class ProcessRunner(Runner):
         """A fresh `python -m core.engine.worker` for `task`; its stderr goes to `log_path`."""
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
-            return self._spawn_worker(log, fresh=task.fresh_process)
+            return self._spawn_worker(log, fresh=task.fresh_process, libraries=task.needs_libraries)
 
     def _spawn_worker(
-        self, stderr, fresh: bool, fds: Sequence[int] = (), env: dict[str, str] | None = None
+        self,
+        stderr,
+        fresh: bool,
+        fds: Sequence[int] = (),
+        env: dict[str, str] | None = None,
+        libraries: bool = True,
     ) -> subprocess.Popen:
-        """A fresh `python -m core.engine.worker`, importing ahead what its task will need. `fresh`: a
-        memory timeline's interpreter, which samples itself at its start and after importing torch,
-        imports what its task will (`preimport_fresh`) and waits for it (a spare learns its log with it).
-        `fds` and `env`: what it gets besides (the fork server it hosts, `ForkServer`)."""
+        """A fresh `python -m core.engine.worker`, importing ahead what its task will need (`libraries=False`:
+        a compare's, without transformers and PEFT). `fresh`: a memory timeline's interpreter, which samples
+        itself at its start and after importing torch, imports what its task will (`preimport_fresh`) and
+        waits for it (a spare learns its log with it). `fds` and `env`: what it gets besides (the fork
+        server it hosts, `ForkServer`)."""
         proc = subprocess.Popen(
             [self.python, "-m", "core.engine.worker"],
             stdin=subprocess.PIPE,
@@ -355,7 +361,7 @@ class ProcessRunner(Runner):
             stderr=stderr,
             pass_fds=fds,
             cwd=str(REPO_ROOT),
-            env={**worker_env(not fresh, fresh=fresh), **(env or {})},
+            env={**worker_env(not fresh, fresh=fresh, libraries=libraries), **(env or {})},
             start_new_session=True,  # a Ctrl-C in the terminal goes to us, not straight to workers
         )
         if fresh and not fds:

@@ -62,6 +62,17 @@ class Task:
         return CHECKS[self.own_check].fresh_interpreter
 
     @property
+    def needs_libraries(self) -> bool:
+        """Whether its process imports transformers and PEFT (~4 CPU-s a fresh interpreter): every task
+        but a compare whose checks read no base tensor under its loaded name (`reads_loaded_names`), which
+        reads captures and checkpoints with torch alone."""
+        if self.kind != "compare":
+            return True
+        from core.checks import get_checks
+
+        return any(c.reads_loaded_names for c in get_checks(self.checks or self.spec["checks"]))
+
+    @property
     def partial(self) -> bool:
         """A compare task for some checks only, while the run goes on (`metrics.parquet` comes later)."""
         return self.kind == "compare" and bool(self.checks)

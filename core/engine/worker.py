@@ -31,8 +31,10 @@ from core.models.memory import sample_process
 # Set by the process runner for a worker started ahead of its task: import the libraries before
 # waiting for the task, so that the import overlaps the task before it. PREIMPORT_FRESH: a memory
 # timeline's fresh interpreter, which imports only what its task would before its next sample.
+# PREIMPORT_COMPARE: a compare task's, which needs neither transformers nor PEFT (`Task.needs_libraries`).
 PREIMPORT_ENV = "WEIGHTDRIFT_PREIMPORT"
 PREIMPORT_FRESH = "fresh"
+PREIMPORT_COMPARE = "compare"
 
 # `python -m core.engine.worker --fork-server FD`: the fork server, on the UNIX socket FD.
 FORK_SERVER_ARG = "--fork-server"
@@ -54,13 +56,15 @@ EXIT_USER_ERROR = 3
 EXIT_CANCELLED = 4
 
 
-def worker_env(preimport: bool, fresh: bool = False) -> dict[str, str]:
+def worker_env(preimport: bool, fresh: bool = False, libraries: bool = True) -> dict[str, str]:
     """The environment of a worker process: this one's, the package on its path, output unbuffered.
-    `preimport`: it imports what every task needs before its task comes; `fresh`: what a memory
-    timeline's task imports (`core.engine.worker.preimport_fresh`)."""
+    `preimport`: it imports what every task needs before its task comes (`libraries=False`: what a
+    compare needs, `preimport_compare`); `fresh`: what a memory timeline's task imports
+    (`core.engine.worker.preimport_fresh`)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-    env[PREIMPORT_ENV] = PREIMPORT_FRESH if fresh else "1" if preimport else ""
+    ahead = "1" if libraries else PREIMPORT_COMPARE
+    env[PREIMPORT_ENV] = PREIMPORT_FRESH if fresh else ahead if preimport else ""
     # OpenMP's threads spin between parallel regions by default; when other processes hold the cores
     # (a small model's tasks run beside each other), a small model's every region then waits a
     # scheduler slice for its descheduled thread. `python -m bench.wait_policy` (docs/workers.md): a
@@ -86,6 +90,8 @@ def main() -> int:
         hosted = os.environ.pop(HOSTS_FORK_SERVER_ENV, "")
         if hosted:
             fork_server_here(*map(int, hosted.split(",")), events=events)
+    elif ahead == PREIMPORT_COMPARE:
+        preimport_compare()
     elif ahead:
         preimport()
     return serve_task(events)
@@ -190,7 +196,15 @@ def preimport(fork_safe: bool = False) -> None:
     parallel pass; a task loads the parallel passes from numba's cache itself, ~0.1 s), and torch
     sees only tensors too small for its OpenMP pool."""
     preimport_fresh()  # the libraries and the capture's modules
-    import core.engine.store  # noqa: F401  (a compare's)
+    preimport_compare(fork_safe)
+
+
+def preimport_compare(fork_safe: bool = False) -> None:
+    """What a compare task needs before its first stage (`preimport`'s, less transformers and PEFT): the
+    checks, the capture and store modules, and the compiled comparison kernel."""
+    import core.capture  # noqa: F401
+    import core.checks  # noqa: F401
+    import core.engine.store  # noqa: F401
 
     load_kernels("serial")
     if not fork_safe:

@@ -531,14 +531,25 @@ def peft_types() -> tuple[str, ...]:
     return tuple(t.value for t in PeftType)
 
 
-def check_adapter_config(adapter: AdapterRef) -> dict[str, Any]:
+def check_adapter_config(adapter: AdapterRef, known_to_peft: bool = True) -> dict[str, Any]:
     """The adapter's `adapter_config.json`, which must be a JSON object naming a PEFT method PEFT knows.
 
     PEFT looks `peft_type` up as written (`LORA`, not `lora`), so the same spelling is required here.
+    `known_to_peft=False`: the JSON object alone, for a compare reading the settings of adapters its
+    captures loaded (asking PEFT imports it, transformers with it: ~4 CPU-s a compare needs for nothing
+    else). The object is read once per version of the file and shared: callers read it, never change it.
     """
     config_path = adapter_folder(adapter) / "adapter_config.json"
     owner = f"adapter {adapter.name} ({adapter.path})"
-    config = read_json_object(config_path, owner, "the adapter's settings, as PEFT saves them")
+    try:
+        stat = config_path.stat()
+    except OSError:  # read_json_object says why
+        config = read_json_object(config_path, owner, _ADAPTER_SETTINGS)
+    else:
+        version = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        config = _adapter_settings(str(config_path), version, owner)
+    if not known_to_peft:
+        return config
     known = peft_types()
     if config.get("peft_type") in known:
         return config
@@ -552,10 +563,21 @@ def check_adapter_config(adapter: AdapterRef) -> dict[str, Any]:
     )
 
 
-def read_adapter_config(adapter: AdapterRef) -> dict:
-    """The adapter's `adapter_config.json` as `check_adapter_config` reads it, for the loaders: LoadError saying what is wrong."""
+_ADAPTER_SETTINGS = "the adapter's settings, as PEFT saves them"
+
+
+@functools.lru_cache(maxsize=1024)
+def _adapter_settings(path: str, version: tuple[int, int, int], owner: str) -> dict[str, Any]:
+    """`check_adapter_config`'s read of one version (inode, size, mtime) of a file: the weights check
+    asks for its adapter's settings at every tensor's row, thousands of times a run."""
+    return read_json_object(Path(path), owner, _ADAPTER_SETTINGS)
+
+
+def read_adapter_config(adapter: AdapterRef, known_to_peft: bool = True) -> dict:
+    """The adapter's `adapter_config.json` as `check_adapter_config` reads it, for the loaders: LoadError
+    saying what is wrong."""
     try:
-        return check_adapter_config(adapter)
+        return check_adapter_config(adapter, known_to_peft)
     except InputError as e:
         raise LoadError(str(e)) from e
 

@@ -94,6 +94,7 @@ class MergeCheck(Check):
     description = "merged weights vs W + ΔW in float64, merged vs unmerged outputs, save round trip"
     against = REFERENCE_TARGET
     loads = SHARED_LAST
+    reads_loaded_names = True
 
     # ------------------------------------------------------------------------------------------
     # capture
