@@ -474,6 +474,12 @@ class ProbeSpec:
     def from_json(text: str) -> ProbeSpec:
         return ProbeSpec.from_dict(json.loads(text))
 
+    @property
+    def loads_quantized(self) -> bool:
+        """Whether a target or the reference loads its base through bitsandbytes (a peer has its
+        target's dtype: none is quantized where no target is)."""
+        return any(t.quantized for t in (*self.targets, self.reference))
+
     def peer_map(self) -> dict[Target, Target | None]:
         """Each target's peer (`peer_of`), the reference excluded; empty when the run has no peers."""
         if not self.peers:

@@ -250,6 +250,37 @@ def test_a_wrong_path_or_argument_is_answered_before_any_worker_starts(
         assert err.startswith("error:") and fragment in err, err
 
 
+def test_a_run_of_given_paths_warms_its_workers_for_the_quantized_targets_it_has(
+    demo_workspace, tmp_path, monkeypatch, capsys
+):
+    """Given paths, the CLI knows the targets before its workers start: where none is quantized, its
+    fork server imports no bitsandbytes (`ProcessRunner.warm`); the demo's are known only later."""
+    from core import cli
+    from core.engine import ray_runner
+    from core.engine.runners import InProcessRunner
+
+    warmed = []
+
+    class Stop(Exception):
+        pass
+
+    class Recording(InProcessRunner):
+        def warm(self, fresh=0, quantized=True):
+            warmed.append(quantized)
+            raise Stop("warmed")  # the run itself is not what is asked here
+
+    monkeypatch.setattr(ray_runner, "make_runner", lambda *a, **k: Recording())
+    base = demo_workspace["models"]["tiny-llama"]
+    for argv in (
+        ["--base", base, "--target", "cpu/float32"],
+        ["--base", base, "--target", "cpu/nf4"],
+        ["--demo"],
+    ):
+        assert cli.main(["run", *argv, "--check", "weights", "--home", str(tmp_path)]) == 2, argv
+        assert "warmed" in capsys.readouterr().err
+    assert warmed == [False, True, True]
+
+
 def test_demo_json_and_devices(demo_workspace, tmp_path):
     # the session's demo home: `demo` finds its workspace (test_json_is_one_document… builds one by the CLI)
     proc = cli("demo", "--json", home=Path(demo_workspace["models"]["tiny-llama"]).parents[2])

@@ -476,6 +476,20 @@ def test_a_machine_with_a_gpu_forks_from_a_server_without_bitsandbytes(tmp_path,
     assert not runner._needs_bitsandbytes(cpu_task)
     assert runner._needs_bitsandbytes(replace(cpu_task, target="cuda:0/nf4"))
     runner.kill_all()
+    # On the CPU, a server warmed for tasks that load no quantized target imports no bitsandbytes either
+    # (~2 CPU-s of its imports): a quantized task that comes all the same is spawned. One a memory
+    # timeline's interpreter hosts has imported it, and forks such a task.
+    monkeypatch.setattr(runners, "gpu_visible", lambda: False)
+    nf4_task = replace(cpu_task, target="cpu/nf4")
+    for fresh, quantized, spawns in ((0, False, True), (0, True, False), (1, False, False)):
+        runner = ProcessRunner()
+        assert runner.workers_path == "cpu"
+        runner.warm(fresh=fresh, quantized=quantized)
+        assert runner._server.without_bitsandbytes == spawns and (runner._server.host is not None) == bool(
+            fresh
+        )
+        assert runner._needs_bitsandbytes(nf4_task) == spawns and not runner._needs_bitsandbytes(cpu_task)
+        runner.kill_all()
     # WEIGHTDRIFT_WORKERS chooses, either way; anything else is a one-line error
     monkeypatch.setenv(runners.WORKERS_ENV, "cpu")
     assert runners.worker_path() == "cpu" and ProcessRunner().forks == FORKS

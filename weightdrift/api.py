@@ -317,7 +317,7 @@ def _execute(home: Path, plan, progress: bool) -> Run:
 
     spec, install = plan(home)
     runner = ProcessRunner()
-    runner.warm(fresh_spares(spec.checks))
+    runner.warm(fresh_spares(spec.checks), quantized=spec.loads_quantized)
     engine = Engine(home, runner=runner)
     try:
         job = engine.submit(spec, install=install)

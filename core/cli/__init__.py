@@ -321,17 +321,19 @@ def execute(args, answer: TextIO, plan=None, after=None) -> int:
     from core.engine.ray_runner import make_runner
     from core.engine.runners import InProcessRunner, fresh_spares
 
+    quantized = True  # unknown until the demo or a scenario is built, or snapshots are read
     if plan is None and not (args.demo or args.scenario):
         # given paths, not the demo's: a typo or a wrong folder is answered before a worker starts
         given = spec_from_args(args, weightdrift_home(args.home))
         input_folders(given)
+        quantized = given.loads_quantized
 
         def plan(home: Path):
             return given, None
 
     runner = InProcessRunner() if args.in_process else make_runner(args.runner, args.ray_address)
     # workers import the libraries while this process reads the inputs (memory timelines' too)
-    runner.warm(fresh_spares(getattr(args, "check", None)))
+    runner.warm(fresh_spares(getattr(args, "check", None)), quantized=quantized)
     try:
         return _run_and_report(args, answer, Engine, runner, plan, after)
     finally:

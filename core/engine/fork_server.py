@@ -139,8 +139,9 @@ class ForkServer:
     timeline's fresh interpreter once that has imported the libraries (`core.engine.worker.fork_server_here`):
     `host(fds, env)` spawns that interpreter with the server's socket and error file among `fds` and
     `env`. A hosted server is not this process's child: it says its pid on the socket, and is alive
-    while the socket is open at its end. `without_bitsandbytes`: the GPU machines' server, which imports
-    PEFT and transformers as if bitsandbytes were absent (its import initialises CUDA)."""
+    while the socket is open at its end. `without_bitsandbytes`: a server that imports PEFT and
+    transformers as if bitsandbytes were absent: the GPU machines' (its import initialises CUDA), and one
+    whose tasks load no quantized target (its import takes ~2 CPU-s, inductor's among them)."""
 
     def __init__(
         self,
@@ -172,6 +173,7 @@ class ForkServer:
                 fds = [theirs.fileno(), self.errors.fileno()]
                 self.host = host(fds, {HOSTS_FORK_SERVER_ENV: ",".join(map(str, fds))})
         self.control = mine
+        self.without_bitsandbytes = without_bitsandbytes
         self._lock = threading.Lock()
 
     @property

@@ -132,10 +132,11 @@ class Runner(ABC):
         """The devices targets may name where this runner runs them; None: this machine's."""
         return None
 
-    def warm(self, fresh: int = 0) -> None:
+    def warm(self, fresh: int = 0, quantized: bool = True) -> None:
         """Get ready for whatever task comes next (the process runner starts its fork server now, so
         that its imports overlap what the caller does before its first task, and up to `fresh` spare
-        interpreters for memory timelines: `FRESH_SPARES`)."""
+        interpreters for memory timelines: `FRESH_SPARES`). `quantized=False`: the caller knows no task
+        to come loads a quantized target (`ProbeSpec.loads_quantized`)."""
         return None
 
     def validate_inputs(self, spec) -> bool:
@@ -185,7 +186,8 @@ class ProcessRunner(Runner):
     GPU path (`worker_path`) the fork server imports no bitsandbytes (its import initialises CUDA, which a
     forked task could then not use) and refuses to serve if CUDA is initialised all the same; a task that
     loads a quantized target is spawned, and once one is, `WARM_SPARES` interpreters importing everything
-    (bitsandbytes included) wait for the next: one task per process, CUDA contexts their own."""
+    (bitsandbytes included) wait for the next: one task per process, CUDA contexts their own. On the CPU,
+    a server `warm` starts for tasks that load no quantized target imports no bitsandbytes either."""
 
     def __init__(self, grace_s: float = 10.0, python: str | None = None, fork: bool = True):
         self.grace_s = grace_s
@@ -200,6 +202,7 @@ class ProcessRunner(Runner):
         self._spares: list[subprocess.Popen] = []
         self._lock = threading.Lock()
         self._live_lock = threading.Lock()  # apart: _start runs under _lock in prepare
+        self._quantized = True  # a task to come may load a quantized target (`warm`)
 
     @property
     def workers_path(self) -> str:
@@ -222,8 +225,10 @@ class ProcessRunner(Runner):
         if server is not None:
             server.stop()
 
-    def warm(self, fresh: int = 0) -> None:
+    def warm(self, fresh: int = 0, quantized: bool = True) -> None:
         with self._lock:
+            # a server started now imports no bitsandbytes where no task needs it (~2 CPU-s of its imports)
+            self._quantized = quantized
             self._spares = [p for p in self._spares if p.poll() is None]
             # a spare to come imports the libraries anyway: a server started now is forked from it
             before = self._server
@@ -288,7 +293,9 @@ class ProcessRunner(Runner):
         if self._server is None or (restart and not self._server.alive()):
             if self._server is not None:
                 self._server.stop()
-            self._server = ForkServer(self.python, host=host, without_bitsandbytes=self._workers == "gpu")
+            # a host (a memory timeline's interpreter, never on the GPU path) imports bitsandbytes
+            without = host is None and (self._workers == "gpu" or not self._quantized)
+            self._server = ForkServer(self.python, host=host, without_bitsandbytes=without)
         return self._server
 
     def prepare(self, task: Task, log_path: Path) -> None:
@@ -331,9 +338,11 @@ class ProcessRunner(Runner):
         return proc
 
     def _needs_bitsandbytes(self, task: Task) -> bool:
-        """Whether the GPU path's fork server, which imported no bitsandbytes, cannot take `task`: it
-        loads a quantized target."""
-        return self._workers == "gpu" and task.target is not None and Target.parse(task.target).quantized
+        """Whether a fork server that imported no bitsandbytes (the GPU path's; on the CPU, one warmed
+        for tasks that load none) cannot take `task`: it loads a quantized target; under _lock."""
+        if task.target is None or not Target.parse(task.target).quantized:
+            return False
+        return self._workers == "gpu" or (self._server is not None and self._server.without_bitsandbytes)
 
     def _spawn(self, task: Task, log_path: Path) -> subprocess.Popen:
         """A fresh `python -m core.engine.worker` for `task`; its stderr goes to `log_path`."""
