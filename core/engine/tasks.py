@@ -70,7 +70,7 @@ class Task:
             return True
         from core.checks import get_checks
 
-        return any(c.reads_loaded_names for c in get_checks(self.checks or self.spec["checks"]))
+        return any(c.reads_loaded_names for c in get_checks(self.checks or self.spec.get("checks") or ()))
 
     @property
     def partial(self) -> bool:
