@@ -236,10 +236,9 @@ def _failure_shots(browser) -> None:
 # --- the test -----------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def chromium() -> Iterator:
-    """One headless Chromium through Playwright for the module's tests (a launch costs its browser, GPU
-    and network processes seconds of CPU); each test opens contexts of its own (`_browser`)."""
+@contextlib.contextmanager
+def _browser(server: Server) -> Iterator:
+    """Headless Chromium through Playwright; a failure inside leaves screenshots and the server log tail."""
     # CI installs both (README's test command): their absence is a failure, not a silent skip,
     # unless a developer opts out explicitly.
     if os.environ.get("WEIGHTDRIFT_SKIP_BROWSER") == "1":
@@ -248,38 +247,25 @@ def chromium() -> Iterator:
         pytest.fail(f"no Chromium at {CHROMIUM}: apt-get install chromium (README's test command does)")
     import playwright.sync_api as playwright_sync
 
-    with playwright_sync.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            yield browser
-        finally:
-            browser.close()
-
-
-@contextlib.contextmanager
-def _browser(server: Server, browser) -> Iterator:
-    """The module's Chromium for one test: the contexts it opens close at its end (an open page keeps its
-    renderer busy); a failure inside leaves screenshots and the server log tail."""
-    before = set(browser.contexts)
     try:
-        yield browser
+        with playwright_sync.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            try:
+                yield browser
+            except BaseException:
+                _failure_shots(browser)
+                raise
+            finally:
+                browser.close()
     except BaseException:
-        _failure_shots(browser)
         print(f"\n--- server log ({server.log}), last lines ---\n{server.log_tail()}")
         raise
-    finally:
-        for context in browser.contexts:
-            if context not in before:
-                with contextlib.suppress(Exception):  # a crashed renderer's context is gone already
-                    context.close()
 
 
-def test_first_launch_run_drilldown_and_shared_link(
-    server: Server, chromium, capsys: pytest.CaptureFixture
-) -> None:
+def test_first_launch_run_drilldown_and_shared_link(server: Server, capsys: pytest.CaptureFixture) -> None:
     timings: dict[str, float | str] = {}
     try:
-        with _browser(server, chromium) as browser:
+        with _browser(server) as browser:
             _scenario(browser, server, timings)
     finally:
         if timings:
@@ -552,9 +538,9 @@ SCENARIO_PAGES = (
 )
 
 
-def test_scenario_pages(server: Server, chromium, capsys: pytest.CaptureFixture) -> None:
+def test_scenario_pages(server: Server, capsys: pytest.CaptureFixture) -> None:
     timings: dict[str, float] = {}
-    with _browser(server, chromium) as browser:
+    with _browser(server) as browser:
         page = browser.new_context(viewport=VIEWPORT).new_page()
         for path, scenario, heading, expect, shot in SCENARIO_PAGES:
             timings[scenario] = _run_scenario(page, server, path, scenario, heading, expect, shot)
@@ -632,7 +618,7 @@ PHISH = (
 )
 
 
-def test_a_crafted_run_url_and_run_folder_show_their_text_literally(server: Server, chromium) -> None:
+def test_a_crafted_run_url_and_run_folder_show_their_text_literally(server: Server) -> None:
     """A crafted `run` URL parameter and a run folder whose base path and error are Markdown: the page
     shows their characters, draws no link or image from them, and asks nothing of another host."""
     from core.engine.store import Store
@@ -649,7 +635,7 @@ def test_a_crafted_run_url_and_run_folder_show_their_text_literally(server: Serv
     store.release(record.run_id)
 
     foreign: list[str] = []
-    with _browser(server, chromium) as browser:
+    with _browser(server) as browser:
         context = browser.new_context(viewport=VIEWPORT)
 
         def refuse(route) -> None:
@@ -689,7 +675,7 @@ def test_a_crafted_run_url_and_run_folder_show_their_text_literally(server: Serv
 LARGE_TARGET = "cpu/bfloat16"
 
 
-def test_large_model_drift_from_sketches(server: Server, chromium, capsys: pytest.CaptureFixture) -> None:
+def test_large_model_drift_from_sketches(server: Server, capsys: pytest.CaptureFixture) -> None:
     """A 100M-parameter synthetic Llama (400 MB float32, over the keep-tensors threshold) run by the
     CLI into the server's home: its captures hold sketches, not tensors, and the Drift page draws
     the heatmap and a drill-down from them, saying so."""
@@ -725,7 +711,7 @@ def test_large_model_drift_from_sketches(server: Server, chromium, capsys: pytes
     tensor = "model.layers.3.self_attn.q_proj.weight"
     assert tensor in set(drifting.tensor)
 
-    with _browser(server, chromium) as browser:
+    with _browser(server) as browser:
         page = browser.new_context(viewport=VIEWPORT).new_page()
         page.goto(f"{server.url}/drift?run={run_id}&target={LARGE_TARGET}&check=weights&tensor={tensor}")
         page.locator(HEATMAP).locator(CHART).wait_for(state="visible", timeout=STEP_TIMEOUT_S * 1000)
@@ -752,7 +738,7 @@ def test_large_model_drift_from_sketches(server: Server, chromium, capsys: pytes
 
 
 def test_an_imported_comparison_shows_its_machines_and_environment_diff(
-    server: Server, chromium, demo_workspace, tmp_path
+    server: Server, demo_workspace, tmp_path
 ) -> None:
     """Two snapshots (made in this process: cheap) compared into the server's home; the Overview
     shows the target × target matrix, where the captures came from, and the environment diff."""
@@ -775,7 +761,7 @@ def test_an_imported_comparison_shows_its_machines_and_environment_diff(
     assert cli.main(["compare", *files, "--home", str(server.home), "--in-process"]) == 0
     (run_id,) = {r.run_id for r in store.list_runs()} - before
     machine = machine_name()
-    with _browser(server, chromium) as browser:
+    with _browser(server) as browser:
         page = browser.new_context(viewport=VIEWPORT).new_page()
         page.goto(f"{server.url}/overview?run={run_id}")
         page.locator(".st-key-overview-pairwise").locator(CHART).wait_for(
