@@ -202,7 +202,6 @@ class ProcessRunner(Runner):
         self._spares: list[subprocess.Popen] = []
         self._lock = threading.Lock()
         self._live_lock = threading.Lock()  # apart: _start runs under _lock in prepare
-        self._quantized = True  # a task to come may load a quantized target (`warm`)
 
     @property
     def workers_path(self) -> str:
@@ -227,14 +226,15 @@ class ProcessRunner(Runner):
 
     def warm(self, fresh: int = 0, quantized: bool = True) -> None:
         with self._lock:
-            # a server started now imports no bitsandbytes where no task needs it (~2 CPU-s of its imports)
-            self._quantized = quantized
             self._spares = [p for p in self._spares if p.poll() is None]
             # a spare to come imports the libraries anyway: a server started now is forked from it
             before = self._server
             # (never on the GPU path: a memory timeline's interpreter has imported bitsandbytes)
             hosted = fresh > len(self._spares) and self._workers == "cpu"
-            server = self._fork_server(restart=True, host=self._spawn_host if hosted else None)
+            # a server started now imports no bitsandbytes where no task needs it (~2 CPU-s of its imports)
+            server = self._fork_server(
+                restart=True, host=self._spawn_host if hosted else None, bitsandbytes=quantized
+            )
             if server is not None and server is not before and server.host is not None:
                 self._spares.append(server.host)
             while len(self._spares) < fresh:
@@ -285,16 +285,17 @@ class ProcessRunner(Runner):
             raise raised(errors[-1]["message"])
         return False  # the worker failed another way: the caller checks here, and says what it finds
 
-    def _fork_server(self, restart: bool, host=None) -> ForkServer | None:
+    def _fork_server(self, restart: bool, host=None, bitsandbytes: bool = True) -> ForkServer | None:
         """The live fork server, started if there is none yet (or, `restart`, if it stopped), forked from
-        the spare `host` spawns if given (`ForkServer`); under _lock."""
+        the spare `host` spawns if given (`ForkServer`), importing bitsandbytes where `bitsandbytes` and
+        the CPU path ask for it; under _lock."""
         if not self.forks:
             return None
         if self._server is None or (restart and not self._server.alive()):
             if self._server is not None:
                 self._server.stop()
             # a host (a memory timeline's interpreter, never on the GPU path) imports bitsandbytes
-            without = host is None and (self._workers == "gpu" or not self._quantized)
+            without = host is None and (self._workers == "gpu" or not bitsandbytes)
             self._server = ForkServer(self.python, host=host, without_bitsandbytes=without)
         return self._server
 
