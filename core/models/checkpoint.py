@@ -542,11 +542,10 @@ def check_adapter_config(adapter: AdapterRef, known_to_peft: bool = True) -> dic
     config_path = adapter_folder(adapter) / "adapter_config.json"
     owner = f"adapter {adapter.name} ({adapter.path})"
     try:
-        stat = config_path.stat()
+        version = _file_signature(config_path)
     except OSError:  # read_json_object says why
         config = read_json_object(config_path, owner, _ADAPTER_SETTINGS)
     else:
-        version = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
         config = _adapter_settings(str(config_path), version, owner)
     if not known_to_peft:
         return config
@@ -567,8 +566,8 @@ _ADAPTER_SETTINGS = "the adapter's settings, as PEFT saves them"
 
 
 @functools.lru_cache(maxsize=1024)
-def _adapter_settings(path: str, version: tuple[int, int, int], owner: str) -> dict[str, Any]:
-    """`check_adapter_config`'s read of one version (inode, size, mtime) of a file: the weights check
+def _adapter_settings(path: str, version: tuple[str, int, int], owner: str) -> dict[str, Any]:
+    """`check_adapter_config`'s read of one version (`_file_signature`) of a file: the weights check
     asks for its adapter's settings at every tensor's row, thousands of times a run."""
     return read_json_object(Path(path), owner, _ADAPTER_SETTINGS)
 
