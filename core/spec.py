@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -50,11 +51,23 @@ MATMUL_PRECISIONS = ("highest", "high", "medium")
 # What a run checks unless told otherwise; merge, memory and adapters load models their own way
 # and are asked for by name (or by a scenario).
 DEFAULT_CHECKS = ("weights", "deltas", "outputs")
+# Every check's name, in the registry's order (core.checks.CHECKS, which a test holds equal to this): the
+# CLI answers a misspelt --check before it imports the checks (torch) or starts a worker.
+CHECK_NAMES = ("weights", "deltas", "outputs", "memory", "merge", "adapters", "activations", "generate")
 DEFAULT_MAX_NEW_TOKENS = 32
 
 
 class SpecError(ValueError):
     """A spec, target string or option that cannot be used, with a message for the user."""
+
+
+def known_checks(names: Iterable[str]) -> tuple[str, ...]:
+    """`names` as a tuple; SpecError naming the ones that are no check (`CHECK_NAMES`)."""
+    names = tuple(names)
+    unknown = [n for n in names if n not in CHECK_NAMES]
+    if unknown:
+        raise SpecError(f"unknown check {', '.join(unknown)}; available: {', '.join(CHECK_NAMES)}")
+    return names
 
 
 class InputError(SpecError):

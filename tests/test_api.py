@@ -127,6 +127,8 @@ def test_bad_input_is_one_clear_error(cli_run, tmp_path):
         wd.run(base=tmp_path, targets=["cpu/float99"], home=tmp_path)
     with pytest.raises(SpecError, match="a target is given twice"):
         wd.run(base=tmp_path, targets=["cpu/float32", "cpu/float32"], home=tmp_path)
+    with pytest.raises(SpecError, match="unknown check nope; available: weights, deltas, outputs, memory"):
+        wd.run(base=tmp_path, targets=["cpu/float32"], checks=["weights", "nope"], home=tmp_path)
     with pytest.raises(SpecError, match="give at least one snapshot"):
         wd.compare(home=tmp_path)
 

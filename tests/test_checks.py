@@ -33,6 +33,12 @@ def test_unknown_check_is_refused():
         get_checks(["weights", "nope"])
 
 
+def test_the_check_names_the_cli_reads_before_importing_the_checks_are_the_registrys():
+    from core.spec import CHECK_NAMES
+
+    assert CHECK_NAMES == tuple(CHECKS) == tuple(c.name for c in CHECKS.values())
+
+
 def test_bert_encoder_all_checks(tmp_path, demo_workspace):
     bert = demo_workspace["models"]["tiny-bert"]
     adapter = AdapterRef(demo_workspace["adapters"]["bert-lora"]["path"], "bert-lora")

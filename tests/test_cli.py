@@ -243,6 +243,7 @@ def test_a_wrong_path_or_argument_is_answered_before_any_worker_starts(
         (["--base", base, "--adapter", gone, "--target", "cpu/float32"], "no such folder"),
         (["--base", base, "--target", "cpu/int4"], "unknown dtype"),
         (["--target", "cpu/float32"], "--base is required"),
+        (["--base", base, "--target", "cpu/float32", "--check", "weights", "nope"], "unknown check nope"),
     ]
     for argv, fragment in cases:
         assert cli.main(["run", *argv, "--home", str(tmp_path)]) == 2, argv

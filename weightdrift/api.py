@@ -29,6 +29,7 @@ from core.spec import (
     SpecError,
     Target,
     ToleranceOverride,
+    known_checks,
     weightdrift_home,
 )
 from weightdrift.progress import follow
@@ -250,7 +251,7 @@ def run(
         base=ModelRef(path=os.fspath(base), trust_remote_code=trust_remote_code),
         adapters=refs,
         targets=targets,
-        checks=tuple(checks),
+        checks=known_checks(checks),
         tolerances=overrides,
         seed=seed,
         strategies=tuple(dict.fromkeys(["isolated", *strategies])),

@@ -13,7 +13,7 @@ from core.checks.memory import MemoryCheck
 from core.checks.merge import MergeCheck
 from core.checks.outputs import OutputsCheck
 from core.checks.weights import WeightsCheck
-from core.spec import SpecError
+from core.spec import known_checks
 
 CHECKS: dict[str, Check] = {
     c.name: c
@@ -32,7 +32,4 @@ CHECKS: dict[str, Check] = {
 
 def get_checks(names: tuple[str, ...] | list[str]) -> list[Check]:
     """The Check objects for `names`, in order; SpecError naming the unknown ones."""
-    unknown = [n for n in names if n not in CHECKS]
-    if unknown:
-        raise SpecError(f"unknown check {', '.join(unknown)}; available: {', '.join(CHECKS)}")
-    return [CHECKS[n] for n in names]
+    return [CHECKS[n] for n in known_checks(names)]

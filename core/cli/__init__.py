@@ -31,6 +31,7 @@ from core.spec import (
     Target,
     ToleranceOverride,
     input_folders,
+    known_checks,
     weightdrift_home,
 )
 
@@ -160,7 +161,7 @@ def spec_from_args(args, home: Path) -> ProbeSpec:
         base=ModelRef(path=base, trust_remote_code=args.trust_remote_code),
         adapters=tuple(adapters),
         targets=tuple(targets),
-        checks=tuple(args.check) if args.check else DEFAULT_CHECKS,
+        checks=known_checks(args.check) if args.check else DEFAULT_CHECKS,
         tolerances=tolerances,
         seed=args.seed,
         strategies=tuple(dict.fromkeys(["isolated", *args.strategy])),
