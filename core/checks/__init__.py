@@ -32,4 +32,4 @@ CHECKS: dict[str, Check] = {
 
 def get_checks(names: tuple[str, ...] | list[str]) -> list[Check]:
     """The Check objects for `names`, in order; SpecError naming the unknown ones."""
-    return [CHECKS[n] for n in known_checks(names)]
+    return [CHECKS[n] for n in known_checks(names, CHECKS)]
