@@ -90,6 +90,13 @@ def model_folder(model: ModelRef) -> Path | None:
     return path
 
 
+def file_version(path: Path) -> tuple[str, int, int]:
+    """A file's name, size and modification time (ns): what a memo of what was read from it is keyed by,
+    since another version of the file has another. OSError where it cannot be looked at."""
+    st = path.stat()
+    return path.name, st.st_size, st.st_mtime_ns
+
+
 def adapter_folder(adapter: AdapterRef) -> Path:
     """The adapter's folder, a folder with an adapter_config.json; InputError naming what is wrong."""
     path = Path(adapter.path).expanduser()

@@ -343,3 +343,32 @@ def test_a_copied_run_folder_lists_opens_and_deletes_as_itself(tmp_path, capsys)
     store.delete(copy)
     assert [r.run_id for r in store.list_runs()] == [original.run_id]
     assert list(store.open(original.run_id).metrics()["verdict"]) == ["identical"]
+
+
+def test_a_capture_json_is_parsed_once_per_version_and_a_new_version_is_read(tmp_path, monkeypatch):
+    """environments() and notes() (the Overview asks three times a render) parse each version of a
+    capture.json once; a rewritten file is read again, and no reader shares another's dict."""
+    store = Store(tmp_path)
+    rec = store.create_run(SPEC)
+    path = rec.run_dir / "captures" / "cpu_float32" / "capture.json"
+    path.parent.mkdir(parents=True)
+    atomic_write_json(path, {"target": "cpu/float32", "environment": {"torch": "2.13.0"}, "notes": ["a"]})
+    parsed = []
+    real_loads = json.loads
+    monkeypatch.setattr(
+        store_module.json, "loads", lambda text, **kw: parsed.append(len(text)) or real_loads(text, **kw)
+    )
+    opened = store.open(rec.run_id)
+    for _ in range(3):
+        assert opened.environments() == {"cpu/float32": {"torch": "2.13.0"}}
+        assert opened.notes() == ["a"]
+    opened.environments()["cpu/float32"]["torch"] = "changed by a reader"
+    assert store.open(rec.run_id).environments() == {"cpu/float32": {"torch": "2.13.0"}}
+    size = path.stat().st_size
+    assert parsed.count(size) == 1  # the file's text, parsed once for the nine reads and a second record
+    atomic_write_json(
+        path, {"target": "cpu/float32", "environment": {"torch": "2.13.0"}, "notes": ["a", "b"]}
+    )
+    assert opened.notes() == ["a", "b"]
+    assert parsed.count(path.stat().st_size) == 1 and path.stat().st_size != size
+    store.release(rec.run_id)

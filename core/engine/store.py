@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import json
 import os
 import secrets
@@ -45,7 +46,7 @@ from typing import Any
 import pandas as pd
 import pyarrow.parquet as pq
 
-from core.spec import ProbeSpec
+from core.spec import ProbeSpec, file_version
 
 ACTIVE_STATES = ("queued", "running")
 STATES = (*ACTIVE_STATES, "succeeded", "failed", "cancelled")
@@ -373,25 +374,24 @@ class RunRecord:
             raise StoreError(f"run {self.run_id}: {problem}; delete the run or run it again")
         return pd.read_parquet(path)
 
-    def _capture_docs(self) -> list[tuple[Path, dict[str, Any]]]:
-        docs = []
+    def _capture_facts(self) -> list[CaptureFacts]:
+        """What environments() and notes() read of each capture.json, in folder order; each version of a
+        file is parsed once (`capture_facts`)."""
+        facts = []
         for path in sorted((self.run_dir / "captures").glob("*/capture.json")):
             try:
-                doc = json.loads(path.read_text())
-            except (OSError, ValueError):
+                found = capture_facts(str(path), file_version(path))
+            except OSError:
                 continue
-            if isinstance(doc, dict):
-                docs.append((path, doc))
-        return docs
+            if found is not None:
+                facts.append(found)
+        return facts
 
     def environments(self) -> dict[str, dict[str, Any]]:
         """Each captured target's environment provenance (target string → dict), reading only JSON."""
-        envs: dict[str, dict[str, Any]] = {}
-        for path, doc in self._capture_docs():
-            env = doc.get("environment", {})
-            if isinstance(env, dict):
-                envs[str(doc.get("target", path.parent.name))] = env
-        return envs
+        return {
+            f.target: json.loads(f.environment) for f in self._capture_facts() if f.environment is not None
+        }
 
     def imported(self) -> list[dict[str, Any]]:
         """Where the captures of a run made from snapshots came from (`core.engine.snapshot`); empty otherwise."""
@@ -405,11 +405,37 @@ class RunRecord:
         fallback = read_reference_fallback(self.run_dir)
         if fallback is not None:
             notes[reference_fallback_note(fallback)] = None
-        for _, doc in self._capture_docs():
-            found = doc.get("notes", [])
-            if isinstance(found, list):
-                notes.update(dict.fromkeys(str(n) for n in found))
+        for facts in self._capture_facts():
+            notes.update(dict.fromkeys(facts.notes))
         return list(notes)
+
+
+@dataclass(frozen=True)
+class CaptureFacts:
+    """What a run's pages read of a capture.json besides its rows: its target, its environment (as JSON
+    text, so that no reader shares a dict) and its notes."""
+
+    target: str
+    environment: str | None
+    notes: tuple[str, ...]
+
+
+@functools.lru_cache(maxsize=256)
+def capture_facts(path: str, version: tuple[str, int, int]) -> CaptureFacts | None:
+    """`CaptureFacts` of one version (`file_version`) of a capture.json; None where it is no JSON object.
+    A large model's capture.json takes a while to parse, and the Overview asks for it three times a render."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    env, notes = doc.get("environment", {}), doc.get("notes", [])
+    return CaptureFacts(
+        target=str(doc.get("target", Path(path).parent.name)),
+        environment=json.dumps(env) if isinstance(env, dict) else None,
+        notes=tuple(str(n) for n in notes) if isinstance(notes, list) else (),
+    )
 
 
 class Store:

@@ -31,7 +31,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from core.spec import AdapterRef, InputError, ModelRef, adapter_folder
+from core.spec import AdapterRef, InputError, ModelRef, adapter_folder, file_version
 
 __all__ = ["Checkpoint", "CheckpointError", "TensorInfo", "SAFETENSORS_DTYPES", "read_header"]
 
@@ -187,7 +187,7 @@ class Checkpoint:
         if files:
             try:
                 indexes = sorted(folder.glob(f"{prefix}*.safetensors.index.json"))
-                signature = (str(folder.resolve()), prefix, tuple(map(_file_signature, files + indexes)))
+                signature = (str(folder.resolve()), prefix, tuple(map(file_version, files + indexes)))
             except OSError:
                 signature = None
             with _OPENED_LOCK:  # the dashboard's sessions open checkpoints from several threads
@@ -321,11 +321,6 @@ def release_scratch() -> None:
     with _OPENED_LOCK:
         for checkpoint in _OPENED.values():
             checkpoint._scratch = None
-
-
-def _file_signature(path: Path) -> tuple[str, int, int]:
-    st = path.stat()
-    return path.name, st.st_size, st.st_mtime_ns
 
 
 def _index_shards(folder: Path, prefix: str) -> dict[str, str] | None:
@@ -542,7 +537,7 @@ def check_adapter_config(adapter: AdapterRef, known_to_peft: bool = True) -> dic
     config_path = adapter_folder(adapter) / "adapter_config.json"
     owner = f"adapter {adapter.name} ({adapter.path})"
     try:
-        version = _file_signature(config_path)
+        version = file_version(config_path)
     except OSError:  # read_json_object says why
         config = read_json_object(config_path, owner, _ADAPTER_SETTINGS)
     else:
@@ -567,7 +562,7 @@ _ADAPTER_SETTINGS = "the adapter's settings, as PEFT saves them"
 
 @functools.lru_cache(maxsize=1024)
 def _adapter_settings(path: str, version: tuple[str, int, int], owner: str) -> dict[str, Any]:
-    """`check_adapter_config`'s read of one version (`_file_signature`) of a file: the weights check
+    """`check_adapter_config`'s read of one version (`file_version`) of a file: the weights check
     asks for its adapter's settings at every tensor's row, thousands of times a run."""
     return read_json_object(Path(path), owner, _ADAPTER_SETTINGS)
 
