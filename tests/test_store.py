@@ -372,3 +372,23 @@ def test_a_capture_json_is_parsed_once_per_version_and_a_new_version_is_read(tmp
     assert opened.notes() == ["a", "b"]
     assert parsed.count(path.stat().st_size) == 1 and path.stat().st_size != size
     store.release(rec.run_id)
+
+
+def test_a_capture_json_that_is_no_object_is_skipped_and_odd_fields_read_as_none(tmp_path):
+    store = Store(tmp_path)
+    rec = store.create_run(SPEC)
+    captures = rec.run_dir / "captures"
+    for folder, text in {
+        "cpu_bfloat16": "{ not json",
+        "cpu_float16": "[1, 2]",
+        "cpu_float32": json.dumps({"environment": ["not", "a", "dict"], "notes": "not a list"}),
+        "cpu_float64": json.dumps(
+            {"target": "cpu/float64", "environment": {"torch": "2.13.0"}, "notes": ["n"]}
+        ),
+    }.items():
+        (captures / folder).mkdir(parents=True)
+        (captures / folder / "capture.json").write_text(text)
+    opened = store.open(rec.run_id)
+    assert opened.environments() == {"cpu/float64": {"torch": "2.13.0"}}
+    assert opened.notes() == ["n"]
+    store.release(rec.run_id)
