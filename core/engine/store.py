@@ -182,7 +182,7 @@ def damaged_info(run_id: str, reason: str) -> dict[str, Any]:
     }
 
 
-_VERIFIED: dict[tuple[str, int, int], str | None] = {}
+_VERIFIED: dict[tuple[str, tuple[str, int, int]], str | None] = {}
 
 
 def table_problem(path: Path) -> str | None:
@@ -190,17 +190,17 @@ def table_problem(path: Path) -> str | None:
     checksums the store writes, once per file version: a truncated, emptied or bit-flipped file
     is found here, not in a page."""
     try:
-        st = path.stat()
+        version = file_version(path)
     except OSError as e:
         return f"{path.name} cannot be read: {e.strerror or e}"
-    key = (str(path), st.st_mtime_ns, st.st_size)
+    key = (str(path), version)
     if key not in _VERIFIED:
         try:
             pq.read_table(path, page_checksum_verification=True)
             _VERIFIED[key] = None
         except Exception as e:  # pyarrow raises several kinds for a damaged file
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            _VERIFIED[key] = f"{path.name} is damaged ({st.st_size} bytes; {first})"
+            _VERIFIED[key] = f"{path.name} is damaged ({version[1]} bytes; {first})"
     return _VERIFIED[key]
 
 
