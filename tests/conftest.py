@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 # The test files whose tests wait on processes of their own against a clock (the browser's steps on a
@@ -40,6 +42,11 @@ LONGEST_FIRST = (
 TIMED = "timed"  # the work unit of TIMED_FILES
 # This package's code, compiled to bytecode once before the tests (no two processes compile it at once).
 COMPILED = ("core", "dashboard", "bench")
+# What nearly every interpreter of the run imports besides torch and numba, imported once before the tests where the install wrote
+# no bytecode for it (README's --no-compile): the run's first interpreters (the two xdist workers, a
+# Streamlit server, its spares) otherwise compile the same modules side by side (a fresh clone, every
+# compile logged: 40 CPU-s of compiling, 16.5 of it a module some other process was compiling too).
+WARMED = ("transformers.modeling_utils", "peft", "pandas", "streamlit", "plotly.graph_objects")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -60,11 +67,23 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     import compileall
     import subprocess
-    from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
+    warm = None
+    if not all(_has_bytecode(module) for module in ("torch", "numba", *WARMED)):
+        # torch and numba first, then a line: the kernel loads below wait for it, so that no two processes
+        # compile them
+        imports = "; ".join(f"import {module}" for module in WARMED)
+        warm = subprocess.Popen(
+            [sys.executable, "-c", f"import torch, numba; print(flush=True); {imports}"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,  # a library's chatter; a failing import fails the tests that need it
+        )
     for package in COMPILED:
         compileall.compile_dir(root / package, quiet=1)
+    if warm is not None:
+        assert warm.stdout is not None
+        warm.stdout.readline()  # torch and numba are imported (or the interpreter ended)
     # numba's cache of the comparison kernel, keyed by the checkout's path: empty in a fresh clone, where
     # every process that compares before one has written it compiles what it uses itself (up to ~32 CPU-s).
     # Filled here, once, the serial and the parallel passes side by side; where it is full, a load.
@@ -75,8 +94,25 @@ def pytest_configure(config: pytest.Config) -> None:
         )
         for passes in ("serial", "parallel")
     ]
-    for load in loads:
+    for load in [*loads, *([warm] if warm is not None else [])]:
         load.wait()
+
+
+def _has_bytecode(module: str) -> bool:
+    """Whether `module`'s file has its .pyc (found without importing it or its package)."""
+    import importlib.machinery
+    import importlib.util
+    import sys
+
+    top, _, rest = module.partition(".")
+    spec = importlib.machinery.PathFinder.find_spec(top, sys.path)
+    if spec is None or spec.origin is None:
+        return True  # not installed: nothing to warm
+    source = Path(spec.origin)  # the package's __init__.py
+    if rest:
+        source = source.parent.joinpath(*rest.split("."))
+        source = source / "__init__.py" if source.is_dir() else source.with_suffix(".py")
+    return Path(importlib.util.cache_from_source(str(source))).exists()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -124,7 +160,6 @@ def minilm(tmp_path_factory: pytest.TempPathFactory) -> dict:
     LoRA is made by PEFT with ``init_lora_weights=False`` so that B is not zero and ΔW is real.
     """
     import importlib.util
-    from pathlib import Path
 
     spec = importlib.util.find_spec(MINILM_PACKAGE)
     if spec is None or spec.origin is None:
