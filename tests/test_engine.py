@@ -167,6 +167,61 @@ def test_in_process_run_succeeds(tmp_path, demo_workspace):
     assert set(table["target"]) == {"cpu/float32"}
 
 
+class PreparingRunner(RecordingRunner):
+    """What the engine gets ready ahead (`prepare`), runs and gives up (`discard`), by task label. The
+    task labelled `fail` waits until the task labelled `after` has started, then fails as a killed
+    worker's would once at work."""
+
+    def __init__(self, fail: str, after: str):
+        super().__init__(seconds=0.05)
+        self.fail, self.after = fail, after
+        self.ready, self.ran, self.dropped = set(), set(), set()
+        self.after_started = threading.Event()
+
+    def prepare(self, task, log_path):
+        with self.lock:
+            self.ready.add(task.label)
+
+    def discard(self, task):
+        with self.lock:
+            self.dropped.add(task.label)
+
+    def run(self, task, on_event, cancel, log_path):
+        with self.lock:
+            self.ran.add(task.label)
+        if task.label == self.after:
+            self.after_started.set()
+        if task.label == self.fail:
+            assert self.after_started.wait(30), f"{self.after} did not start"
+            on_event({"type": "progress", "stage": "load", "step": 1, "of": 2})  # at work, then gone
+            return Outcome(ok=False, error="killed by SIGKILL")
+        return super().run(task, on_event, cancel, log_path)
+
+
+@pytest.mark.parametrize("failing, other", [("cpu/float32", "cpu/bfloat16"), ("cpu/bfloat16", "cpu/float32")])
+def test_what_the_engine_gets_ready_ahead_is_run_or_given_up_when_a_capture_fails(
+    tmp_path, demo_workspace, failing, other
+):
+    """A worker made ready while the task before it runs is never left waiting: a partial compare's, made
+    ready when the last capture it needs starts, is given up when that capture fails."""
+    # the other target's lane has gone past its first pass (its next task started): the partial compare
+    # of the first pass waits for the failing capture alone when that one starts
+    runner = PreparingRunner(fail=f"{failing} · weights, deltas", after=f"{other} · outputs")
+    engine = Engine(tmp_path, runner=runner)
+    lora = AdapterRef(demo_workspace["adapters"]["lora"]["path"], "lora")
+    spec = _spec(
+        demo_workspace["models"]["tiny-llama"],
+        ["cpu/float32", "cpu/bfloat16"],
+        checks=("weights", "deltas", "outputs"),
+        adapters=[lora],
+    )
+    job = engine.submit(spec)
+    assert job.wait(60) and job.state == "failed", job.error
+    assert runner.fail in job.error and "SIGKILL" in job.error
+    assert "compare · weights, deltas" in runner.ready  # made ready when its last capture started
+    assert runner.ready <= runner.ran | runner.dropped, runner.ready - runner.ran - runner.dropped
+
+
 def _worker_pids():
     """Task processes: spawned workers and the fork server's children (named FORKED_NAME), not the server."""
     me = psutil.Process(os.getpid())

@@ -473,6 +473,11 @@ class Captures:
             t.join()
         for t in list(self.partial_threads):
             t.join()
+        # a partial compare whose worker `_at_work` got ready and whose captures then failed never ran:
+        # its process would wait for a task until the engine stops
+        for group in self.schedule.groups:
+            if group.task.label not in self.started:
+                job.runner.discard(group.task)
 
     def _ready(self, group: CompareGroup, also: str | None = None) -> bool:
         return all(label in self.succeeded or label == also for label in group.needs)
