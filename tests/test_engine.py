@@ -237,8 +237,12 @@ def _worker_pids():
 
 
 @pytest.mark.e2e
-def test_killed_worker_fails_the_job_and_the_engine_goes_on(tmp_path, demo_workspace):
-    engine = Engine(tmp_path, runner=ProcessRunner())
+def test_killed_worker_fails_the_job_the_engine_goes_on_and_a_cancel_stops_real_workers(
+    tmp_path, demo_workspace
+):
+    """One engine on real workers (one fork server for its three jobs): a task's process killed fails
+    its job, the next job succeeds, and a job cancelled mid-run stops its workers at once."""
+    engine = Engine(tmp_path, runner=ProcessRunner(grace_s=5))
     base = demo_workspace["models"]["tiny-llama"]
     lora = AdapterRef(demo_workspace["adapters"]["lora"]["path"], "lora")
     # every demo adapter: a forked task starts at once and runs for seconds, not a fraction of one
@@ -260,56 +264,35 @@ def test_killed_worker_fails_the_job_and_the_engine_goes_on(tmp_path, demo_works
     assert job.state == "failed"
     assert "SIGKILL" in job.error and "cpu/float32" in job.error
     assert engine.store.open(job.run_id).status == "failed"
+    assert not _worker_pids()  # nor a process made ready for a task after it (a partial compare's)
     # the next job on the same engine still succeeds
     job2 = engine.submit(_spec(base, ["cpu/float32"], adapters=[lora]))
     assert job2.wait(120)
     assert job2.state == "succeeded", job2.error
 
-
-@pytest.mark.e2e
-def test_cancel_mid_run_stops_real_workers(tmp_path, demo_workspace):
-    engine = Engine(tmp_path, runner=ProcessRunner(grace_s=5))
-    base = demo_workspace["models"]["tiny-llama"]
+    # a cancel mid-run stops the real workers
     adapters = [AdapterRef(demo_workspace["adapters"][n]["path"], n) for n in ("lora", "dora", "boft")]
-    job = engine.submit(_spec(base, ["cpu/float32", "cpu/bfloat16"], adapters=adapters))
+    job3 = engine.submit(_spec(base, ["cpu/float32", "cpu/bfloat16"], adapters=adapters))
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        if any(t["state"] == "running" and t["step"] >= 2 for t in job.snapshot()["tasks"].values()):
+        if any(t["state"] == "running" and t["step"] >= 2 for t in job3.snapshot()["tasks"].values()):
             break
         time.sleep(0.05)
     started = time.monotonic()
-    job.cancel()
-    assert job.wait(30)
-    assert job.state == "cancelled"
+    job3.cancel()
+    assert job3.wait(30)
+    assert job3.state == "cancelled"
     assert time.monotonic() - started < 15
     assert not _worker_pids()
-    assert not (job.run_dir / "metrics.parquet").exists()
+    assert not (job3.run_dir / "metrics.parquet").exists()
 
 
 @pytest.mark.e2e
-def test_shutdown_cancels_running_jobs_marks_them_and_leaves_no_worker(tmp_path, demo_workspace):
-    """What the dashboard server does when it stops (atexit) and the CLI on a signal."""
-    engine = Engine(tmp_path, runner=ProcessRunner(grace_s=5))
-    base = demo_workspace["models"]["tiny-llama"]
-    adapters = [AdapterRef(demo_workspace["adapters"][n]["path"], n) for n in ("lora", "dora")]
-    job = engine.submit(_spec(base, ["cpu/float32", "cpu/bfloat16"], adapters=adapters))
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not _worker_pids():
-        time.sleep(0.05)
-    assert _worker_pids(), "no worker process appeared"
-    engine.shutdown("cancelled: the dashboard server stopped")
-    assert job.done_event.is_set()
-    assert job.state == "cancelled" and job.error == "cancelled: the dashboard server stopped"
-    assert not _worker_pids()
-    record = engine.store.open(job.run_id)
-    assert record.status == "cancelled" and record.error == "cancelled: the dashboard server stopped"
-    engine.store.delete(job.run_id)  # ownership given up with the job
-
-
-@pytest.mark.e2e
-def test_the_fork_server_serves_a_job_and_stops_with_the_engine(tmp_path, demo_workspace):
+def test_the_fork_server_serves_a_job_and_a_shutdown_cancels_the_next_and_leaves_no_worker(
+    tmp_path, demo_workspace
+):
     # Started with the engine, before the run existed: its forked task learns its log with its task.
-    engine = Engine(tmp_path, runner=ProcessRunner(), warm=True)
+    engine = Engine(tmp_path, runner=ProcessRunner(grace_s=5), warm=True)
     server = engine.runner._server
     assert server is not None and server.alive()
     base = demo_workspace["models"]["tiny-llama"]
@@ -318,6 +301,20 @@ def test_the_fork_server_serves_a_job_and_stops_with_the_engine(tmp_path, demo_w
     log = (job.run_dir / "logs" / "cpu_float32.log").read_text()
     assert "spawned instead" not in log  # forked, not spawned
     assert engine.runner._server is server and server.alive()  # kept for the next job
-    engine.shutdown("test over")
+
+    # What the dashboard server does when it stops (atexit) and the CLI on a signal: the running job is
+    # cancelled and marked, its workers and the fork server stop.
+    adapters = [AdapterRef(demo_workspace["adapters"][n]["path"], n) for n in ("lora", "dora")]
+    running = engine.submit(_spec(base, ["cpu/float32", "cpu/bfloat16"], adapters=adapters))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not _worker_pids():
+        time.sleep(0.05)
+    assert _worker_pids(), "no worker process appeared"
+    engine.shutdown("cancelled: the dashboard server stopped")
+    assert running.done_event.is_set()
+    assert running.state == "cancelled" and running.error == "cancelled: the dashboard server stopped"
     assert server.proc.poll() is not None and engine.runner._server is None
     assert not _worker_pids()
+    record = engine.store.open(running.run_id)
+    assert record.status == "cancelled" and record.error == "cancelled: the dashboard server stopped"
+    engine.store.delete(running.run_id)  # ownership given up with the job
