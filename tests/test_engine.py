@@ -168,34 +168,79 @@ def test_in_process_run_succeeds(tmp_path, demo_workspace):
 
 
 class PreparingRunner(RecordingRunner):
-    """What the engine gets ready ahead (`prepare`), runs and gives up (`discard`), by task label. The
-    task labelled `fail` waits until the task labelled `after` has started, then fails as a killed
-    worker's would once at work."""
+    """Keeps what the engine makes ready ahead (`prepare`) until the task runs or is given up (`discard`),
+    as the process runner keeps its workers: `waiting` is what would be left waiting for a task. The task
+    labelled `fail` waits until the task labelled `after` has started, then fails as a killed worker's
+    would once at work."""
 
-    def __init__(self, fail: str, after: str):
+    def __init__(self, fail: str, after: str | None = None):
         super().__init__(seconds=0.05)
         self.fail, self.after = fail, after
-        self.ready, self.ran, self.dropped = set(), set(), set()
+        self.made_ready: set[str] = set()
+        self.waiting: set[str] = set()
         self.after_started = threading.Event()
 
     def prepare(self, task, log_path):
         with self.lock:
-            self.ready.add(task.label)
+            self.made_ready.add(task.label)
+            self.waiting.add(task.label)
 
     def discard(self, task):
         with self.lock:
-            self.dropped.add(task.label)
+            self.waiting.discard(task.label)
 
     def run(self, task, on_event, cancel, log_path):
         with self.lock:
-            self.ran.add(task.label)
+            self.waiting.discard(task.label)
         if task.label == self.after:
             self.after_started.set()
         if task.label == self.fail:
-            assert self.after_started.wait(30), f"{self.after} did not start"
-            on_event({"type": "progress", "stage": "load", "step": 1, "of": 2})  # at work, then gone
-            return Outcome(ok=False, error="killed by SIGKILL")
+            if self.after is not None:
+                assert self.after_started.wait(30), f"{self.after} did not start"
+            return self.failed(on_event)
         return super().run(task, on_event, cancel, log_path)
+
+    def failed(self, on_event) -> Outcome:
+        on_event({"type": "progress", "stage": "load", "step": 1, "of": 2})  # at work, then gone
+        return Outcome(ok=False, error="killed by SIGKILL")
+
+
+class LateReaderRunner(PreparingRunner):
+    """The failing task returns while its first event is still being handled in another thread (the
+    process runner's event reader, which it joins for 5 s only): what that event makes ready comes late,
+    after any `discard` called meanwhile (each `prepare` waits for one, up to a second)."""
+
+    def __init__(self, fail: str):
+        super().__init__(fail)
+        self.preparing = threading.Event()
+        self.discarded = threading.Event()
+
+    def prepare(self, task, log_path):
+        self.preparing.set()
+        self.discarded.wait(1.0)
+        super().prepare(task, log_path)
+
+    def discard(self, task):
+        self.discarded.set()
+        super().discard(task)
+
+    def failed(self, on_event) -> Outcome:
+        reader = threading.Thread(
+            target=on_event, args=({"type": "progress", "stage": "load", "step": 1, "of": 2},)
+        )
+        reader.start()
+        assert self.preparing.wait(30), "the first event made nothing ready"
+        return Outcome(ok=False, error="killed by SIGKILL")
+
+
+def _two_targets(demo_workspace):
+    lora = AdapterRef(demo_workspace["adapters"]["lora"]["path"], "lora")
+    return _spec(
+        demo_workspace["models"]["tiny-llama"],
+        ["cpu/float32", "cpu/bfloat16"],
+        checks=("weights", "deltas", "outputs"),
+        adapters=[lora],
+    )
 
 
 @pytest.mark.parametrize("failing, other", [("cpu/float32", "cpu/bfloat16"), ("cpu/bfloat16", "cpu/float32")])
@@ -207,19 +252,21 @@ def test_what_the_engine_gets_ready_ahead_is_run_or_given_up_when_a_capture_fail
     # the other target's lane has gone past its first pass (its next task started): the partial compare
     # of the first pass waits for the failing capture alone when that one starts
     runner = PreparingRunner(fail=f"{failing} · weights, deltas", after=f"{other} · outputs")
-    engine = Engine(tmp_path, runner=runner)
-    lora = AdapterRef(demo_workspace["adapters"]["lora"]["path"], "lora")
-    spec = _spec(
-        demo_workspace["models"]["tiny-llama"],
-        ["cpu/float32", "cpu/bfloat16"],
-        checks=("weights", "deltas", "outputs"),
-        adapters=[lora],
-    )
-    job = engine.submit(spec)
+    job = Engine(tmp_path, runner=runner).submit(_two_targets(demo_workspace))
     assert job.wait(60) and job.state == "failed", job.error
     assert runner.fail in job.error and "SIGKILL" in job.error
-    assert "compare · weights, deltas" in runner.ready  # made ready when its last capture started
-    assert runner.ready <= runner.ran | runner.dropped, runner.ready - runner.ran - runner.dropped
+    assert "compare · weights, deltas" in runner.made_ready  # made ready when its last capture started
+    assert not runner.waiting
+
+
+def test_what_a_failed_tasks_first_event_makes_ready_late_is_given_up_too(tmp_path, demo_workspace):
+    """A runner that returns before its task's first event is handled (a killed worker's reader still at
+    it): the lane waits for that event's work before it gives up the next task's worker."""
+    runner = LateReaderRunner(fail="cpu/float32 · weights, deltas")
+    job = Engine(tmp_path, runner=runner).submit(_two_targets(demo_workspace))
+    assert job.wait(60) and job.state == "failed", job.error
+    assert "cpu/float32 · outputs" in runner.made_ready  # the lane's next task, made ready by the event
+    assert not runner.waiting
 
 
 def _worker_pids():

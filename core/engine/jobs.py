@@ -178,16 +178,27 @@ class TaskEvents:
     def __init__(self, job: Job, label: str, progress: TaskProgress, on_start: Callable[[], None] | None):
         self.job, self.label, self.progress, self.on_start = job, label, progress, on_start
         self.started = threading.Event()
+        self.start_done = threading.Event()  # `on_start` has returned
 
     def __call__(self, event: dict) -> None:
         if self.on_start is not None and not self.started.is_set():
             self.started.set()
-            self.on_start()
+            try:
+                self.on_start()
+            finally:
+                self.start_done.set()
         if event.get("type") == "progress":
             job, progress = self.job, self.progress
             with job.lock:
                 progress.stage, progress.step, progress.of = event["stage"], event["step"], event["of"]
                 job.events.append({**event, "task": self.label, "time": time.time()})
+
+    def settle(self, timeout_s: float = 60.0) -> None:
+        """Wait for what the first event set going (`on_start`) to end. A runner may return while its
+        reader of events still works (a killed worker's: `ProcessRunner.run` joins it for 5 s), and a
+        worker made ready after its lane gave it up would wait for a task until the engine stops."""
+        if self.started.is_set():
+            self.start_done.wait(timeout_s)
 
 
 class Engine:
@@ -356,6 +367,7 @@ class Engine:
             progress.state, progress.started = "running", time.time()
         task = replace(task, timeout_s=job.time_limit_s)
         outcome = job.runner.run(task, on_event, job.cancel_event, log_path(job, task))
+        on_event.settle()  # the next tasks' workers made ready, before the outcome is acted on
         with job.lock:
             progress.finished = time.time()
             progress.state = "succeeded" if outcome.ok else "cancelled" if outcome.cancelled else "failed"
