@@ -42,10 +42,10 @@ LONGEST_FIRST = (
 TIMED = "timed"  # the work unit of TIMED_FILES
 # This package's code, compiled to bytecode once before the tests (no two processes compile it at once).
 COMPILED = ("core", "dashboard", "bench")
-# What nearly every interpreter of the run imports besides torch and numba, imported once before the tests where the install wrote
-# no bytecode for it (README's --no-compile): the run's first interpreters (the two xdist workers, a
-# Streamlit server, its spares) otherwise compile the same modules side by side (a fresh clone, every
-# compile logged: 40 CPU-s of compiling, 16.5 of it a module some other process was compiling too).
+# What nearly every interpreter of the run imports besides torch and numba, imported once before the
+# tests where the install wrote no bytecode for it (README's --no-compile): the run's first interpreters
+# (the two xdist workers, a Streamlit server, its spares) otherwise compile the same modules side by side
+# (a fresh clone, every compile logged: 40 CPU-s of compiling, 16.5 of it a module compiled twice).
 WARMED = ("transformers.modeling_utils", "peft", "pandas", "streamlit", "plotly.graph_objects")
 
 
