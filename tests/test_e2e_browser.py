@@ -139,11 +139,14 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 # What a screenshot waits for, a while, after the test's own waits: Streamlit shows a skeleton while it
-# loads a chart's or a table's code, and a data grid paints its canvas after it mounts (an Overview shot
-# once caught the agreement table's frame empty and skeletons below it).
+# loads a chart's or a table's code, and a data grid in view paints its canvas after it mounts (an
+# Overview shot once caught the agreement table's frame empty and skeletons below it). A grid out of view
+# has no canvas yet.
 PAINTED = """() => !document.querySelector('[data-testid="stSkeleton"]')
-    && [...document.querySelectorAll('[data-testid="stDataFrame"]')].every(grid =>
-        [...grid.querySelectorAll('canvas')].some(c => {
+    && [...document.querySelectorAll('[data-testid="stDataFrame"]')]
+        .filter(grid => { const r = grid.getBoundingClientRect();
+                          return r.height > 0 && r.bottom > 0 && r.top < window.innerHeight; })
+        .every(grid => [...grid.querySelectorAll('canvas')].some(c => {
             const ctx = c.width && c.height ? c.getContext('2d') : null;
             if (!ctx) return false;
             const pixels = ctx.getImageData(0, 0, c.width, Math.min(c.height, 40)).data;
@@ -156,8 +159,10 @@ PAINT_TIMEOUT_S = 10.0
 def _shot(page, name: str) -> None:
     from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 
-    with contextlib.suppress(PlaywrightTimeoutError):  # a screenshot of what there is, all the same
+    try:
         page.wait_for_function(PAINTED, polling=100, timeout=PAINT_TIMEOUT_S * 1000)
+    except PlaywrightTimeoutError:  # a screenshot of what there is, all the same, and the log says so
+        print(f"{name}: not painted after {PAINT_TIMEOUT_S:g} s")
     page.screenshot(path=str(ARTIFACTS / name))
 
 
