@@ -138,31 +138,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 # --- browser helpers ----------------------------------------------------------------------------
 
 
-# What a screenshot waits for, a while, after the test's own waits: Streamlit shows a skeleton while it
-# loads a chart's or a table's code, and a data grid in view paints its canvas after it mounts (an
-# Overview shot once caught the agreement table's frame empty and skeletons below it). A grid out of view
-# has no canvas yet.
-PAINTED = """() => !document.querySelector('[data-testid="stSkeleton"]')
-    && [...document.querySelectorAll('[data-testid="stDataFrame"]')]
-        .filter(grid => { const r = grid.getBoundingClientRect();
-                          return r.height > 0 && r.bottom > 0 && r.top < window.innerHeight; })
-        .every(grid => [...grid.querySelectorAll('canvas')].some(c => {
-            const ctx = c.width && c.height ? c.getContext('2d') : null;
-            if (!ctx) return false;
-            const pixels = ctx.getImageData(0, 0, c.width, Math.min(c.height, 40)).data;
-            for (let i = 3; i < pixels.length; i += 4) if (pixels[i]) return true;
-            return false;
-        }))"""
-PAINT_TIMEOUT_S = 10.0
-
-
 def _shot(page, name: str) -> None:
-    from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
-
-    try:
-        page.wait_for_function(PAINTED, polling=100, timeout=PAINT_TIMEOUT_S * 1000)
-    except PlaywrightTimeoutError:  # a screenshot of what there is, all the same, and the log says so
-        print(f"{name}: not painted after {PAINT_TIMEOUT_S:g} s")
     page.screenshot(path=str(ARTIFACTS / name))
 
 
