@@ -71,7 +71,7 @@ def pytest_configure(config: pytest.Config) -> None:
     root = Path(__file__).resolve().parent.parent
     warm = None
     if not all(_has_bytecode(module) for module in ("torch", "numba", *WARMED)):
-        # torch and numba first, then a line: the kernel loads below wait for it, so that no two processes
+        # torch and numba first, then a line: the kernel load below waits for it, so that no two processes
         # compile them
         imports = "; ".join(f"import {module}" for module in WARMED)
         warm = subprocess.Popen(
@@ -86,16 +86,19 @@ def pytest_configure(config: pytest.Config) -> None:
         warm.stdout.readline()  # torch and numba are imported (or the interpreter ended)
     # numba's cache of the comparison kernel, keyed by the checkout's path: empty in a fresh clone, where
     # every process that compares before one has written it compiles what it uses itself (up to ~32 CPU-s).
-    # Filled here, once, the serial and the parallel passes side by side; where it is full, a load.
-    loads = [
-        subprocess.Popen(
-            [sys.executable, "-c", f"from core.engine.worker import load_kernels; load_kernels({passes!r})"],
-            cwd=root,
-        )
-        for passes in ("serial", "parallel")
-    ]
-    for load in [*loads, *([warm] if warm is not None else [])]:
-        load.wait()
+    # Filled here, once, by one interpreter beside `warm`: the serial passes, then the parallel ones, which
+    # take the helpers they share from the cache (side by side, two interpreters compiled those twice: 37
+    # CPU-s from an empty cache, one after the other 25); where it is full, a load.
+    load = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "from core.engine.worker import load_kernels; load_kernels('serial'); load_kernels('parallel')",
+        ],
+        cwd=root,
+    )
+    for process in [load, *([warm] if warm is not None else [])]:
+        process.wait()
 
 
 def _has_bytecode(module: str) -> bool:
