@@ -71,6 +71,32 @@ def test_node_flag_parses_and_the_local_runner_refuses_it(tmp_path, demo_workspa
         engine.submit(spec)
 
 
+def test_kill_all_cancels_the_running_and_the_prepared_tasks_and_forgets_the_prepared(monkeypatch):
+    """When the runner stops, a task made ready ahead (waiting at its gate) is killed as a running one is:
+    its worker would otherwise wait for a turn that never comes."""
+    from core.engine import ray_runner
+
+    cancelled = []
+
+    class FakeRay:
+        @staticmethod
+        def cancel(gen, force=False):
+            cancelled.append((gen, force))
+            if gen == "gone":
+                raise ValueError("a task that ended already")  # one that cannot be cancelled: the rest go on
+
+    monkeypatch.setattr(ray_runner, "import_ray", lambda: FakeRay)
+    runner = ray_runner.RayRunner()
+    runner._generators = {"run:cpu/float32": "running"}
+    runner._prepared = {"run:cpu/bfloat16": "gone", "run:compare": "ready"}
+    runner.kill_all()
+    assert cancelled == [("running", True), ("gone", True), ("ready", True)]
+    assert runner._prepared == {}
+    cancelled.clear()
+    ray_runner.RayRunner().kill_all()  # nothing started: Ray is not even imported
+    assert cancelled == []
+
+
 def test_runner_options_refused_without_ray(monkeypatch, capsys, tmp_path):
     import sys
 
