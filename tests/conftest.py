@@ -7,17 +7,20 @@ from pathlib import Path
 import pytest
 
 # The test files whose tests wait on processes of their own against a clock (the browser's steps on a
-# Streamlit server and its workers, a task's time limit, the fork server's forks): pytest-xdist gives them
-# to one worker as one unit, one after another, so that no two of them share the 2 cores. Seconds on the
-# 2-core development machine, 2026-11-28.
+# Streamlit server and its workers, the fork server's forks): pytest-xdist gives them to one worker as one
+# unit, one after another, so that no two of them share the 2 cores. Seconds on the 2-core development
+# machine, 2026-11-28.
 TIMED_FILES = (
     "test_e2e_browser.py",  # 166-205
     "test_fork_server.py",  # 106-128
-    "test_task_timeout.py",  # 42
 )
-# Then the other files, slowest first (the CLI's, Ray's and the notebook's start processes too, untimed),
-# so that the last file to start is a short one; the rest in collection order.
+# Then the other files: first the task time limit's (22-26 s, ~7 CPU-s: it waits out a 15 s limit), which
+# the other worker runs while the browser's server and workers start, so that its wait leaves them the
+# core (at the timed unit's end it left one idle for ~15 s); then the slowest (the CLI's, Ray's and the
+# notebook's start processes too, untimed), so that the last file to start is a short one; the rest in
+# collection order.
 LONGEST_FIRST = (
+    "test_task_timeout.py",  # 22-26
     "test_families.py",  # 121-128
     "test_cli.py",  # 124-184
     "test_ray_runner.py",  # 72-99
