@@ -213,9 +213,10 @@ def preimport_compare(fork_safe: bool = False) -> None:
 
 def load_kernels(passes: str) -> None:
     """Load the comparison kernel's compiled passes from numba's disk cache, compiling (and caching)
-    the ones it lacks (~20 CPU-s for the serial ones, ~12 for the parallel ones): "serial", the passes on
-    the calling thread, plain and with the sketch (all a fork server may load: it must start no thread
-    pool), or "parallel", the passes large tensors take, compiled functions of their own."""
+    the ones it lacks (from an empty cache ~17 CPU-s for the serial ones, ~21 for the parallel ones, ~9
+    once the serial ones' shared helpers are cached): "serial", the passes on the calling thread, plain
+    and with the sketch (all a fork server may load: it must start no thread pool), or "parallel", the
+    passes large tensors take, compiled functions of their own."""
     from core.numerics import kernel, metrics
 
     if not kernel.available():
