@@ -187,10 +187,10 @@ def bitwise_census(raw_t, raw_r, tk, rk, n, block, nthreads):
 def bitwise_census_serial(raw_t, raw_r, tk, rk, n, block):
     """`bitwise_census` on the calling thread (small tensors: no thread pool to wake)."""
     nblocks = (n + block - 1) // block
-    tid = np.int64(0)  # typed int64, not the literal 0: the parallel pass's types, so one compile
-    stop, counts, scratch = _census_alloc(nblocks, tid + 1, min(block, n) if tk != rk else 1)
+    # int64 thread count and id, not the literals 1 and 0: the parallel pass's types, so one compile each
+    stop, counts, scratch = _census_alloc(nblocks, np.int64(1), min(block, n) if tk != rk else 1)
     for s in range(nblocks):
-        _census_one(s, tid, raw_t, raw_r, tk, rk, n, block, stop, counts, scratch)
+        _census_one(s, np.int64(0), raw_t, raw_r, tk, rk, n, block, stop, counts, scratch)
         if stop[0] != 0:
             break
     return _census_total(stop, counts)
@@ -482,10 +482,10 @@ def fused(raw_t, raw_r, kinds, n, block, par, sk, grid_k, nthreads):
 def fused_serial(raw_t, raw_r, kinds, n, block, par, sk, grid_k):
     """`fused` on the calling thread (small tensors: no thread pool to wake). Same results."""
     nseg = (n + block - 1) // block
-    tid = np.int64(0)  # typed int64, not the literal 0: the parallel pass's types, so one compile
-    bufs = _fused_alloc(nseg, tid + 1, block, sk[0], grid_k[0], grid_k[1])
+    # int64 thread count and id, not the literals 1 and 0: the parallel pass's types, so one compile each
+    bufs = _fused_alloc(nseg, np.int64(1), block, sk[0], grid_k[0], grid_k[1])
     for s in range(nseg):
-        _fused_one(s, tid, raw_t, raw_r, kinds, n, block, par, sk, bufs)
+        _fused_one(s, np.int64(0), raw_t, raw_r, kinds, n, block, par, sk, bufs)
     return bufs[0], bufs[1], bufs[5], bufs[6], bufs[7], bufs[8], bufs[9]
 
 
