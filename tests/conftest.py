@@ -91,7 +91,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # every process that compares before one has written it compiles what it uses itself (up to ~32 CPU-s).
     # Filled here, once, by one interpreter beside `warm`: the serial passes, then the parallel ones, which
     # take the helpers they share from the cache (side by side, two interpreters compiled those twice: 37
-    # CPU-s from an empty cache, one after the other 25); where it is full, a load.
+    # CPU-s from an empty cache, one after the other in one 22-23); where it is full, a load.
     load = subprocess.Popen(
         [
             sys.executable,
